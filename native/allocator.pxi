@@ -1,0 +1,231 @@
+# KV block allocator with reference counts and a prefix cache.
+#
+# A block is either used (ref_cnt > 0) or in the free queue (ref_cnt == 0).
+# A free block may still hold a prefix hash ("cached-free"): it can be taken
+# back by a request with the same prefix until an allocation evicts it. Free
+# blocks without a hash go to the head of the queue so they are reused before
+# cached ones; cached blocks go to the tail, so eviction is LRU.
+#
+# Hashes are chained by the caller (block i's hash covers blocks 0..i), so a
+# prefix hit is the longest run of leading hashes found in the cache.
+
+cdef class BlockAllocator:
+    """Fixed pool of ``num_blocks`` KV blocks: allocate/free/share/cache, O(1) a block."""
+    cdef FreeBlockQueue _free
+    cdef vector[int32_t] _ref
+    cdef vector[uint64_t] _hash
+    cdef vector[char] _has_hash
+    cdef unordered_map[uint64_t, int32_t] _cached
+    cdef int32_t _n
+    cdef int64_t _num_cached_free
+
+    def __cinit__(self, int64_t num_blocks):
+        if num_blocks < 1 or num_blocks > 2_000_000_000:
+            raise ValueError(f"num_blocks={num_blocks}: must be in [1, 2000000000]")
+        self._n = <int32_t>num_blocks
+        self._free = FreeBlockQueue(num_blocks)
+        self._ref.assign(self._n, 0)
+        self._hash.assign(self._n, 0)
+        self._has_hash.assign(self._n, 0)
+        self._num_cached_free = 0
+
+    # --- C-level operations ---------------------------------------------
+    cdef inline void _evict(self, int32_t b) noexcept nogil:
+        """Drops b's hash (b is leaving the free queue for a new owner)."""
+        if self._has_hash[b]:
+            self._cached.erase(self._hash[b])
+            self._has_hash[b] = 0
+            self._num_cached_free -= 1
+
+    cdef int c_allocate(self, int64_t n, int32_t* out) noexcept nogil:
+        """Takes n blocks into out[0..n); -1 (nothing taken) if fewer are free."""
+        if n < 0 or n > self._free._count:
+            return -1
+        cdef int64_t i
+        cdef int32_t b
+        for i in range(n):
+            b = self._free.c_popleft()
+            self._evict(b)
+            self._ref[b] = 1
+            out[i] = b
+        return 0
+
+    cdef int c_free(self, const int32_t* ids, int64_t n) noexcept nogil:
+        """Drops one reference from each block; -1 at the first invalid id."""
+        cdef int64_t i
+        cdef int32_t b
+        for i in range(n):
+            b = ids[i]
+            if b < 0 or b >= self._n or self._ref[b] <= 0:
+                return -1
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                if self._has_hash[b]:
+                    self._free.c_append(b)
+                    self._num_cached_free += 1
+                else:
+                    self._free.c_prepend(b)
+        return 0
+
+    cdef int c_share(self, int32_t b) noexcept nogil:
+        """Adds a reference; a cached-free block leaves the free queue."""
+        if b < 0 or b >= self._n:
+            return -1
+        if self._ref[b] == 0:
+            if not self._has_hash[b]:
+                return -1  # a free block without content has nothing to share
+            self._free.c_remove(b)
+            self._num_cached_free -= 1
+        self._ref[b] += 1
+        return 0
+
+    cdef inline int32_t c_lookup(self, uint64_t h) noexcept nogil:
+        cdef unordered_map[uint64_t, int32_t].iterator it = self._cached.find(h)
+        if it == self._cached.end():
+            return -1
+        return deref(it).second
+
+    cdef int64_t c_prefix_hits(self, const uint64_t* hashes, int64_t n) noexcept nogil:
+        cdef int64_t i
+        for i in range(n):
+            if self.c_lookup(hashes[i]) < 0:
+                return i
+        return n
+
+    # --- Python API -------------------------------------------------------
+    @property
+    def num_blocks(self):
+        return self._n
+
+    @property
+    def num_free(self):
+        """Blocks with no owner (includes cached-free ones)."""
+        return self._free._count
+
+    @property
+    def num_cached_free(self):
+        """Free blocks that still hold a prefix hash."""
+        return self._num_cached_free
+
+    @property
+    def num_used(self):
+        return self._n - self._free._count
+
+    @property
+    def num_cached(self):
+        """Blocks holding a prefix hash, used or free."""
+        return self._cached.size()
+
+    def can_allocate(self, int64_t n):
+        return 0 <= n <= self._free._count
+
+    def allocate(self, int64_t n):
+        """Takes n blocks (ref_cnt 1 each) and returns their ids."""
+        if n < 0:
+            raise ValueError(f"allocate(n={n}): n must be >= 0")
+        if n > self._free._count:
+            raise ValueError(f"allocate(n={n}): only {self._free._count} blocks free")
+        cdef vector[int32_t] out
+        out.resize(n)
+        self.c_allocate(n, out.data())
+        return [b for b in out]
+
+    def free(self, ids):
+        """Drops one reference from each block. Pass a request's blocks tail
+        first: among cached blocks freed together, the first is evicted first."""
+        cdef vector[int32_t] v
+        cdef int64_t b
+        for b in ids:
+            if b < 0 or b >= self._n:
+                raise ValueError(f"free: block id {b} out of range [0, {self._n})")
+            v.push_back(<int32_t>b)
+        cdef Py_ssize_t i
+        # Validate the whole batch first so a bad id leaves nothing half-freed.
+        cdef unordered_map[int32_t, int32_t] drops
+        for i in range(<Py_ssize_t>v.size()):
+            drops[v[i]] += 1
+            if drops[v[i]] > self._ref[v[i]]:
+                raise ValueError(
+                    f"free: block {v[i]} has ref_cnt {self._ref[v[i]]}, freed more often (double free)")
+        self.c_free(v.data(), v.size())
+
+    def share(self, ids):
+        """Adds a reference to each block (a prefix hit taking cached blocks)."""
+        cdef int64_t b
+        for b in ids:
+            if b < 0 or b >= self._n:
+                raise ValueError(f"share: block id {b} out of range [0, {self._n})")
+            if self._ref[b] == 0 and not self._has_hash[b]:
+                raise ValueError(f"share: block {b} is free and holds no prefix")
+        for b in ids:
+            self.c_share(<int32_t>b)
+
+    def cache(self, int64_t block, uint64_t block_hash):
+        """Records that a used block holds the prefix with this chained hash.
+
+        Returns the block now cached under the hash: ``block``, or an older
+        block with the same content (then ``block`` stays uncached)."""
+        if block < 0 or block >= self._n:
+            raise ValueError(f"cache: block id {block} out of range [0, {self._n})")
+        if self._ref[block] <= 0:
+            raise ValueError(f"cache: block {block} is free; only a used block can be cached")
+        if self._has_hash[block]:
+            if self._hash[block] == block_hash:
+                return block
+            raise ValueError(f"cache: block {block} already holds another hash")
+        cdef int32_t existing = self.c_lookup(block_hash)
+        if existing >= 0:
+            return existing
+        self._hash[block] = block_hash
+        self._has_hash[block] = 1
+        self._cached[block_hash] = <int32_t>block
+        return block
+
+    def lookup(self, uint64_t block_hash):
+        """Block id cached under this hash, or -1."""
+        return self.c_lookup(block_hash)
+
+    def prefix_hits(self, hashes):
+        """Length of the longest run of leading hashes that are cached."""
+        cdef vector[uint64_t] v = hashes
+        return self.c_prefix_hits(v.data(), v.size())
+
+    def acquire_prefix(self, hashes):
+        """Shares the cached blocks of the longest cached prefix; returns their ids."""
+        cdef vector[uint64_t] v = hashes
+        cdef int64_t k = self.c_prefix_hits(v.data(), v.size())
+        cdef list out = []
+        cdef int64_t i
+        cdef int32_t b
+        for i in range(k):
+            b = self.c_lookup(v[i])
+            self.c_share(b)
+            out.append(b)
+        return out
+
+    def ref_count(self, int64_t block):
+        if block < 0 or block >= self._n:
+            raise ValueError(f"block id {block} out of range [0, {self._n})")
+        return self._ref[block]
+
+    def free_order(self):
+        """Free block ids in eviction order (next to be taken first)."""
+        return self._free.get_all_free_blocks()
+
+    def check_invariants(self):
+        """Raises AssertionError if any allocator invariant is broken."""
+        self._free.check_invariants()
+        cdef int32_t b
+        cdef int64_t cached_free = 0, with_hash = 0
+        for b in range(self._n):
+            assert self._ref[b] >= 0, f"block {b}: negative ref_cnt"
+            assert (self._ref[b] == 0) == self._free.c_contains(b), \
+                f"block {b}: ref_cnt {self._ref[b]} but in_free_queue={self._free.c_contains(b)}"
+            if self._has_hash[b]:
+                with_hash += 1
+                assert self.c_lookup(self._hash[b]) == b, f"block {b}: hash not mapped back"
+                if self._ref[b] == 0:
+                    cached_free += 1
+        assert with_hash == <int64_t>self._cached.size(), "hash map holds stale entries"
+        assert cached_free == self._num_cached_free, \
+            f"num_cached_free {self._num_cached_free} != {cached_free}"

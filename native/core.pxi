@@ -1,0 +1,857 @@
+# The admission core: request ledger, admission policies, caps, victims.
+#
+# Engine-agnostic and clock-free: the caller passes `now` (seconds) and the
+# engine's current free blocks; everything else is in native arrays indexed by
+# a request slot. Query, then commit: `next_admissible` / `decide` only look,
+# `admit` / `preempt` / `finish` change state.
+
+cdef enum:
+    ST_FREE = 0
+    ST_WAITING = 1
+    ST_RUNNING = 2
+
+STATES = ("free", "waiting", "running")
+POLICIES = ("overcommit", "reserve", "peak", "predict", "adaptive")
+VICTIMS = ("lifo", "priority", "lcf", "length")
+DECISIONS = ("admit", "hold_blocks", "hold_capacity")
+REJECT_REASONS = ("queue_full", "queued_tokens_full", "context_length", "kv_capacity", "shed")
+
+cdef enum:  # indexes into POLICIES
+    P_OVERCOMMIT = 0
+    P_RESERVE = 1
+    P_PEAK = 2
+    P_PREDICT = 3
+    P_ADAPTIVE = 4
+
+cdef enum:  # indexes into VICTIMS
+    V_LIFO = 0
+    V_PRIORITY = 1
+    V_LCF = 2
+    V_LENGTH = 3
+
+cdef enum:  # indexes into DECISIONS
+    D_ADMIT = 0
+    D_HOLD_BLOCKS = 1
+    D_HOLD_CAPACITY = 2
+
+cdef enum:  # indexes into REJECT_REASONS
+    R_QUEUE_FULL = 0
+    R_QUEUED_TOKENS = 1
+    R_CONTEXT = 2
+    R_KV_CAPACITY = 3
+    R_SHED = 4
+
+ctypedef pair[int64_t, int64_t] QKey  # (order key, arrival seq); smaller is served first
+
+
+cdef class Rejection:
+    """Why a request was refused: a reason code, a message naming the limit,
+    and a Retry-After hint in seconds (None when retrying cannot help)."""
+    cdef readonly str reason
+    cdef readonly str message
+    cdef readonly str limit      # the config field or engine limit that refused it
+    cdef readonly object limit_value
+    cdef readonly object retry_after_s
+
+    def __init__(self, reason, message, limit, limit_value, retry_after_s):
+        self.reason = reason
+        self.message = message
+        self.limit = limit
+        self.limit_value = limit_value
+        self.retry_after_s = retry_after_s
+
+    @property
+    def retryable(self):
+        """True for overload (try again later), False for a request this server can never take."""
+        return self.retry_after_s is not None
+
+    def __repr__(self):
+        return f"Rejection({self.reason!r}, {self.message!r}, retry_after_s={self.retry_after_s})"
+
+
+cdef class ArrivalResult:
+    """Outcome of `AdmissionCore.arrive`: accepted with a slot, or rejected.
+
+    ``shed`` lists (slot, Rejection) for waiting requests evicted to make room
+    (priority shedding); the caller must finish them with that rejection."""
+    cdef readonly bint accepted
+    cdef readonly int64_t slot
+    cdef readonly Rejection rejection
+    cdef readonly list shed
+
+    def __init__(self, accepted, slot, rejection, shed):
+        self.accepted = accepted
+        self.slot = slot
+        self.rejection = rejection
+        self.shed = shed
+
+    def __repr__(self):
+        if self.accepted:
+            return f"ArrivalResult(accepted, slot={self.slot}, shed={len(self.shed)})"
+        return f"ArrivalResult(rejected, {self.rejection!r})"
+
+
+cdef struct VictimKey:
+    int64_t k1
+    int64_t k2
+    int64_t k3
+    int32_t slot
+
+cdef bint victim_key_less(const VictimKey& a, const VictimKey& b) noexcept nogil:
+    """Orders running requests from most protected to first victim."""
+    if a.k1 != b.k1:
+        return a.k1 < b.k1
+    if a.k2 != b.k2:
+        return a.k2 < b.k2
+    if a.k3 != b.k3:
+        return a.k3 < b.k3
+    return a.slot < b.slot
+
+
+cdef class AdmissionCore:
+    """Decides which waiting request takes KV memory, which waits, which is
+    refused and which running request gives memory back.
+
+    ``config`` is a `kvadmit.AdmissionConfig`; ``num_blocks`` and
+    ``block_size`` describe the engine's KV pool, ``max_model_len`` its
+    context limit (0: no limit).
+    """
+    # engine shape
+    cdef readonly int64_t num_blocks
+    cdef readonly int64_t block_size
+    cdef readonly int64_t max_model_len
+    cdef readonly object config
+    # settings
+    cdef int _policy, _victim
+    cdef bint _priority_order, _bypass, _shed
+    cdef int64_t _max_bypass, _lookahead, _max_q_reqs, _max_q_tokens, _prefill_chunk
+    cdef double _pr_init, _pr_min, _pr_decay
+    cdef int64_t _pr_clip, _pr_retract_steps
+    cdef double _aq_base, _aq_max, _aq_target
+    cdef int64_t _aq_interval
+    cdef double _retry_default, _retry_max, _drain_window
+    # ledger, indexed by slot
+    cdef vector[int64_t] _prompt, _cached, _computed, _generated, _max_new
+    cdef vector[int64_t] _priority, _arrival, _admit_seq, _admit_step, _blocks, _pred_total
+    cdef vector[int32_t] _bypassed, _preempts, _run_pos
+    cdef vector[char] _state, _sheddable
+    cdef vector[int32_t] _free_slots
+    # queues
+    cdef cmap[QKey, int32_t] _waiting
+    cdef cmap[QKey, int32_t] _shed_order   # never-admitted waiting, by (priority, arrival)
+    cdef vector[int32_t] _running
+    # aggregates and caches
+    cdef int64_t _queued_tokens, _reserve_sum, _seq, _step
+    cdef vector[Curve] _profile
+    cdef bint _profile_dirty
+    cdef double _offsets_sum
+    cdef bint _offsets_dirty
+    cdef vector[int32_t] _fen
+    # predict / adaptive state
+    cdef double _ratio
+    cdef bint _preempted_this_step
+    cdef OutputLengthModel _lengths
+    cdef double _quantile
+    cdef int64_t _win_admits, _win_preempts
+    # drain rate (Retry-After)
+    cdef deque[pair[double, int64_t]] _drain
+    cdef double _t_first
+    cdef bint _seen_time
+    # counters
+    cdef int64_t _n_arrived, _n_admitted, _n_preempted, _n_finished, _n_aborted
+    cdef int64_t _held[3]
+    cdef int64_t _rejected[5]
+    cdef int64_t _n_len_obs
+    cdef double _len_abs_err, _len_pred_sum, _len_actual_sum
+
+    def __init__(self, config, int64_t num_blocks, int64_t block_size, int64_t max_model_len=0):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks}: must be >= 1")
+        if block_size < 1 or block_size > 1 << 20:
+            raise ValueError(f"block_size={block_size}: must be in [1, 1048576]")
+        if max_model_len < 0:
+            raise ValueError(f"max_model_len={max_model_len}: must be >= 0 (0: no limit)")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.config = config
+        self._policy = POLICIES.index(config.policy)
+        self._victim = VICTIMS.index(config.victim)
+        self._priority_order = config.queue_order == "priority"
+        self._bypass = config.head_of_line == "bypass"
+        self._max_bypass = config.max_bypass
+        self._lookahead = config.bypass_lookahead
+        self._max_q_reqs = config.max_queued_requests
+        self._max_q_tokens = config.max_queued_tokens
+        self._shed = config.shed_lower_priority
+        self._prefill_chunk = config.prefill_chunk_tokens
+        self._pr_init = config.predict_init_ratio
+        self._pr_min = config.predict_init_ratio * config.predict_min_ratio_factor
+        self._pr_decay = (self._pr_init - self._pr_min) / config.predict_decay_steps
+        self._pr_clip = config.predict_clip_tokens
+        self._pr_retract_steps = config.predict_retract_steps
+        self._aq_base = config.adaptive_quantile
+        self._aq_max = config.adaptive_max_quantile
+        self._aq_target = config.adaptive_target_preemption_rate
+        self._aq_interval = config.adaptive_interval
+        self._retry_default = config.retry_after_default_s
+        self._retry_max = config.retry_after_max_s
+        self._drain_window = config.drain_window_s
+        self._lengths = OutputLengthModel(
+            config.adaptive_bucket_tokens,
+            max_model_len if max_model_len > 0 else num_blocks * block_size,
+            config.adaptive_window, config.adaptive_min_samples)
+        self._quantile = self._aq_base
+        self._ratio = self._pr_init
+        self._fen.assign(block_size + 1, 0)
+        self._profile_dirty = True
+        self._offsets_dirty = True
+        self._queued_tokens = self._reserve_sum = self._seq = self._step = 0
+        self._n_arrived = self._n_admitted = self._n_preempted = 0
+        self._n_finished = self._n_aborted = self._n_len_obs = 0
+        self._win_admits = self._win_preempts = 0
+        self._preempted_this_step = False
+        cdef int i
+        for i in range(3):
+            self._held[i] = 0
+        for i in range(5):
+            self._rejected[i] = 0
+        self._len_abs_err = self._len_pred_sum = self._len_actual_sum = 0.0
+        self._seen_time = False
+
+    # ------------------------------------------------------------------
+    # Per-request numbers
+    cdef inline int64_t _tokens(self, int32_t s) noexcept nogil:
+        """KV tokens a request needs to run its next step: prompt plus output so far."""
+        return self._prompt[s] + self._generated[s]
+
+    cdef inline int64_t _worst_steps(self, int32_t s) noexcept nogil:
+        cdef int64_t r = self._max_new[s] - self._generated[s]
+        return r if r > 1 else 1
+
+    cdef inline int64_t _prefill_extra_steps(self, int32_t s) noexcept nogil:
+        """Steps a chunked prefill adds before decoding starts (0 when unchunked)."""
+        if self._prefill_chunk <= 0:
+            return 0
+        cdef int64_t todo = self._tokens(s) - self._computed[s]
+        if todo <= self._prefill_chunk:
+            return 0
+        return cdiv(todo, self._prefill_chunk) - 1
+
+    cdef inline Curve _curve(self, int32_t s) noexcept nogil:
+        cdef Curve c
+        c.tokens = self._tokens(s)
+        if self._policy == P_ADAPTIVE:
+            c.steps = self._lengths.c_predict_remaining(
+                self._generated[s], self._max_new[s], self._quantile)
+        else:
+            c.steps = self._worst_steps(s)
+        c.steps += self._prefill_extra_steps(s)
+        return c
+
+    cdef inline int64_t _reserve_blocks(self, int32_t s) noexcept nogil:
+        return cdiv(self._prompt[s] + self._max_new[s], self.block_size)
+
+    cdef inline int64_t _queued_of(self, int32_t s) noexcept nogil:
+        """Tokens a waiting request still has to prefill."""
+        cdef int64_t q = self._tokens(s) - self._cached[s]
+        return q if q > 0 else 0
+
+    cdef inline double _predict_offset(self, int32_t s) noexcept nogil:
+        cdef int64_t rem = self._max_new[s] - self._generated[s]
+        if rem < 0:
+            rem = 0
+        if rem > self._pr_clip:
+            rem = self._pr_clip
+        # Admitted this step: charged in full, as SGLang's PrefillAdder does.
+        return <double>rem if self._admit_step[s] == self._step else rem * self._ratio
+
+    # ------------------------------------------------------------------
+    # Running-set caches
+    cdef void _ensure_profile(self) noexcept nogil:
+        if not self._profile_dirty:
+            return
+        self._profile.clear()
+        cdef size_t i
+        for i in range(self._running.size()):
+            self._profile.push_back(self._curve(self._running[i]))
+        sort(self._profile.begin(), self._profile.end(), curve_longer)
+        self._profile_dirty = False
+
+    cdef void _profile_insert(self, int32_t s) noexcept nogil:
+        if self._profile_dirty:
+            return
+        cdef Curve c = self._curve(s)
+        cdef vector[Curve].iterator it = self._profile.begin()
+        while it != self._profile.end() and deref(it).steps >= c.steps:
+            inc(it)
+        self._profile.insert(it, c)
+
+    cdef double _offsets(self) noexcept nogil:
+        cdef size_t i
+        if self._offsets_dirty:
+            self._offsets_sum = 0.0
+            for i in range(self._running.size()):
+                self._offsets_sum += self._predict_offset(self._running[i])
+            self._offsets_dirty = False
+        return self._offsets_sum
+
+    cdef inline void _dirty(self) noexcept nogil:
+        self._profile_dirty = True
+        self._offsets_dirty = True
+
+    # ------------------------------------------------------------------
+    # The decision
+    cdef bint _fits_capacity(self, int32_t s, bint alone) noexcept nogil:
+        """The policy's future-capacity rule for candidate s. With ``alone``
+        (nothing running) it asks whether s could ever run on this pool."""
+        cdef Curve c
+        if self._policy == P_RESERVE:
+            return (0 if alone else self._reserve_sum) + self._reserve_blocks(s) <= self.num_blocks
+        if alone:
+            if self._policy == P_PREDICT and self._queued_of(s) + min(
+                    self._max_new[s], self._pr_clip) >= self.num_blocks * self.block_size:
+                return False  # its own rule would hold it even on an empty pool
+            # Every other policy runs s once it fits alone: its worst-case curve must.
+            c.tokens = self._tokens(s)
+            c.steps = self._worst_steps(s) + self._prefill_extra_steps(s)
+            return peak_blocks_sorted(NULL, 0, &c, self.block_size, self.num_blocks,
+                                      self._fen) <= self.num_blocks
+        if self._policy == P_OVERCOMMIT:
+            return True
+        if self._policy == P_PREDICT:
+            return True  # its rule compares against free tokens: see _decide
+        self._ensure_profile()
+        c = self._curve(s)
+        return peak_blocks_sorted(self._profile.data(), self._profile.size(), &c,
+                                  self.block_size, self.num_blocks, self._fen) <= self.num_blocks
+
+    cdef int _decide(self, int32_t s, int64_t free_blocks) noexcept nogil:
+        cdef int64_t need_now = cdiv(self._tokens(s), self.block_size) - self._cached[s] // self.block_size
+        if need_now > free_blocks:
+            return D_HOLD_BLOCKS
+        if self._policy == P_PREDICT:
+            # SGLang: admit while prompt + clipped max_new < free tokens - running offsets.
+            if <double>(self._queued_of(s) + min(self._max_new[s] - self._generated[s], self._pr_clip)) \
+                    >= free_blocks * self.block_size - self._offsets():
+                return D_HOLD_CAPACITY
+            return D_ADMIT
+        if self._policy == P_OVERCOMMIT:
+            return D_ADMIT
+        if not self._fits_capacity(s, False):
+            return D_HOLD_CAPACITY
+        return D_ADMIT
+
+    # ------------------------------------------------------------------
+    # Slots
+    cdef int32_t _new_slot(self):
+        cdef int32_t s
+        if not self._free_slots.empty():
+            s = self._free_slots.back()
+            self._free_slots.pop_back()
+            return s
+        s = <int32_t>self._prompt.size()
+        self._prompt.push_back(0); self._cached.push_back(0); self._computed.push_back(0)
+        self._generated.push_back(0); self._max_new.push_back(0); self._priority.push_back(0)
+        self._arrival.push_back(0); self._admit_seq.push_back(-1); self._admit_step.push_back(-1)
+        self._blocks.push_back(0); self._pred_total.push_back(0)
+        self._bypassed.push_back(0); self._preempts.push_back(0); self._run_pos.push_back(-1)
+        self._state.push_back(ST_FREE); self._sheddable.push_back(0)
+        return s
+
+    cdef int _check_slot(self, int64_t s, int want) except -1:
+        if s < 0 or s >= <int64_t>self._state.size() or self._state[s] == ST_FREE:
+            raise KeyError(f"slot {s} is not a live request")
+        if want != ST_FREE and self._state[s] != want:
+            raise ValueError(
+                f"slot {s} is {STATES[<int>self._state[s]]}, "
+                f"expected {STATES[want]}")
+        return 0
+
+    cdef inline QKey _qkey(self, int32_t s) noexcept nogil:
+        cdef QKey k
+        k.first = self._priority[s] if self._priority_order else 0
+        k.second = self._arrival[s]
+        return k
+
+    cdef inline QKey _shed_key(self, int32_t s) noexcept nogil:
+        cdef QKey k
+        k.first = self._priority[s]
+        k.second = self._arrival[s]
+        return k
+
+    cdef void _enqueue(self, int32_t s) noexcept nogil:
+        self._state[s] = ST_WAITING
+        self._waiting[self._qkey(s)] = s
+        self._queued_tokens += self._queued_of(s)
+
+    cdef void _dequeue(self, int32_t s) noexcept nogil:
+        self._waiting.erase(self._qkey(s))
+        self._queued_tokens -= self._queued_of(s)
+        if self._sheddable[s]:
+            self._shed_order.erase(self._shed_key(s))
+            self._sheddable[s] = 0
+
+    cdef void _run_add(self, int32_t s) noexcept nogil:
+        self._state[s] = ST_RUNNING
+        self._run_pos[s] = <int32_t>self._running.size()
+        self._running.push_back(s)
+        self._reserve_sum += self._reserve_blocks(s)
+
+    cdef void _run_remove(self, int32_t s) noexcept nogil:
+        cdef int32_t pos = self._run_pos[s]
+        cdef int32_t last = self._running.back()
+        self._running[pos] = last
+        self._run_pos[last] = pos
+        self._running.pop_back()
+        self._run_pos[s] = -1
+        self._reserve_sum -= self._reserve_blocks(s)
+        self._dirty()
+
+    cdef void _release(self, int32_t s) noexcept nogil:
+        self._state[s] = ST_FREE
+        self._free_slots.push_back(s)
+
+    # ------------------------------------------------------------------
+    # Drain rate and Retry-After
+    cdef void _note_time(self, double now):
+        if not self._seen_time:
+            self._t_first = now
+            self._seen_time = True
+
+    cdef object _retry_after(self, double excess_reqs, double excess_tokens, double now):
+        """Seconds until the observed admission rate drains the excess (None: cannot drain)."""
+        cdef double horizon = now - self._drain_window
+        while not self._drain.empty() and self._drain.front().first < horizon:
+            self._drain.pop_front()
+        cdef double span = now - (self._t_first if self._t_first > horizon else horizon)
+        cdef double n = self._drain.size()
+        cdef double toks = 0.0
+        cdef size_t i
+        for i in range(self._drain.size()):
+            toks += self._drain[i].second
+        if span <= 0.0 or n == 0.0:
+            return self._retry_default
+        cdef double wait = 0.0
+        if excess_reqs > 0:
+            wait = excess_reqs / (n / span)
+        if excess_tokens > 0 and toks > 0:
+            wait = max(wait, excess_tokens / (toks / span))
+        elif excess_tokens > 0:
+            wait = max(wait, self._retry_default)
+        return min(max(wait, 0.0), self._retry_max)
+
+    cdef Rejection _reject(self, int code, str message, str limit, object value, object retry):
+        self._rejected[code] += 1
+        return Rejection(REJECT_REASONS[code], message, limit, value, retry)
+
+    # ------------------------------------------------------------------
+    # Public API: arrivals
+    def arrive(self, int64_t prompt_tokens, int64_t max_new_tokens, int64_t priority=0,
+               int64_t cached_tokens=0, double now=0.0):
+        """A request arrives: queue it (slot) or refuse it (Rejection).
+
+        Bad numbers raise ValueError naming the field; limits of this server
+        (context, KV pool, queue caps) give a Rejection."""
+        if prompt_tokens < 1:
+            raise ValueError(f"prompt_tokens={prompt_tokens}: must be >= 1")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+        if cached_tokens < 0 or cached_tokens > prompt_tokens:
+            raise ValueError(f"cached_tokens={cached_tokens}: must be in [0, prompt_tokens={prompt_tokens}]")
+        if not isfinite(now):
+            raise ValueError(f"now={now}: must be a finite number of seconds")
+        self._note_time(now)
+        self._n_arrived += 1
+        cdef int64_t total = prompt_tokens + max_new_tokens
+        if self.max_model_len > 0 and total > self.max_model_len:
+            return ArrivalResult(False, -1, self._reject(
+                R_CONTEXT,
+                f"prompt_tokens ({prompt_tokens}) + max_new_tokens ({max_new_tokens}) = {total} "
+                f"exceeds max_model_len={self.max_model_len}",
+                "max_model_len", self.max_model_len, None), [])
+        cdef int32_t s = self._new_slot()
+        self._prompt[s] = prompt_tokens
+        self._cached[s] = cached_tokens
+        self._computed[s] = 0
+        self._generated[s] = 0
+        self._max_new[s] = max_new_tokens
+        self._priority[s] = priority
+        self._arrival[s] = self._seq
+        self._seq += 1
+        self._admit_seq[s] = -1
+        self._admit_step[s] = -1
+        self._blocks[s] = 0
+        self._bypassed[s] = 0
+        self._preempts[s] = 0
+        self._pred_total[s] = 0
+        self._state[s] = ST_WAITING  # provisional, so helpers may read it
+        if not self._fits_capacity(s, True):
+            self._release(s)
+            return ArrivalResult(False, -1, self._reject(
+                R_KV_CAPACITY,
+                f"request needs more KV than the whole pool holds under policy "
+                f"'{POLICIES[self._policy]}' (prompt_tokens={prompt_tokens}, "
+                f"max_new_tokens={max_new_tokens}, pool={self.num_blocks} blocks of "
+                f"{self.block_size} tokens)",
+                "num_blocks", self.num_blocks, None), [])
+        cdef int64_t queued = self._queued_of(s)
+        if self._max_q_tokens > 0 and queued > self._max_q_tokens:
+            self._release(s)
+            return ArrivalResult(False, -1, self._reject(
+                R_QUEUED_TOKENS,
+                f"prompt needs {queued} tokens of prefill, more than max_queued_tokens="
+                f"{self._max_q_tokens}", "max_queued_tokens", self._max_q_tokens, None), [])
+        cdef list shed = []
+        cdef int64_t over_reqs = 0, over_tokens = 0
+        if self._max_q_reqs > 0:
+            over_reqs = <int64_t>self._waiting.size() + 1 - self._max_q_reqs
+        if self._max_q_tokens > 0:
+            over_tokens = self._queued_tokens + queued - self._max_q_tokens
+        if over_reqs > 0 or over_tokens > 0:
+            if not (self._shed and self._shed_for(priority, over_reqs, over_tokens, now, shed)):
+                self._release(s)
+                if over_reqs > 0:
+                    rej = self._reject(
+                        R_QUEUE_FULL,
+                        f"queue full: {self._waiting.size()} requests waiting, "
+                        f"max_queued_requests={self._max_q_reqs}",
+                        "max_queued_requests", self._max_q_reqs,
+                        self._retry_after(over_reqs, 0, now))
+                else:
+                    rej = self._reject(
+                        R_QUEUED_TOKENS,
+                        f"queue full: {self._queued_tokens} prompt tokens waiting + {queued} "
+                        f"exceeds max_queued_tokens={self._max_q_tokens}",
+                        "max_queued_tokens", self._max_q_tokens,
+                        self._retry_after(0, over_tokens, now))
+                return ArrivalResult(False, -1, rej, [])
+        self._enqueue(s)
+        self._sheddable[s] = 1
+        self._shed_order[self._shed_key(s)] = s
+        return ArrivalResult(True, s, None, shed)
+
+    cdef bint _shed_for(self, int64_t priority, int64_t over_reqs, int64_t over_tokens,
+                        double now, list out):
+        """Evicts strictly less important never-admitted waiting requests until the
+        arrival fits; evicts nothing and returns False if that is not enough."""
+        cdef cmap[QKey, int32_t].reverse_iterator it = self._shed_order.rbegin()
+        cdef vector[int32_t] picked
+        cdef int64_t reqs = over_reqs, toks = over_tokens
+        cdef int32_t v
+        while (reqs > 0 or toks > 0) and it != self._shed_order.rend():
+            v = deref(it).second
+            if self._priority[v] <= priority:
+                break
+            picked.push_back(v)
+            reqs -= 1
+            toks -= self._queued_of(v)
+            inc(it)
+        if reqs > 0 or toks > 0:
+            return False
+        for v in picked:
+            self._dequeue(v)
+            self._release(v)
+            out.append((v, self._reject(
+                R_SHED,
+                f"shed from a full queue by a higher-priority request (priority {priority} "
+                f"< {self._priority[v]})",
+                "max_queued_requests" if over_reqs > 0 else "max_queued_tokens",
+                self._max_q_reqs if over_reqs > 0 else self._max_q_tokens,
+                self._retry_default)))
+        return True
+
+    # ------------------------------------------------------------------
+    # Public API: admission
+    def decide(self, int64_t slot, int64_t free_blocks):
+        """What the policy says about one waiting request: 'admit', 'hold_blocks'
+        (not enough free blocks now) or 'hold_capacity' (the policy's future rule)."""
+        self._check_slot(slot, ST_WAITING)
+        return DECISIONS[self._decide(<int32_t>slot, free_blocks)]
+
+    def next_admissible(self, int64_t free_blocks):
+        """The waiting request to admit next, or -1: the head, or under
+        head_of_line='bypass' a later one that fits while the held ones ahead of it
+        have been passed fewer than max_bypass times."""
+        return self.c_next_admissible(free_blocks)
+
+    cdef int32_t c_next_admissible(self, int64_t free_blocks) noexcept:
+        if self._waiting.empty():
+            return -1
+        cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
+        cdef int32_t s = deref(it).second
+        cdef int d = self._decide(s, free_blocks)
+        if d == D_ADMIT:
+            return s
+        self._held[d] += 1
+        if not self._bypass or self._bypassed[s] >= self._max_bypass:
+            return -1
+        cdef int64_t scanned = 0
+        inc(it)
+        while it != self._waiting.end() and scanned < self._lookahead:
+            s = deref(it).second
+            d = self._decide(s, free_blocks)
+            if d == D_ADMIT:
+                return s
+            if self._bypassed[s] >= self._max_bypass:
+                return -1
+            scanned += 1
+            inc(it)
+        return -1
+
+    def admit(self, int64_t slot, double now=0.0):
+        """Commits: the waiting request starts running. Requests it passed count a bypass."""
+        self._check_slot(slot, ST_WAITING)
+        if not isfinite(now):
+            raise ValueError(f"now={now}: must be a finite number of seconds")
+        self._note_time(now)
+        cdef int32_t s = <int32_t>slot
+        cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
+        while deref(it).second != s:
+            self._bypassed[deref(it).second] += 1
+            inc(it)
+        cdef int64_t queued = self._queued_of(s)
+        self._dequeue(s)
+        self._admit_seq[s] = self._seq
+        self._seq += 1
+        self._admit_step[s] = self._step
+        self._run_add(s)
+        self._profile_insert(s)
+        self._offsets_dirty = True
+        if self._pred_total[s] == 0:
+            self._pred_total[s] = self._generated[s] + (
+                self._lengths.c_predict_remaining(self._generated[s], self._max_new[s], self._quantile)
+                if self._policy == P_ADAPTIVE else self._max_new[s] - self._generated[s])
+        self._n_admitted += 1
+        self._win_admits += 1
+        self._drain.push_back(pair[double, int64_t](now, queued))
+        self._maybe_adapt()
+
+    cdef void _maybe_adapt(self) noexcept:
+        if self._policy != P_ADAPTIVE or self._win_admits < self._aq_interval:
+            return
+        self._quantile = c_next_quantile(self._quantile, self._aq_base, self._aq_max,
+                                         self._win_preempts, self._win_admits, self._aq_target)
+        self._win_admits = 0
+        self._win_preempts = 0
+        self._profile_dirty = True
+
+    # ------------------------------------------------------------------
+    # Public API: progress reports from the engine
+    def update(self, int64_t slot, int64_t computed_tokens, int64_t generated_tokens):
+        """The engine's counts for a request: tokens with KV computed, tokens generated."""
+        self._check_slot(slot, ST_FREE)
+        if generated_tokens < 0:
+            raise ValueError(f"generated_tokens={generated_tokens}: must be >= 0")
+        if computed_tokens < 0 or computed_tokens > self._prompt[slot] + generated_tokens:
+            raise ValueError(f"computed_tokens={computed_tokens}: must be in "
+                             f"[0, prompt_tokens + generated_tokens = {self._prompt[slot] + generated_tokens}]")
+        cdef int32_t s = <int32_t>slot
+        if self._state[s] == ST_WAITING:
+            self._queued_tokens -= self._queued_of(s)
+        if self._state[s] == ST_RUNNING:
+            self._reserve_sum -= self._reserve_blocks(s)
+        self._computed[s] = computed_tokens
+        self._generated[s] = generated_tokens
+        if self._state[s] == ST_WAITING:
+            self._queued_tokens += self._queued_of(s)
+        else:
+            self._reserve_sum += self._reserve_blocks(s)
+            self._dirty()
+
+    def set_cached(self, int64_t slot, int64_t cached_tokens):
+        """Prefix-cache hit the engine found for a waiting request (tokens)."""
+        self._check_slot(slot, ST_WAITING)
+        if cached_tokens < 0 or cached_tokens > self._tokens(<int32_t>slot):
+            raise ValueError(f"cached_tokens={cached_tokens}: must be in [0, {self._tokens(<int32_t>slot)}]")
+        self._queued_tokens -= self._queued_of(<int32_t>slot)
+        self._cached[slot] = cached_tokens
+        self._queued_tokens += self._queued_of(<int32_t>slot)
+
+    def set_blocks(self, int64_t slot, int64_t blocks):
+        """KV blocks the engine holds for a request (for accounting and metrics)."""
+        self._check_slot(slot, ST_FREE)
+        if blocks < 0:
+            raise ValueError(f"blocks={blocks}: must be >= 0")
+        self._blocks[slot] = blocks
+
+    def on_step(self, double now=0.0):
+        """Once per engine step, after its preemptions: advances the predict ratio."""
+        self._step += 1
+        if self._running.empty() and self._waiting.empty():
+            self._ratio = self._pr_init
+        elif not self._preempted_this_step:
+            self._ratio = max(self._ratio - self._pr_decay, self._pr_min)
+        self._preempted_this_step = False
+        self._offsets_dirty = True
+
+    def preempt(self, int64_t slot, double now=0.0):
+        """Commits: a running request gives its memory back and waits again
+        (recompute: its KV is gone, its output so far is kept)."""
+        self._check_slot(slot, ST_RUNNING)
+        cdef int32_t s = <int32_t>slot
+        self._run_remove(s)
+        self._computed[s] = 0
+        self._cached[s] = 0
+        self._blocks[s] = 0
+        self._preempts[s] += 1
+        self._enqueue(s)
+        self._n_preempted += 1
+        self._win_preempts += 1
+        self._preempted_this_step = True
+        # SGLang: after a retraction the ratio is re-estimated from the requests kept.
+        cdef double gen = 0.0, mx = 0.0
+        cdef size_t i
+        for i in range(self._running.size()):
+            gen += self._generated[self._running[i]]
+            mx += self._max_new[self._running[i]]
+        self._ratio = min(1.0, (gen + self._pr_retract_steps * <double>self._running.size()) / (mx + 1.0))
+
+    def finish(self, int64_t slot, double now=0.0):
+        """A running request is done; its output length feeds the length model."""
+        self._check_slot(slot, ST_RUNNING)
+        cdef int32_t s = <int32_t>slot
+        self._run_remove(s)
+        self._lengths.c_observe(self._generated[s])
+        self._n_len_obs += 1
+        self._len_abs_err += abs(self._pred_total[s] - self._generated[s])
+        self._len_pred_sum += self._pred_total[s]
+        self._len_actual_sum += self._generated[s]
+        self._n_finished += 1
+        self._release(s)
+
+    def abort(self, int64_t slot):
+        """The request is gone (client cancelled, engine error): forget it."""
+        self._check_slot(slot, ST_FREE)
+        cdef int32_t s = <int32_t>slot
+        if self._state[s] == ST_RUNNING:
+            self._run_remove(s)
+        else:
+            self._dequeue(s)
+        self._n_aborted += 1
+        self._release(s)
+
+    # ------------------------------------------------------------------
+    # Public API: victims
+    cdef VictimKey _victim_key(self, int32_t s) noexcept nogil:
+        cdef VictimKey k
+        k.slot = s
+        if self._victim == V_LIFO:
+            k.k1 = self._admit_seq[s]; k.k2 = self._arrival[s]; k.k3 = 0
+        elif self._victim == V_PRIORITY:
+            k.k1 = self._priority[s]; k.k2 = -self._computed[s]; k.k3 = self._arrival[s]
+        elif self._victim == V_LCF:
+            k.k1 = -self._computed[s]; k.k2 = self._arrival[s]; k.k3 = 0
+        else:  # length: fewest generated, then longest prompt
+            k.k1 = -self._generated[s]; k.k2 = self._prompt[s]; k.k3 = self._arrival[s]
+        return k
+
+    def victim(self):
+        """The running request to preempt first, or -1."""
+        if self._running.empty():
+            return -1
+        cdef VictimKey best = self._victim_key(self._running[0])
+        cdef VictimKey k
+        cdef size_t i
+        for i in range(1, self._running.size()):
+            k = self._victim_key(self._running[i])
+            if victim_key_less(best, k):
+                best = k
+        return best.slot
+
+    def victim_order(self):
+        """Running slots from most protected to first victim (the last one goes first)."""
+        cdef vector[VictimKey] keys
+        cdef size_t i
+        for i in range(self._running.size()):
+            keys.push_back(self._victim_key(self._running[i]))
+        sort(keys.begin(), keys.end(), victim_key_less)
+        return [k.slot for k in keys]
+
+    # ------------------------------------------------------------------
+    # Public API: state
+    @property
+    def num_waiting(self):
+        return self._waiting.size()
+
+    @property
+    def num_running(self):
+        return self._running.size()
+
+    @property
+    def queued_tokens(self):
+        return self._queued_tokens
+
+    @property
+    def new_token_ratio(self):
+        """The predict policy's current ratio (SGLang's new_token_ratio)."""
+        return self._ratio
+
+    @property
+    def quantile(self):
+        """The adaptive policy's current length quantile."""
+        return self._quantile
+
+    @property
+    def length_model(self):
+        return self._lengths
+
+    def waiting(self):
+        """Waiting slots in service order."""
+        cdef list out = []
+        cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
+        while it != self._waiting.end():
+            out.append(deref(it).second)
+            inc(it)
+        return out
+
+    def running(self):
+        """Running slots (no particular order; see victim_order)."""
+        return [s for s in self._running]
+
+    def state(self, int64_t slot):
+        if slot < 0 or slot >= <int64_t>self._state.size():
+            return "free"
+        return STATES[<int>self._state[slot]]
+
+    def info(self, int64_t slot):
+        """The ledger's numbers for one request."""
+        self._check_slot(slot, ST_FREE)
+        return {
+            "state": self.state(slot), "prompt_tokens": self._prompt[slot],
+            "cached_tokens": self._cached[slot], "computed_tokens": self._computed[slot],
+            "generated_tokens": self._generated[slot], "max_new_tokens": self._max_new[slot],
+            "priority": self._priority[slot], "arrival": self._arrival[slot],
+            "blocks": self._blocks[slot], "bypassed": self._bypassed[slot],
+            "preemptions": self._preempts[slot],
+        }
+
+    def peak_blocks(self):
+        """Peak blocks the running requests can reach under the policy's curves."""
+        self._ensure_profile()
+        return peak_blocks_sorted(self._profile.data(), self._profile.size(), NULL,
+                                  self.block_size, INT64_MAX, self._fen)
+
+    @property
+    def reserved_blocks(self):
+        """Sum over running of blocks for prompt + max_new (the reserve policy's load)."""
+        return self._reserve_sum
+
+    def stats(self):
+        """Counters since construction."""
+        return {
+            "arrived": self._n_arrived, "admitted": self._n_admitted,
+            "preempted": self._n_preempted, "finished": self._n_finished,
+            "aborted": self._n_aborted,
+            "held": {DECISIONS[i]: self._held[i] for i in (1, 2)},
+            "rejected": {REJECT_REASONS[i]: self._rejected[i] for i in range(5)},
+            "waiting": self._waiting.size(), "running": self._running.size(),
+            "queued_tokens": self._queued_tokens,
+            "new_token_ratio": self._ratio, "quantile": self._quantile,
+            "length_predictions": {
+                "finished": self._n_len_obs,
+                "mean_predicted": self._len_pred_sum / self._n_len_obs if self._n_len_obs else 0.0,
+                "mean_actual": self._len_actual_sum / self._n_len_obs if self._n_len_obs else 0.0,
+                "mean_abs_error": self._len_abs_err / self._n_len_obs if self._n_len_obs else 0.0,
+            },
+        }

@@ -1,0 +1,120 @@
+# KV curves: the lockstep model behind the no-eviction policies.
+#
+# A running request that holds t tokens now and has r decode steps left holds
+# t + k tokens at step k (k = 0 .. r-1) and frees everything after step r-1.
+# The pool's demand at step k is the sum of ceil((t_i + k) / B) over requests
+# with r_i > k. Between two finish times that sum only grows, so its maximum is
+# reached at k = r_j - 1 for some j:
+#
+#     peak = max_j  sum_{i : r_i >= r_j} ceil((t_i + r_j - 1) / B)
+#
+# Computed exactly in O(n log B) after sorting by r (descending): write
+# t = qB + s and k = aB + b, then ceil((t + k)/B) = q + a + [s + b > 0] + [s + b > B],
+# so each term needs the sum of q, the count, the count of s == 0 and the count
+# of s > B - b, kept in a Fenwick tree over residues s.
+
+cdef struct Curve:
+    int64_t steps    # decode steps left, >= 1
+    int64_t tokens   # tokens held at the next step
+
+cdef inline int64_t cdiv(int64_t a, int64_t b) noexcept nogil:
+    return (a + b - 1) // b
+
+cdef bint curve_longer(const Curve& a, const Curve& b) noexcept nogil:
+    return a.steps > b.steps
+
+cdef inline void _fen_add(vector[int32_t]& fen, int64_t s, int32_t d) noexcept nogil:
+    cdef int64_t i = s + 1
+    cdef int64_t n = fen.size()
+    while i < n:
+        fen[i] += d
+        i += i & (-i)
+
+cdef inline int64_t _fen_prefix(vector[int32_t]& fen, int64_t s) noexcept nogil:
+    """How many residues are <= s."""
+    cdef int64_t i = s + 1
+    cdef int64_t total = 0
+    while i > 0:
+        total += fen[i]
+        i -= i & (-i)
+    return total
+
+cdef int64_t peak_blocks_sorted(const Curve* curves, int64_t n, const Curve* extra,
+                                int64_t B, int64_t limit, vector[int32_t]& fen) noexcept nogil:
+    """Peak blocks of ``curves`` (sorted by steps, descending) plus ``extra`` (may be NULL).
+
+    Stops as soon as the running maximum exceeds ``limit`` and returns it.
+    ``fen`` is scratch of size B + 1, all zero on entry and on return.
+    """
+    cdef int64_t i = 0, added = 0, sum_q = 0, cnt = 0, cnt_s0 = 0, best = 0
+    cdef int64_t k, a, b, total, s, next_steps
+    cdef bint extra_done = extra == NULL
+    cdef bint extra_added = False
+    cdef Curve cur
+    while i < n or not extra_done:
+        if not extra_done and (i >= n or extra.steps >= curves[i].steps):
+            cur = extra[0]
+            extra_done = True
+            extra_added = True
+        else:
+            cur = curves[i]
+            i += 1
+        s = cur.tokens % B
+        sum_q += cur.tokens // B
+        cnt += 1
+        if s == 0:
+            cnt_s0 += 1
+        _fen_add(fen, s, 1)
+        # Evaluate once per distinct step count, after its whole group is in.
+        if not extra_done and (i >= n or extra.steps >= curves[i].steps):
+            next_steps = extra.steps
+        elif i < n:
+            next_steps = curves[i].steps
+        else:
+            next_steps = -1
+        if next_steps == cur.steps:
+            continue
+        k = cur.steps - 1
+        a = k // B
+        b = k % B
+        total = sum_q + cnt * a + cnt
+        if b == 0:
+            total -= cnt_s0
+        else:
+            total += cnt - _fen_prefix(fen, B - b)
+        if total > best:
+            best = total
+            if best > limit:
+                break
+    # Restore the scratch tree.
+    cdef int64_t j
+    for j in range(i):
+        _fen_add(fen, curves[j].tokens % B, -1)
+    if extra_added:
+        _fen_add(fen, extra.tokens % B, -1)
+    return best
+
+
+def peak_blocks(tokens, steps, int64_t block_size):
+    """Peak KV blocks of requests holding ``tokens[i]`` now with ``steps[i]`` steps left.
+
+    The pure function behind ``peak`` and ``adaptive`` (see the model above).
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size}: must be >= 1")
+    if len(tokens) != len(steps):
+        raise ValueError(f"tokens has {len(tokens)} entries, steps has {len(steps)}")
+    cdef vector[Curve] v
+    cdef Curve c
+    for t, r in zip(tokens, steps):
+        if t < 0:
+            raise ValueError(f"tokens={t}: must be >= 0")
+        if r < 1:
+            raise ValueError(f"steps={r}: must be >= 1")
+        c.tokens = t
+        c.steps = r
+        v.push_back(c)
+    sort(v.begin(), v.end(), curve_longer)
+    cdef vector[int32_t] fen
+    fen.assign(block_size + 1, 0)
+    return peak_blocks_sorted(v.data(), v.size(), NULL, block_size, INT64_MAX, fen)

@@ -1,0 +1,265 @@
+# Free-block queue: an intrusive doubly linked list over block ids.
+#
+# Links live in two int32 arrays indexed by block id, with two sentinels
+# (HEAD = n, TAIL = n + 1), so every operation is O(1) per block, allocates
+# nothing and touches no Python object. The order is the eviction order:
+# the head is popped first (least recently freed), freed blocks go to the tail.
+#
+# FreeBlockQueue works on ints. BlockObjectQueue wraps it with the operations
+# and error behaviour of vLLM's FreeKVCacheBlockQueue, for objects that carry a
+# `block_id`, so vLLM's BlockPool can use it as its `free_block_queue`.
+
+cdef class FreeBlockQueue:
+    """Queue of free block ids 0..num_blocks-1 with O(1) removal anywhere.
+
+    Initially holds every block in id order (or none, with ``fill=False``).
+    """
+    cdef vector[int32_t] _prev
+    cdef vector[int32_t] _next
+    cdef int32_t _n
+    cdef int32_t _head
+    cdef int32_t _tail
+    cdef int64_t _count
+
+    def __cinit__(self, int64_t num_blocks, bint fill=True):
+        if num_blocks < 0 or num_blocks > 2_000_000_000:
+            raise ValueError(f"num_blocks={num_blocks}: must be in [0, 2000000000]")
+        self._n = <int32_t>num_blocks
+        self._head = self._n
+        self._tail = self._n + 1
+        # -1 in _prev marks "not in the queue".
+        self._prev.assign(self._n + 2, -1)
+        self._next.assign(self._n + 2, -1)
+        self._prev[self._head] = self._head
+        self._next[self._head] = self._tail
+        self._prev[self._tail] = self._head
+        self._next[self._tail] = self._tail
+        self._count = 0
+        cdef int32_t b
+        if fill:
+            for b in range(self._n):
+                self._link_before(self._tail, b)
+
+    # --- C-level operations (no Python objects) -------------------------
+    cdef inline bint c_contains(self, int32_t b) noexcept nogil:
+        return 0 <= b < self._n and self._prev[b] != -1
+
+    cdef inline void _link_before(self, int32_t at, int32_t b) noexcept nogil:
+        cdef int32_t p = self._prev[at]
+        self._next[p] = b
+        self._prev[b] = p
+        self._next[b] = at
+        self._prev[at] = b
+        self._count += 1
+
+    cdef inline void _unlink(self, int32_t b) noexcept nogil:
+        cdef int32_t p = self._prev[b]
+        cdef int32_t nx = self._next[b]
+        self._next[p] = nx
+        self._prev[nx] = p
+        self._prev[b] = -1
+        self._next[b] = -1
+        self._count -= 1
+
+    cdef inline int32_t c_popleft(self) noexcept nogil:
+        """The head's id, unlinked; -1 when empty."""
+        cdef int32_t b = self._next[self._head]
+        if b == self._tail:
+            return -1
+        self._unlink(b)
+        return b
+
+    cdef inline int c_remove(self, int32_t b) noexcept nogil:
+        if not self.c_contains(b):
+            return -1
+        self._unlink(b)
+        return 0
+
+    cdef inline int c_append(self, int32_t b) noexcept nogil:
+        if b < 0 or b >= self._n or self._prev[b] != -1:
+            return -1
+        self._link_before(self._tail, b)
+        return 0
+
+    cdef inline int c_prepend(self, int32_t b) noexcept nogil:
+        if b < 0 or b >= self._n or self._prev[b] != -1:
+            return -1
+        self._link_before(self._next[self._head], b)
+        return 0
+
+    cdef int _check_append(self, int64_t b) except -1:
+        if b < 0 or b >= self._n:
+            raise ValueError(f"block id {b} out of range [0, {self._n})")
+        if self._prev[b] != -1:
+            raise ValueError(f"block {b} is already in the free queue (double free)")
+        return 0
+
+    # --- Python API (same names as vLLM's FreeKVCacheBlockQueue) ---------
+    @property
+    def num_free_blocks(self):
+        return self._count
+
+    @property
+    def num_blocks(self):
+        return self._n
+
+    def __len__(self):
+        return self._count
+
+    def __contains__(self, int64_t b):
+        return self.c_contains(<int32_t>b) if 0 <= b < self._n else False
+
+    def popleft(self):
+        cdef int32_t b = self.c_popleft()
+        if b < 0:
+            raise ValueError("No free blocks available")
+        return b
+
+    def popleft_n(self, int64_t n):
+        if n < 0 or n > self._count:
+            raise ValueError(f"popleft_n({n}): only {self._count} free blocks")
+        cdef list out = []
+        cdef int64_t i
+        for i in range(n):
+            out.append(self.c_popleft())
+        return out
+
+    def remove(self, int64_t b):
+        if b < 0 or b >= self._n or self.c_remove(<int32_t>b) != 0:
+            raise RuntimeError(f"remove() called on block {b}, which is not in the free queue")
+
+    def append(self, int64_t b):
+        self._check_append(b)
+        self.c_append(<int32_t>b)
+
+    def append_n(self, blocks):
+        cdef int64_t b
+        for b in blocks:
+            self._check_append(b)
+            self.c_append(<int32_t>b)
+
+    def prepend_n(self, blocks):
+        """Put blocks at the head, keeping their order (blocks[0] pops first)."""
+        cdef list ids = list(blocks)
+        cdef int64_t b
+        cdef Py_ssize_t i
+        for b in ids:
+            self._check_append(b)
+        for i in range(len(ids) - 1, -1, -1):
+            if self.c_prepend(<int32_t>ids[i]) != 0:
+                raise ValueError(f"block {ids[i]} listed twice in prepend_n")
+
+    def get_all_free_blocks(self):
+        cdef list out = []
+        cdef int32_t b = self._next[self._head]
+        while b != self._tail:
+            out.append(b)
+            b = self._next[b]
+        return out
+
+    def iter_blocks_after(self, int64_t b=-1):
+        """Free block ids after block b (from the head when b is -1)."""
+        cdef int32_t cur
+        if b == -1:
+            cur = self._next[self._head]
+        else:
+            if b < 0 or b >= self._n or self._prev[b] == -1:
+                raise RuntimeError(f"block {b} is not in the free queue")
+            cur = self._next[b]
+        while cur != self._tail:
+            yield cur
+            cur = self._next[cur]
+
+    def check_invariants(self):
+        """Walks the list both ways; raises AssertionError on any broken link."""
+        cdef int64_t seen = 0
+        cdef int32_t b = self._next[self._head]
+        cdef int32_t prev = self._head
+        cdef vector[char] mark
+        mark.assign(self._n, 0)
+        while b != self._tail:
+            assert 0 <= b < self._n, f"bad block id {b} in the free list"
+            assert not mark[b], f"block {b} is in the free list twice"
+            assert self._prev[b] == prev, f"block {b}: prev link broken"
+            mark[b] = 1
+            seen += 1
+            prev = b
+            b = self._next[b]
+            assert seen <= self._n, "cycle in the free list"
+        assert self._prev[self._tail] == prev, "tail link broken"
+        assert seen == self._count, f"count {self._count} != {seen} linked blocks"
+        for b in range(self._n):
+            assert (self._prev[b] != -1) == bool(mark[b]), f"block {b}: stale link"
+
+
+cdef class BlockObjectQueue:
+    """vLLM ``FreeKVCacheBlockQueue`` drop-in: the same methods over block objects.
+
+    ``blocks`` is the pool's list of all blocks, ``blocks[i].block_id == i``;
+    all start free, in id order, as in vLLM. The links live in a native
+    FreeBlockQueue; objects are looked up by id only at the boundary.
+    """
+    cdef FreeBlockQueue _q
+    cdef list _blocks
+
+    def __init__(self, list blocks):
+        cdef Py_ssize_t i
+        for i in range(len(blocks)):
+            if blocks[i].block_id != i:
+                raise ValueError(
+                    f"blocks[{i}].block_id is {blocks[i].block_id}: must equal its index")
+        self._blocks = blocks
+        self._q = FreeBlockQueue(len(blocks))
+
+    @property
+    def num_free_blocks(self):
+        return self._q._count
+
+    @property
+    def native(self):
+        """The underlying FreeBlockQueue of ids."""
+        return self._q
+
+    def popleft(self):
+        cdef int32_t b = self._q.c_popleft()
+        if b < 0:
+            raise ValueError("No free blocks available")
+        return self._blocks[b]
+
+    def popleft_n(self, Py_ssize_t n):
+        if n < 0 or n > self._q._count:
+            raise ValueError(f"popleft_n({n}): only {self._q._count} free blocks")
+        cdef list out = [None] * n
+        cdef Py_ssize_t i
+        for i in range(n):
+            out[i] = self._blocks[self._q.c_popleft()]
+        return out
+
+    def remove(self, block):
+        cdef int64_t b = block.block_id
+        if b < 0 or b >= self._q._n or self._q.c_remove(<int32_t>b) != 0:
+            raise RuntimeError(f"remove() called on an invalid block: {block}")
+
+    def append(self, block):
+        cdef int64_t b = block.block_id
+        if b < 0 or b >= self._q._n or self._q.c_append(<int32_t>b) != 0:
+            raise RuntimeError(f"append() called on a block already free or unknown: {block}")
+
+    def append_n(self, blocks):
+        cdef int64_t b
+        for block in blocks:
+            b = block.block_id
+            if b < 0 or b >= self._q._n or self._q.c_append(<int32_t>b) != 0:
+                raise RuntimeError(f"append_n() called on a block already free or unknown: {block}")
+
+    def prepend_n(self, blocks):
+        self._q.prepend_n([block.block_id for block in blocks])
+
+    def get_all_free_blocks(self):
+        cdef list blocks = self._blocks
+        return [blocks[b] for b in self._q.get_all_free_blocks()]
+
+    def iter_blocks_after(self, block=None):
+        cdef list blocks = self._blocks
+        for b in self._q.iter_blocks_after(-1 if block is None else block.block_id):
+            yield blocks[b]

@@ -1,0 +1,156 @@
+# Online model of output lengths, for the `adaptive` policy.
+#
+# Model: the output lengths of the last `window` finished requests, kept as
+# counts in buckets of `bucket_tokens` (bucket j holds lengths in
+# (j*w, (j+1)*w]) in a Fenwick tree, so both the update and the query are
+# O(log buckets). For a request that has generated g tokens, the prediction is
+# the q-quantile of the length L among finished requests with L > g (lengths
+# conditioned on having survived g tokens), rounded up to its bucket's upper
+# edge, minus g, and capped by the request's own max_new - g. With fewer than
+# `min_samples` lengths, or when no finished request ran longer than g, it
+# predicts the worst case, max_new - g.
+
+cdef class OutputLengthModel:
+    """Quantiles of recent output lengths, conditioned on tokens generated so far."""
+    cdef vector[int32_t] _fen
+    cdef vector[int32_t] _ring
+    cdef int64_t _ring_pos
+    cdef int64_t _count
+    cdef int64_t _window
+    cdef int64_t _bucket
+    cdef int64_t _nbuckets
+    cdef int64_t _min_samples
+
+    def __cinit__(self, int64_t bucket_tokens=16, int64_t max_tokens=131072,
+                  int64_t window=4096, int64_t min_samples=32):
+        if bucket_tokens < 1:
+            raise ValueError(f"bucket_tokens={bucket_tokens}: must be >= 1")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens={max_tokens}: must be >= 1")
+        if window < 1:
+            raise ValueError(f"window={window}: must be >= 1")
+        if min_samples < 1:
+            raise ValueError(f"min_samples={min_samples}: must be >= 1")
+        self._bucket = bucket_tokens
+        self._nbuckets = cdiv(max_tokens, bucket_tokens)
+        self._fen.assign(self._nbuckets + 1, 0)
+        self._window = window
+        self._ring.assign(window, -1)
+        self._ring_pos = 0
+        self._count = 0
+        self._min_samples = min_samples
+
+    cdef inline int64_t _bucket_of(self, int64_t length) noexcept nogil:
+        cdef int64_t j = (length - 1) // self._bucket
+        if j < 0:
+            return 0
+        if j >= self._nbuckets:
+            return self._nbuckets - 1
+        return j
+
+    cdef inline void _add(self, int64_t j, int32_t d) noexcept nogil:
+        cdef int64_t i = j + 1
+        while i <= self._nbuckets:
+            self._fen[i] += d
+            i += i & (-i)
+
+    cdef inline int64_t _count_upto(self, int64_t j) noexcept nogil:
+        """Samples in buckets 0..j."""
+        cdef int64_t i = j + 1
+        cdef int64_t total = 0
+        if i > self._nbuckets:
+            i = self._nbuckets
+        while i > 0:
+            total += self._fen[i]
+            i -= i & (-i)
+        return total
+
+    cdef inline int64_t _first_bucket_reaching(self, int64_t target) noexcept nogil:
+        """Smallest bucket j with count(0..j) >= target (Fenwick descent)."""
+        cdef int64_t pos = 0, step = 1, acc = 0
+        while step * 2 <= self._nbuckets:
+            step *= 2
+        while step > 0:
+            if pos + step <= self._nbuckets and acc + self._fen[pos + step] < target:
+                pos += step
+                acc += self._fen[pos]
+            step //= 2
+        return pos  # 0-based bucket index
+
+    cdef void c_observe(self, int64_t length) noexcept nogil:
+        cdef int64_t old = self._ring[self._ring_pos]
+        if old >= 0:
+            self._add(old, -1)
+            self._count -= 1
+        cdef int64_t j = self._bucket_of(length)
+        self._ring[self._ring_pos] = <int32_t>j
+        self._add(j, 1)
+        self._count += 1
+        self._ring_pos = (self._ring_pos + 1) % self._window
+
+    cdef int64_t c_predict_remaining(self, int64_t generated, int64_t max_new,
+                                     double quantile) noexcept nogil:
+        cdef int64_t worst = max_new - generated
+        if worst < 1:
+            worst = 1
+        if self._count < self._min_samples:
+            return worst
+        # Buckets entirely at or below `generated` hold requests that had already
+        # finished by now: they are not this request's peers.
+        cdef int64_t below = 0
+        if generated >= self._bucket:
+            below = self._count_upto(generated // self._bucket - 1)
+        cdef int64_t survivors = self._count - below
+        if survivors <= 0:
+            return worst
+        cdef int64_t need = <int64_t>ceil(quantile * survivors)
+        if need < 1:
+            need = 1
+        cdef int64_t j = self._first_bucket_reaching(below + need)
+        cdef int64_t remaining = (j + 1) * self._bucket - generated
+        if remaining < 1:
+            remaining = 1
+        return remaining if remaining < worst else worst
+
+    @property
+    def num_samples(self):
+        return self._count
+
+    def observe(self, int64_t length):
+        """Records a finished request's output length (tokens)."""
+        if length < 0:
+            raise ValueError(f"length={length}: must be >= 0")
+        self.c_observe(length)
+
+    def predict_remaining(self, int64_t generated, int64_t max_new, double quantile):
+        """Predicted tokens still to come for a request that generated ``generated``."""
+        if generated < 0:
+            raise ValueError(f"generated={generated}: must be >= 0")
+        if max_new < 1:
+            raise ValueError(f"max_new={max_new}: must be >= 1")
+        if not (0.0 < quantile <= 1.0):
+            raise ValueError(f"quantile={quantile}: must be in (0, 1]")
+        return self.c_predict_remaining(generated, max_new, quantile)
+
+
+cdef inline double c_next_quantile(double q, double base, double q_max, int64_t preemptions,
+                                   int64_t admissions, double target_rate) noexcept nogil:
+    if admissions <= 0:
+        return q
+    if <double>preemptions > target_rate * admissions:
+        return q + (q_max - q) / 2.0
+    if preemptions == 0 and q > base:
+        q -= (q - base) / 4.0
+        return base if q < base + 1e-9 else q
+    return q
+
+
+def next_quantile(double q, double base, double q_max, int64_t preemptions,
+                  int64_t admissions, double target_rate):
+    """The adaptive policy's quantile for the next window (pure function).
+
+    Over a window of ``admissions``: more preemptions than ``target_rate`` per
+    admission moves q halfway to ``q_max``; a window without preemptions
+    relaxes it a quarter of the way back to ``base``; otherwise q stays.
+    """
+    return c_next_quantile(q, base, q_max, preemptions, admissions, target_rate)

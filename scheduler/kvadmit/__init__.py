@@ -1,0 +1,38 @@
+"""kvadmit: engine-side KV-cache admission control for LLM serving.
+
+The decisions live in the compiled core, ``kvadmit._native``; this package
+adds the configuration, engine adapters, simulator and command line.
+"""
+try:
+    from kvadmit import _native
+except ImportError as e:  # no pure-Python fallback: the core must be compiled
+    raise ImportError(
+        "kvadmit's compiled core (kvadmit._native) is missing or failed to load: "
+        f"{e}. Install kvadmit with `pip install .` (needs a C++ compiler) so the "
+        "Cython extension is built."
+    ) from e
+
+from kvadmit._native import (
+    DECISIONS,
+    POLICIES,
+    REJECT_REASONS,
+    VICTIMS,
+    AdmissionCore,
+    ArrivalResult,
+    BlockAllocator,
+    BlockObjectQueue,
+    FreeBlockQueue,
+    OutputLengthModel,
+    Rejection,
+    next_quantile,
+    peak_blocks,
+)
+from kvadmit.config import AdmissionConfig, ConfigError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdmissionConfig", "AdmissionCore", "ArrivalResult", "BlockAllocator", "BlockObjectQueue",
+    "ConfigError", "DECISIONS", "FreeBlockQueue", "OutputLengthModel", "POLICIES",
+    "REJECT_REASONS", "Rejection", "VICTIMS", "next_quantile", "peak_blocks",
+]

@@ -1,0 +1,181 @@
+"""AdmissionConfig: the settings every engine flag and the simulator take.
+
+Each field carries its rule and its documentation in one place (the field's
+metadata); validation, the error messages and the README's key table are all
+derived from it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from kvadmit._native import POLICIES, VICTIMS
+
+QUEUE_ORDERS = ("fcfs", "priority")
+HEAD_OF_LINE = ("strict", "bypass")
+
+
+class ConfigError(ValueError):
+    """A kvadmit setting is unknown or out of range; the message names it."""
+
+
+def _choice(options: tuple[str, ...], doc: str) -> dict:
+    return {"kind": "choice", "options": options, "doc": doc}
+
+
+def _int(lo: int, hi: int, doc: str) -> dict:
+    return {"kind": "int", "lo": lo, "hi": hi, "doc": doc}
+
+
+def _float(lo: float, hi: float, doc: str, lo_open: bool = False) -> dict:
+    return {"kind": "float", "lo": lo, "hi": hi, "lo_open": lo_open, "doc": doc}
+
+
+def _bool(doc: str) -> dict:
+    return {"kind": "bool", "doc": doc}
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """Validated kvadmit settings. Build with `from_dict` / `from_json`."""
+
+    policy: str = field(default="peak", metadata=_choice(
+        POLICIES, "admission rule (see the policy table)"))
+    victim: str = field(default="lifo", metadata=_choice(
+        VICTIMS, "which running request is preempted first when memory runs out"))
+    queue_order: str = field(default="fcfs", metadata=_choice(
+        QUEUE_ORDERS, "waiting order: arrival, or priority (lower value first) then arrival"))
+    head_of_line: str = field(default="strict", metadata=_choice(
+        HEAD_OF_LINE, "strict: stop at the first held request; bypass: later ones may pass it"))
+    max_bypass: int = field(default=4, metadata=_int(
+        0, 1_000_000, "bypass: how often a held request may be passed before it blocks the queue"))
+    bypass_lookahead: int = field(default=32, metadata=_int(
+        1, 1_000_000, "bypass: how many requests behind a held head are examined"))
+    max_queued_requests: int = field(default=0, metadata=_int(
+        0, 1_000_000_000, "refuse arrivals beyond this many waiting requests (0: no cap)"))
+    max_queued_tokens: int = field(default=0, metadata=_int(
+        0, 10**15, "refuse arrivals beyond this many prompt tokens waiting for prefill (0: no cap)"))
+    shed_lower_priority: bool = field(default=False, metadata=_bool(
+        "when a cap is hit, evict strictly lower-priority waiting requests instead of refusing"))
+    prefill_chunk_tokens: int = field(default=0, metadata=_int(
+        0, 1_000_000_000, "engine's prefill chunk; extends the KV curves by the prefill steps (0: one step)"))
+    predict_init_ratio: float = field(default=0.7, metadata=_float(
+        0.0, 1.0, "predict: SGLang's initial new_token_ratio", lo_open=True))
+    predict_min_ratio_factor: float = field(default=0.14, metadata=_float(
+        0.0, 1.0, "predict: floor of the ratio, as a fraction of the initial ratio"))
+    predict_decay_steps: int = field(default=600, metadata=_int(
+        1, 1_000_000_000, "predict: steps for the ratio to decay from initial to floor"))
+    predict_clip_tokens: int = field(default=4096, metadata=_int(
+        1, 1_000_000_000, "predict: max_new tokens counted per request at most"))
+    predict_retract_steps: int = field(default=20, metadata=_int(
+        0, 1_000_000, "predict: decode steps per kept request in the post-preemption ratio"))
+    adaptive_quantile: float = field(default=0.9, metadata=_float(
+        0.0, 1.0, "adaptive: quantile of the output-length model used for remaining lengths",
+        lo_open=True))
+    adaptive_max_quantile: float = field(default=0.999, metadata=_float(
+        0.0, 1.0, "adaptive: ceiling for the automatically raised quantile", lo_open=True))
+    adaptive_target_preemption_rate: float = field(default=0.01, metadata=_float(
+        0.0, 1.0, "adaptive: preemptions per admission above which the quantile is raised"))
+    adaptive_interval: int = field(default=64, metadata=_int(
+        1, 1_000_000_000, "adaptive: admissions per quantile adjustment window"))
+    adaptive_window: int = field(default=4096, metadata=_int(
+        1, 10_000_000, "adaptive: finished requests the length model remembers"))
+    adaptive_min_samples: int = field(default=32, metadata=_int(
+        1, 10_000_000, "adaptive: lengths needed before predictions replace max_new"))
+    adaptive_bucket_tokens: int = field(default=16, metadata=_int(
+        1, 1_000_000, "adaptive: histogram bucket width of the length model (tokens)"))
+    retry_after_default_s: float = field(default=1.0, metadata=_float(
+        0.0, 86400.0, "Retry-After hint when no drain rate has been observed yet"))
+    retry_after_max_s: float = field(default=300.0, metadata=_float(
+        0.0, 86400.0, "ceiling of the Retry-After hint"))
+    drain_window_s: float = field(default=30.0, metadata=_float(
+        0.0, 86400.0, "window over which the queue's drain rate is measured", lo_open=True))
+    native_allocator: bool = field(default=False, metadata=_bool(
+        "vLLM: replace BlockPool's free-block queue with the native one"))
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check(f, getattr(self, f.name))
+        if self.adaptive_max_quantile < self.adaptive_quantile:
+            raise ConfigError(
+                f"kvadmit config: adaptive_max_quantile={self.adaptive_max_quantile} must be >= "
+                f"adaptive_quantile={self.adaptive_quantile}")
+        if self.retry_after_max_s < self.retry_after_default_s:
+            raise ConfigError(
+                f"kvadmit config: retry_after_max_s={self.retry_after_max_s} must be >= "
+                f"retry_after_default_s={self.retry_after_default_s}")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None) -> "AdmissionConfig":
+        """Builds a config from a mapping of keys to values; unknown keys are errors."""
+        if values is None:
+            return cls()
+        if not isinstance(values, Mapping):
+            raise ConfigError(
+                f"kvadmit config must be a JSON object / dict, got {type(values).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                f"kvadmit config: unknown key {unknown[0]!r}; known keys: {', '.join(sorted(known))}")
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str) -> "AdmissionConfig":
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"kvadmit config is not valid JSON: {e}") from None
+        return cls.from_dict(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> "AdmissionConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def markdown_table(cls) -> str:
+        """The key table for the README: key, default, allowed values, meaning."""
+        rows = ["| key | default | allowed | meaning |", "|---|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            rows.append(f"| `{f.name}` | `{json.dumps(f.default)}` | {_allowed(f.metadata)} | "
+                        f"{f.metadata['doc']} |")
+        return "\n".join(rows)
+
+
+def _allowed(rule: Mapping[str, Any]) -> str:
+    kind = rule["kind"]
+    if kind == "choice":
+        return " \\| ".join(f"`{o}`" for o in rule["options"])
+    if kind == "bool":
+        return "`true` \\| `false`"
+    left = "(" if rule.get("lo_open") else "["
+    return f"{left}{rule['lo']}, {rule['hi']}]"
+
+
+def _check(f: dataclasses.Field, value: Any) -> None:
+    rule = f.metadata
+    kind = rule["kind"]
+    where = f"kvadmit config: {f.name}={value!r}"
+    if kind == "choice":
+        if value not in rule["options"]:
+            raise ConfigError(f"{where}: must be one of {', '.join(rule['options'])}")
+    elif kind == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: must be true or false")
+    elif kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: must be an integer in [{rule['lo']}, {rule['hi']}]")
+        if not rule["lo"] <= value <= rule["hi"]:
+            raise ConfigError(f"{where}: out of range [{rule['lo']}, {rule['hi']}]")
+    elif kind == "float":
+        lo, hi = rule["lo"], rule["hi"]
+        span = f"{'(' if rule['lo_open'] else '['}{lo}, {hi}]"
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{where}: must be a number in {span}")
+        if value > hi or value < lo or (rule["lo_open"] and value == lo):
+            raise ConfigError(f"{where}: out of range {span}")
