@@ -1,0 +1,22 @@
+"""Builders for core states used by the decision-table tests."""
+from kvadmit import AdmissionConfig, AdmissionCore
+
+
+def make_core(policy="peak", num_blocks=20, block_size=4, max_model_len=0, **cfg):
+    return AdmissionCore(AdmissionConfig(policy=policy, **cfg), num_blocks, block_size, max_model_len)
+
+
+def add_running(core, prompt, max_new, generated=0, priority=0, now=0.0):
+    """A request that arrived, was admitted and has generated `generated` tokens."""
+    res = core.arrive(prompt, max_new, priority=priority, now=now)
+    assert res.accepted, res
+    core.admit(res.slot, now)
+    if generated:
+        core.update(res.slot, prompt + generated - 1, generated)
+    return res.slot
+
+
+def add_waiting(core, prompt, max_new, priority=0, now=0.0):
+    res = core.arrive(prompt, max_new, priority=priority, now=now)
+    assert res.accepted, res
+    return res.slot

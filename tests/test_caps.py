@@ -1,0 +1,122 @@
+"""Arrival caps: every rejection reason, its message, Retry-After, shedding."""
+import pytest
+
+from helpers import add_running, add_waiting, make_core
+
+
+def test_context_length():
+    core = make_core(max_model_len=100)
+    res = core.arrive(60, 50)
+    assert not res.accepted
+    r = res.rejection
+    assert (r.reason, r.limit, r.limit_value, r.retry_after_s, r.retryable) == \
+        ("context_length", "max_model_len", 100, None, False)
+    assert "60" in r.message and "50" in r.message and "max_model_len=100" in r.message
+
+
+@pytest.mark.parametrize("policy,prompt,max_new,ok", [
+    ("peak", 30, 11, True),         # ceil((30 + 10) / 4) = 10 blocks: fits exactly
+    ("peak", 30, 12, False),
+    ("reserve", 30, 10, True),      # ceil(40 / 4) = 10
+    ("reserve", 30, 11, False),
+    ("overcommit", 30, 11, True),
+    ("overcommit", 30, 12, False),  # would grow past the pool: could never finish
+    ("predict", 30, 9, True),       # 39 < 40 tokens
+    ("predict", 30, 10, False),
+])
+def test_kv_capacity(policy, prompt, max_new, ok):
+    core = make_core(policy, num_blocks=10, block_size=4)
+    res = core.arrive(prompt, max_new)
+    assert res.accepted == ok
+    if not ok:
+        assert res.rejection.reason == "kv_capacity" and not res.rejection.retryable
+        assert "10 blocks of 4 tokens" in res.rejection.message
+
+
+def test_queue_full_with_retry_after_from_drain_rate():
+    core = make_core("overcommit", num_blocks=1000, max_queued_requests=2, drain_window_s=10)
+    a = add_waiting(core, 4, 4, now=0.0)
+    add_waiting(core, 4, 4, now=0.0)
+    res = core.arrive(4, 4, now=0.5)
+    assert res.rejection.reason == "queue_full"
+    assert res.rejection.retry_after_s == 1.0            # nothing drained yet: the default
+    assert "max_queued_requests=2" in res.rejection.message
+    core.admit(a, 1.0)
+    for t in (2.0, 3.0, 4.0):
+        add_running(core, 4, 4, now=t)                   # 3 more admissions
+    add_waiting(core, 4, 4, now=4.5)
+    res = core.arrive(4, 4, now=5.0)
+    # 4 admissions over 5 s = 0.8/s; one request too many -> 1.25 s.
+    assert res.rejection.retry_after_s == pytest.approx(1.25)
+    assert core.stats()["rejected"]["queue_full"] == 2
+
+
+def test_retry_after_is_capped():
+    core = make_core("overcommit", num_blocks=1000, max_queued_requests=1,
+                     drain_window_s=1000, retry_after_max_s=60)
+    add_running(core, 4, 4, now=0.0)
+    add_waiting(core, 4, 4, now=0.0)
+    assert core.arrive(4, 4, now=500.0).rejection.retry_after_s == 60
+
+
+def test_queued_tokens():
+    core = make_core("overcommit", num_blocks=1000, max_queued_tokens=100, drain_window_s=10)
+    add_waiting(core, 60, 4, now=0.0)
+    res = core.arrive(60, 4, now=1.0)
+    assert res.rejection.reason == "queued_tokens_full"
+    assert "max_queued_tokens=100" in res.rejection.message and res.rejection.retryable
+    # A prompt bigger than the cap can never be queued: not retryable.
+    res = core.arrive(101, 4, now=1.0)
+    assert res.rejection.reason == "queued_tokens_full" and not res.rejection.retryable
+    # Cached prefix tokens do not count.
+    assert core.arrive(60, 4, cached_tokens=20, now=1.0).accepted
+    assert core.queued_tokens == 100
+
+
+def test_priority_shedding_evicts_strictly_lower_priority():
+    core = make_core("overcommit", num_blocks=1000, max_queued_requests=2,
+                     shed_lower_priority=True)
+    low = add_waiting(core, 4, 4, priority=5)
+    mid = add_waiting(core, 4, 4, priority=3)
+    res = core.arrive(4, 4, priority=1)
+    assert res.accepted
+    assert [s for s, _ in res.shed] == [low]
+    rej = res.shed[0][1]
+    assert rej.reason == "shed" and "priority 1 < 5" in rej.message
+    assert core.state(low) == "free" and core.waiting() == [mid, res.slot]
+    # Equal priority is not strictly higher: refused.
+    res = core.arrive(4, 4, priority=3)
+    assert not res.accepted and res.rejection.reason == "queue_full" and res.shed == []
+    assert core.stats()["rejected"]["shed"] == 1
+
+
+def test_shedding_never_evicts_a_preempted_request():
+    core = make_core("overcommit", num_blocks=1000, max_queued_requests=1,
+                     shed_lower_priority=True)
+    a = add_running(core, 4, 4, priority=9)
+    core.preempt(a)                      # waiting again, with work done
+    res = core.arrive(4, 4, priority=0)
+    assert not res.accepted and res.rejection.reason == "queue_full"
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(prompt_tokens=0, max_new_tokens=4), "prompt_tokens=0: must be >= 1"),
+    (dict(prompt_tokens=4, max_new_tokens=0), "max_new_tokens=0: must be >= 1"),
+    (dict(prompt_tokens=4, max_new_tokens=4, cached_tokens=5), "cached_tokens=5"),
+    (dict(prompt_tokens=4, max_new_tokens=4, now=float("inf")), "now=inf"),
+])
+def test_bad_input_raises_naming_the_field(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        make_core().arrive(**kwargs)
+
+
+def test_slot_misuse_is_an_error():
+    core = make_core()
+    s = add_waiting(core, 4, 4)
+    with pytest.raises(ValueError, match="is waiting, expected running"):
+        core.finish(s)
+    with pytest.raises(KeyError, match="slot 99"):
+        core.admit(99)
+    core.abort(s)
+    with pytest.raises(KeyError):
+        core.abort(s)

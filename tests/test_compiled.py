@@ -1,0 +1,33 @@
+"""The core must be a real compiled extension, not Python pretending to be one."""
+import importlib.machinery
+import inspect
+import pathlib
+
+import kvadmit
+from kvadmit import _native
+
+
+def test_native_module_is_an_extension_module():
+    path = pathlib.Path(_native.__file__)
+    assert path.suffix in importlib.machinery.EXTENSION_SUFFIXES or any(
+        path.name.endswith(s) for s in importlib.machinery.EXTENSION_SUFFIXES), path
+    assert isinstance(_native.__loader__, importlib.machinery.ExtensionFileLoader)
+    assert _native.COMPILED is True
+
+
+def test_core_classes_are_extension_types():
+    for cls in (kvadmit.AdmissionCore, kvadmit.BlockAllocator, kvadmit.FreeBlockQueue,
+                kvadmit.BlockObjectQueue, kvadmit.OutputLengthModel):
+        assert cls.__module__ == "kvadmit._native"
+        # Extension types have no Python source and no instance __dict__.
+        assert not hasattr(cls, "__dict__") or "__dict__" not in cls.__dict__
+        try:
+            inspect.getsource(cls)
+            raise AssertionError(f"{cls.__name__} has Python source")
+        except (TypeError, OSError):
+            pass
+
+
+def test_no_python_fallback_module_next_to_the_extension():
+    pkg = pathlib.Path(kvadmit.__file__).parent
+    assert not (pkg / "_native.py").exists()

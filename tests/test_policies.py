@@ -1,0 +1,153 @@
+"""Exact decision tables for every policy, and the head-of-line rules.
+
+Pool: 20 blocks of 4 tokens unless a row says otherwise. A running request is
+(prompt, max_new, generated); the candidate is (prompt, max_new).
+"""
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from helpers import add_running, add_waiting, make_core
+
+R1 = [(20, 20, 0)]   # holds 5 blocks now, 10 at most
+
+
+@pytest.mark.parametrize("policy,running,cand,free,expected", [
+    # overcommit: only today's need (prompt blocks) against free blocks.
+    ("overcommit", R1, (12, 40), 15, "admit"),
+    ("overcommit", R1, (12, 40), 2, "hold_blocks"),
+    ("overcommit", R1, (60, 4), 15, "admit"),
+    # reserve: 10 + ceil(52/4)=13 > 20; 10 + ceil(28/4)=7 fits.
+    ("reserve", R1, (12, 40), 15, "hold_capacity"),
+    ("reserve", R1, (12, 16), 15, "admit"),
+    ("reserve", R1, (12, 16), 2, "hold_blocks"),
+    # peak: the curves never exceed 18 blocks together (k=19: 10 + 8) ...
+    ("peak", R1, (12, 40), 15, "admit"),
+    # ... but (30, 20) reaches 10 + ceil(49/4)=13 = 23 at k=19.
+    ("peak", R1, (30, 20), 15, "hold_capacity"),
+    # Finishes interleave; the peak is at k=4: 6 + 5 + 9 = 20 fits, 6 + 5 + 10 does not.
+    ("peak", [(20, 20, 0), (8, 10, 5)], (32, 8), 12, "admit"),
+    ("peak", [(20, 20, 0), (8, 10, 5)], (33, 8), 12, "hold_capacity"),
+    # adaptive without samples is peak.
+    ("adaptive", R1, (12, 40), 15, "admit"),
+    ("adaptive", R1, (30, 20), 15, "hold_capacity"),
+    # predict (admitted this step, full charge 20): 60 free tokens - 20 = 40.
+    ("predict", R1, (12, 40), 15, "hold_capacity"),   # 52 >= 40
+    ("predict", R1, (12, 20), 15, "admit"),           # 32 < 40
+    ("predict", R1, (12, 28), 15, "hold_capacity"),   # 40 >= 40 (SGLang's >=)
+])
+def test_decision_table(policy, running, cand, free, expected):
+    core = make_core(policy)
+    for p, m, g in running:
+        add_running(core, p, m, g)
+    s = add_waiting(core, *cand)
+    assert core.decide(s, free) == expected
+
+
+def test_peak_interleaved_rows_against_brute_force():
+    from test_curves import brute_peak
+    # (20,20,0) -> t=20 r=20; (8,10,5) -> t=13 r=5; candidates (32,8) / (33,8).
+    assert brute_peak([20, 13, 32], [20, 5, 8], 4) == 20
+    assert brute_peak([20, 13, 33], [20, 5, 8], 4) == 21
+
+
+def test_predict_ratio_decays_and_resets_after_preemption():
+    core = make_core("predict", num_blocks=100, predict_retract_steps=5)
+    a = add_running(core, 20, 20)
+    core.on_step()
+    decay = (0.7 - 0.7 * 0.14) / 600
+    assert core.new_token_ratio == pytest.approx(0.7 - decay)
+    # Running offset now 20 * ratio = 13.98: 60 - 13.98 = 46.02 free tokens.
+    s = add_waiting(core, 12, 30)
+    assert core.decide(s, 15) == "admit"       # 42 < 46.02
+    for _ in range(700):
+        core.on_step()
+    assert core.new_token_ratio == pytest.approx(0.7 * 0.14)
+    b = add_running(core, 8, 60)
+    core.update(a, 25, 6)
+    core.update(b, 8 + 39, 40)
+    core.preempt(b)
+    # Kept: a, 6 of 20 generated: (6 + 5 steps x 1 request) / (20 + 1).
+    assert core.new_token_ratio == pytest.approx(11 / 21)
+    core.on_step()                            # a preemption step does not decay
+    assert core.new_token_ratio == pytest.approx(11 / 21)
+
+
+def test_adaptive_uses_the_length_model():
+    core = make_core("adaptive", num_blocks=40, adaptive_bucket_tokens=4, adaptive_min_samples=10)
+    for _ in range(20):                        # every finished request produced 8 tokens
+        s = add_running(core, 4, 100)
+        core.update(s, 11, 8)
+        core.finish(s)
+    add_running(core, 20, 100)                 # predicted 8 more, not 100
+    s = add_waiting(core, 20, 100)             # predicted 8: peak 7 + 7 = 14 blocks
+    assert core.decide(s, 30) == "admit"
+    peak = make_core("peak", num_blocks=40)
+    add_running(peak, 20, 100)                 # worst case: 30 + 30 blocks at k=99
+    assert peak.decide(add_waiting(peak, 20, 100), 30) == "hold_capacity"
+
+
+def test_strict_fifo_stops_at_the_held_head():
+    core = make_core("reserve")
+    add_running(core, 20, 20)                  # 10 of 20 blocks reserved
+    big = add_waiting(core, 30, 30)            # needs 15 more: held
+    small = add_waiting(core, 4, 4)            # would fit
+    assert core.next_admissible(15) == -1
+    assert core.stats()["held"]["hold_capacity"] == 1
+    assert core.waiting() == [big, small]
+
+
+def test_bypass_lets_smaller_requests_pass_at_most_k_times():
+    core = make_core("reserve", head_of_line="bypass", max_bypass=2)
+    add_running(core, 20, 20)
+    big = add_waiting(core, 30, 30)
+    smalls = [add_waiting(core, 2, 2) for _ in range(3)]
+    for i in range(2):
+        s = core.next_admissible(15)
+        assert s == smalls[i]
+        core.admit(s)
+        assert core.info(big)["bypassed"] == i + 1
+    assert core.next_admissible(15) == -1      # big has been passed twice: it blocks now
+
+
+def test_priority_order():
+    core = make_core("overcommit", queue_order="priority")
+    slots = [add_waiting(core, 4, 4, priority=p) for p in (5, 1, 3, 1)]
+    assert core.waiting() == [slots[1], slots[3], slots[2], slots[0]]
+    assert core.next_admissible(100) == slots[1]
+    fcfs = make_core("overcommit")
+    slots = [add_waiting(fcfs, 4, 4, priority=p) for p in (5, 1)]
+    assert fcfs.waiting() == slots
+
+
+def test_preempted_request_returns_ahead_of_later_arrivals():
+    core = make_core("overcommit")
+    a = add_running(core, 8, 8)
+    later = add_waiting(core, 8, 8)
+    core.preempt(a)
+    assert core.waiting() == [a, later]
+    assert core.info(a)["preemptions"] == 1
+
+
+running_sets = st.lists(st.tuples(st.integers(1, 40), st.integers(1, 40), st.integers(0, 39)),
+                        max_size=8)
+
+
+@given(running_sets, st.integers(1, 40), st.integers(1, 40), st.sampled_from([1, 4, 16]))
+def test_peak_admits_whenever_reserve_does(running, cp, cm, B):
+    cores = {p: make_core(p, num_blocks=40, block_size=B) for p in ("reserve", "peak")}
+    for p, m, g in running:
+        g = min(g, m - 1)
+        for core in cores.values():
+            res = core.arrive(p, m)
+            if not res.accepted:
+                break
+            core.admit(res.slot)
+            if g:
+                core.update(res.slot, p + g - 1, g)
+    ok = {}
+    for name, core in cores.items():
+        res = core.arrive(cp, cm)
+        ok[name] = res.accepted and core.decide(res.slot, 40) == "admit"
+    if ok["reserve"]:
+        assert ok["peak"]
