@@ -3,6 +3,8 @@
 policies, caps and victim selection. Engine adapters, the simulator and the
 benchmarks all drive this one module."""
 
+from cpython.long cimport PyLong_AsLongLong, PyLong_CheckExact
+from cpython.object cimport PyObject, Py_TYPE
 from cython.operator cimport dereference as deref, preincrement as inc
 from libc.math cimport ceil, isfinite
 from libc.stdint cimport int32_t, int64_t, uint64_t, INT64_MAX

@@ -229,3 +229,24 @@ cdef class BlockAllocator:
         assert with_hash == <int64_t>self._cached.size(), "hash map holds stale entries"
         assert cached_free == self._num_cached_free, \
             f"num_cached_free {self._num_cached_free} != {cached_free}"
+
+
+def bench_native_cycles(BlockAllocator alloc, int64_t iters, int64_t k):
+    """Benchmark helper: `iters` cycles of allocate(k) then free tail-first, all in
+    native code (the path the core's own engine model takes). Returns block ops."""
+    if k < 1 or k > alloc._n:
+        raise ValueError(f"k={k}: must be in [1, num_blocks={alloc._n}]")
+    cdef vector[int32_t] ids
+    ids.resize(k)
+    cdef int64_t i, j
+    cdef int32_t tmp
+    with nogil:
+        for i in range(iters):
+            if alloc.c_allocate(k, ids.data()) != 0:
+                break
+            for j in range(k // 2):
+                tmp = ids[j]
+                ids[j] = ids[k - 1 - j]
+                ids[k - 1 - j] = tmp
+            alloc.c_free(ids.data(), k)
+    return 2 * k * i

@@ -640,6 +640,9 @@ cdef class AdmissionCore:
     # Public API: progress reports from the engine
     def update(self, int64_t slot, int64_t computed_tokens, int64_t generated_tokens):
         """The engine's counts for a request: tokens with KV computed, tokens generated."""
+        self._update(slot, computed_tokens, generated_tokens)
+
+    cdef int _update(self, int64_t slot, int64_t computed_tokens, int64_t generated_tokens) except -1:
         self._check_slot(slot, ST_FREE)
         if generated_tokens < 0:
             raise ValueError(f"generated_tokens={generated_tokens}: must be >= 0")
@@ -649,15 +652,22 @@ cdef class AdmissionCore:
         cdef int32_t s = <int32_t>slot
         if self._state[s] == ST_WAITING:
             self._queued_tokens -= self._queued_of(s)
-        if self._state[s] == ST_RUNNING:
-            self._reserve_sum -= self._reserve_blocks(s)
         self._computed[s] = computed_tokens
         self._generated[s] = generated_tokens
         if self._state[s] == ST_WAITING:
             self._queued_tokens += self._queued_of(s)
         else:
-            self._reserve_sum += self._reserve_blocks(s)
             self._dirty()
+        return 0
+
+    def update_many(self, slots, computed_tokens, generated_tokens):
+        """`update` for many requests at once (one call per engine step)."""
+        cdef Py_ssize_t i, n = len(slots)
+        if len(computed_tokens) != n or len(generated_tokens) != n:
+            raise ValueError(f"update_many: {n} slots but {len(computed_tokens)} computed_tokens "
+                             f"and {len(generated_tokens)} generated_tokens")
+        for i in range(n):
+            self._update(slots[i], computed_tokens[i], generated_tokens[i])
 
     def set_cached(self, int64_t slot, int64_t cached_tokens):
         """Prefix-cache hit the engine found for a waiting request (tokens)."""

@@ -158,13 +158,14 @@ cdef class FreeBlockQueue:
         return out
 
     def iter_blocks_after(self, int64_t b=-1):
-        """Free block ids after block b (from the head when b is -1)."""
+        """Free block ids after block b, in eviction order (from the head when b
+        is -1; nothing when b is not free, as in vLLM)."""
         cdef int32_t cur
         if b == -1:
             cur = self._next[self._head]
+        elif b < 0 or b >= self._n or self._prev[b] == -1:
+            return
         else:
-            if b < 0 or b >= self._n or self._prev[b] == -1:
-                raise RuntimeError(f"block {b} is not in the free queue")
             cur = self._next[b]
         while cur != self._tail:
             yield cur
@@ -192,6 +193,17 @@ cdef class FreeBlockQueue:
             assert (self._prev[b] != -1) == bool(mark[b]), f"block {b}: stale link"
 
 
+cdef extern from "Python.h":
+    ctypedef struct PyMemberDef:
+        int type
+        Py_ssize_t offset
+    ctypedef struct PyMemberDescrObject:
+        PyMemberDef* d_member
+
+cdef enum:
+    T_OBJECT_EX = 16  # structmember.h: a __slots__ attribute
+
+
 cdef class BlockObjectQueue:
     """vLLM ``FreeKVCacheBlockQueue`` drop-in: the same methods over block objects.
 
@@ -201,6 +213,10 @@ cdef class BlockObjectQueue:
     """
     cdef FreeBlockQueue _q
     cdef list _blocks
+    # Fast path for __slots__ blocks (vLLM's KVCacheBlock is a slots dataclass):
+    # read block_id at its slot offset instead of a full attribute lookup.
+    cdef PyObject* _slot_type
+    cdef Py_ssize_t _id_offset
 
     def __init__(self, list blocks):
         cdef Py_ssize_t i
@@ -210,6 +226,24 @@ cdef class BlockObjectQueue:
                     f"blocks[{i}].block_id is {blocks[i].block_id}: must equal its index")
         self._blocks = blocks
         self._q = FreeBlockQueue(len(blocks))
+        self._slot_type = NULL
+        self._id_offset = -1
+        if blocks:
+            cls = type(blocks[0])
+            descr = next((k.__dict__["block_id"] for k in cls.__mro__ if "block_id" in k.__dict__), None)
+            if (type(descr).__name__ == "member_descriptor"
+                    and (<PyMemberDescrObject*>descr).d_member.type == T_OBJECT_EX
+                    and all(type(b) is cls for b in blocks)):
+                self._slot_type = <PyObject*>cls
+                self._id_offset = (<PyMemberDescrObject*>descr).d_member.offset
+
+    cdef inline int64_t _id(self, object block) except? -9:
+        cdef PyObject* v
+        if <PyObject*>Py_TYPE(block) == self._slot_type:
+            v = (<PyObject**>((<char*><PyObject*>block) + self._id_offset))[0]
+            if v != NULL and PyLong_CheckExact(<object>v):
+                return PyLong_AsLongLong(<object>v)
+        return block.block_id
 
     @property
     def num_free_blocks(self):
@@ -236,21 +270,23 @@ cdef class BlockObjectQueue:
         return out
 
     def remove(self, block):
-        cdef int64_t b = block.block_id
+        cdef int64_t b = self._id(block)
         if b < 0 or b >= self._q._n or self._q.c_remove(<int32_t>b) != 0:
             raise RuntimeError(f"remove() called on an invalid block: {block}")
 
     def append(self, block):
-        cdef int64_t b = block.block_id
+        cdef int64_t b = self._id(block)
         if b < 0 or b >= self._q._n or self._q.c_append(<int32_t>b) != 0:
             raise RuntimeError(f"append() called on a block already free or unknown: {block}")
 
     def append_n(self, blocks):
         cdef int64_t b
-        for block in blocks:
-            b = block.block_id
+        cdef list seq = blocks if type(blocks) is list else list(blocks)
+        cdef Py_ssize_t i
+        for i in range(len(seq)):
+            b = self._id(seq[i])
             if b < 0 or b >= self._q._n or self._q.c_append(<int32_t>b) != 0:
-                raise RuntimeError(f"append_n() called on a block already free or unknown: {block}")
+                raise RuntimeError(f"append_n() called on a block already free or unknown: {seq[i]}")
 
     def prepend_n(self, blocks):
         self._q.prepend_n([block.block_id for block in blocks])
@@ -259,7 +295,7 @@ cdef class BlockObjectQueue:
         cdef list blocks = self._blocks
         return [blocks[b] for b in self._q.get_all_free_blocks()]
 
-    def iter_blocks_after(self, block=None):
+    def iter_blocks_after(self, cursor):
         cdef list blocks = self._blocks
-        for b in self._q.iter_blocks_after(-1 if block is None else block.block_id):
+        for b in self._q.iter_blocks_after(-1 if cursor is None else cursor.block_id):
             yield blocks[b]

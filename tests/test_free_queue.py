@@ -27,6 +27,8 @@ def test_operations_keep_order():
     assert q.get_all_free_blocks() == [1, 5, 3, 0, 4, 2]
     assert list(q.iter_blocks_after(3)) == [0, 4, 2]
     assert list(q.iter_blocks_after()) == [1, 5, 3, 0, 4, 2]
+    q.remove(0)
+    assert list(q.iter_blocks_after(0)) == []     # a cursor no longer free: nothing
     q.check_invariants()
 
 
