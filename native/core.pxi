@@ -326,9 +326,9 @@ cdef class AdmissionCore:
         return peak_blocks_sorted(self._profile.data(), self._profile.size(), &c,
                                   self.block_size, self.num_blocks, self._fen) <= self.num_blocks
 
-    cdef int _decide(self, int32_t s, int64_t free_blocks) noexcept nogil:
+    cdef int _decide(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil:
         cdef int64_t need_now = cdiv(self._tokens(s), self.block_size) - self._cached[s] // self.block_size
-        if need_now > free_blocks:
+        if check_blocks and need_now > free_blocks:
             return D_HOLD_BLOCKS
         if self._policy == P_PREDICT:
             # SGLang: admit while prompt + clipped max_new < free tokens - running offsets.
@@ -563,24 +563,27 @@ cdef class AdmissionCore:
 
     # ------------------------------------------------------------------
     # Public API: admission
-    def decide(self, int64_t slot, int64_t free_blocks):
+    def decide(self, int64_t slot, int64_t free_blocks, bint check_blocks=True):
         """What the policy says about one waiting request: 'admit', 'hold_blocks'
-        (not enough free blocks now) or 'hold_capacity' (the policy's future rule)."""
-        self._check_slot(slot, ST_WAITING)
-        return DECISIONS[self._decide(<int32_t>slot, free_blocks)]
+        (not enough free blocks now) or 'hold_capacity' (the policy's future rule).
 
-    def next_admissible(self, int64_t free_blocks):
+        ``check_blocks=False`` leaves today's fit to the engine's own allocator
+        (which knows prefix hits the core does not); the policy rule still applies."""
+        self._check_slot(slot, ST_WAITING)
+        return DECISIONS[self._decide(<int32_t>slot, free_blocks, check_blocks)]
+
+    def next_admissible(self, int64_t free_blocks, bint check_blocks=True):
         """The waiting request to admit next, or -1: the head, or under
         head_of_line='bypass' a later one that fits while the held ones ahead of it
         have been passed fewer than max_bypass times."""
-        return self.c_next_admissible(free_blocks)
+        return self.c_next_admissible(free_blocks, check_blocks)
 
-    cdef int32_t c_next_admissible(self, int64_t free_blocks) noexcept:
+    cdef int32_t c_next_admissible(self, int64_t free_blocks, bint check_blocks) noexcept:
         if self._waiting.empty():
             return -1
         cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
         cdef int32_t s = deref(it).second
-        cdef int d = self._decide(s, free_blocks)
+        cdef int d = self._decide(s, free_blocks, check_blocks)
         if d == D_ADMIT:
             return s
         self._held[d] += 1
@@ -590,7 +593,7 @@ cdef class AdmissionCore:
         inc(it)
         while it != self._waiting.end() and scanned < self._lookahead:
             s = deref(it).second
-            d = self._decide(s, free_blocks)
+            d = self._decide(s, free_blocks, check_blocks)
             if d == D_ADMIT:
                 return s
             if self._bypassed[s] >= self._max_bypass:
@@ -626,6 +629,15 @@ cdef class AdmissionCore:
         self._win_admits += 1
         self._drain.push_back(pair[double, int64_t](now, queued))
         self._maybe_adapt()
+
+    def cancel_admit(self, int64_t slot):
+        """Undoes an admission the engine did not carry out (it put the request
+        back before running it): running -> waiting, not counted as a preemption."""
+        self._check_slot(slot, ST_RUNNING)
+        cdef int32_t s = <int32_t>slot
+        self._run_remove(s)
+        self._enqueue(s)
+        self._n_admitted -= 1
 
     cdef void _maybe_adapt(self) noexcept:
         if self._policy != P_ADAPTIVE or self._win_admits < self._aq_interval:

@@ -1,0 +1,110 @@
+"""vLLM's real V1 scheduler driven in-process, without a model.
+
+`InProcessEngine` builds a scheduler class (vLLM's own, or kvadmit's) with a
+hand-made KV cache config, feeds it requests, and completes every scheduled
+step with a fake model output (token 7 for each sampled position). This is
+vLLM's scheduling code exactly, minus the forward pass: fast, deterministic,
+and the way the tests check gating, victims and caps.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+from vllm.engine.arg_utils import EngineArgs
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+_hash_ready = False
+
+
+@dataclass
+class StepLog:
+    steps: int = 0
+    preemptions: int = 0
+    scheduled_tokens: int = 0
+    finished: dict[str, str] = field(default_factory=dict)       # request id -> finish reason
+    stop_reasons: dict[str, object] = field(default_factory=dict)
+    outputs: dict[str, list[int]] = field(default_factory=dict)   # request id -> tokens
+
+
+class InProcessEngine:
+    def __init__(self, model_dir: str, scheduler_cls=None, num_blocks: int = 64,
+                 block_size: int = 32, max_model_len: int = 1024, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, additional_config: dict | None = None,
+                 enable_prefix_caching: bool = False, async_scheduling: bool = False,
+                 scheduling_policy: str = "fcfs"):
+        global _hash_ready
+        from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+
+        args = EngineArgs(model=model_dir, skip_tokenizer_init=True, dtype="float32",
+                          block_size=block_size, max_model_len=max_model_len,
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          enable_prefix_caching=enable_prefix_caching,
+                          additional_config=additional_config or {},
+                          async_scheduling=async_scheduling, scheduling_policy=scheduling_policy,
+                          num_gpu_blocks_override=num_blocks)
+        self.vllm_config = args.create_engine_config()
+        self.vllm_config.cache_config.num_gpu_blocks = num_blocks
+        kv_cache_config = KVCacheConfig(
+            num_blocks=num_blocks, kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(
+                block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.float32))])
+        cls = scheduler_cls or VllmScheduler
+        self.scheduler = cls(vllm_config=self.vllm_config, kv_cache_config=kv_cache_config,
+                             structured_output_manager=StructuredOutputManager(self.vllm_config),
+                             block_size=block_size, log_stats=True)
+        if not _hash_ready:
+            init_none_hash(hash)
+            _hash_ready = True
+        self.block_hasher = get_request_block_hasher(block_size, hash)
+        self.log = StepLog()
+        self._ids = itertools.count()
+
+    def add(self, prompt_token_ids: list[int], max_tokens: int, priority: int = 0,
+            request_id: str | None = None) -> str:
+        rid = request_id if request_id is not None else f"r{next(self._ids)}"
+        req = Request(request_id=rid, prompt_token_ids=list(prompt_token_ids),
+                      sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                      pooling_params=None, priority=priority, block_hasher=self.block_hasher)
+        self.scheduler.add_request(req)
+        self.log.outputs.setdefault(rid, [])
+        return rid
+
+    def step(self):
+        """One schedule -> fake forward -> update round. Returns the SchedulerOutput."""
+        s = self.scheduler
+        out = s.schedule()
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for rid in req_ids:
+            req = s.requests[rid]
+            # A token is sampled once the request's whole prompt (and output) is computed.
+            done = req.num_computed_tokens + out.num_scheduled_tokens[rid] >= req.num_tokens
+            sampled.append([7] if done else [])
+        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                sampled_token_ids=sampled)
+        results = s.update_from_output(out, mro)
+        self.log.steps += 1
+        self.log.scheduled_tokens += out.total_num_scheduled_tokens
+        self.log.preemptions += len(out.preempted_req_ids or ())
+        for eco in results.values():
+            for o in eco.outputs:
+                self.log.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    self.log.finished[o.request_id] = str(o.finish_reason)
+                    self.log.stop_reasons[o.request_id] = o.stop_reason
+        return out
+
+    def run(self, max_steps: int = 100_000) -> StepLog:
+        s = self.scheduler
+        while s.has_requests() and self.log.steps < max_steps:
+            self.step()
+        if s.has_requests():
+            raise RuntimeError(f"still busy after {max_steps} steps")
+        return self.log
