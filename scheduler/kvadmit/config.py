@@ -72,7 +72,7 @@ class AdmissionConfig:
         1, 1_000_000_000, "predict: max_new tokens counted per request at most"))
     predict_retract_steps: int = field(default=20, metadata=_int(
         0, 1_000_000, "predict: decode steps per kept request in the post-preemption ratio"))
-    adaptive_quantile: float = field(default=0.9, metadata=_float(
+    adaptive_quantile: float = field(default=0.7, metadata=_float(
         0.0, 1.0, "adaptive: quantile of the output-length model used for remaining lengths",
         lo_open=True))
     adaptive_max_quantile: float = field(default=0.999, metadata=_float(
@@ -83,7 +83,7 @@ class AdmissionConfig:
         1, 1_000_000_000, "adaptive: admissions per quantile adjustment window"))
     adaptive_window: int = field(default=4096, metadata=_int(
         1, 10_000_000, "adaptive: finished requests the length model remembers"))
-    adaptive_min_samples: int = field(default=32, metadata=_int(
+    adaptive_min_samples: int = field(default=8, metadata=_int(
         1, 10_000_000, "adaptive: lengths needed before predictions replace max_new"))
     adaptive_bucket_tokens: int = field(default=16, metadata=_int(
         1, 1_000_000, "adaptive: histogram bucket width of the length model (tokens)"))

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from vllm.engine.arg_utils import EngineArgs
 from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
@@ -21,6 +22,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 _hash_ready = False
+EOS_TOKEN_ID = 2
 
 
 @dataclass
@@ -51,6 +53,8 @@ class InProcessEngine:
                           num_gpu_blocks_override=num_blocks)
         self.vllm_config = args.create_engine_config()
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
+        # The CPU platform turns async scheduling off; GPUs default it on. Honour the ask.
+        self.vllm_config.scheduler_config.async_scheduling = async_scheduling
         kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(
@@ -60,18 +64,25 @@ class InProcessEngine:
                              structured_output_manager=StructuredOutputManager(self.vllm_config),
                              block_size=block_size, log_stats=True)
         if not _hash_ready:
-            init_none_hash(hash)
+            init_none_hash(sha256)
             _hash_ready = True
-        self.block_hasher = get_request_block_hasher(block_size, hash)
+        self.block_hasher = get_request_block_hasher(block_size, sha256)
         self.log = StepLog()
         self._ids = itertools.count()
+        self._stop_at: dict[str, int] = {}
 
     def add(self, prompt_token_ids: list[int], max_tokens: int, priority: int = 0,
-            request_id: str | None = None) -> str:
+            request_id: str | None = None, output_tokens: int | None = None) -> str:
+        """Queues a request; with `output_tokens` the fake model emits EOS as that token."""
         rid = request_id if request_id is not None else f"r{next(self._ids)}"
+        stop_early = output_tokens is not None and output_tokens < max_tokens
         req = Request(request_id=rid, prompt_token_ids=list(prompt_token_ids),
-                      sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                      sampling_params=SamplingParams(
+                          max_tokens=max_tokens, ignore_eos=not stop_early,
+                          stop_token_ids=[EOS_TOKEN_ID] if stop_early else None),
                       pooling_params=None, priority=priority, block_hasher=self.block_hasher)
+        if stop_early:
+            self._stop_at[rid] = output_tokens
         self.scheduler.add_request(req)
         self.log.outputs.setdefault(rid, [])
         return rid
@@ -86,7 +97,9 @@ class InProcessEngine:
             req = s.requests[rid]
             # A token is sampled once the request's whole prompt (and output) is computed.
             done = req.num_computed_tokens + out.num_scheduled_tokens[rid] >= req.num_tokens
-            sampled.append([7] if done else [])
+            stop = self._stop_at.get(rid)
+            last = stop is not None and len(req.output_token_ids) + 1 >= stop
+            sampled.append(([EOS_TOKEN_ID] if last else [7]) if done else [])
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled)
         results = s.update_from_output(out, mro)

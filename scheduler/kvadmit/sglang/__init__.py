@@ -1,0 +1,27 @@
+"""kvadmit for SGLang 0.5.23, through SGLang's own plugin framework (no fork).
+
+Entry point: group ``sglang.srt.plugins``, name ``kvadmit``, value
+``kvadmit.sglang:register``. Configure with ``--kvadmit-config '<JSON>'`` on
+``sglang serve`` / ``python -m sglang.launch_server``, or ``KVADMIT_CONFIG``
+(same JSON) in the environment. Without either, SGLang behaves as if kvadmit
+were not installed. See `kvadmit.sglang.plugin` for the hooks.
+
+Importing this package does not import SGLang.
+"""
+from kvadmit.sglang.adapter import ENV_VAR, SGLangAdmission, rejection_finish_reason
+from kvadmit.sglang.plugin import (
+    CLI_FLAG,
+    SUPPORTED_SGLANG,
+    KvadmitStartupError,
+    cli_hooks,
+    engine_hooks,
+    install_engine_hooks,
+    register,
+    verify,
+)
+
+__all__ = [
+    "CLI_FLAG", "ENV_VAR", "KvadmitStartupError", "SGLangAdmission", "SUPPORTED_SGLANG",
+    "cli_hooks", "engine_hooks", "install_engine_hooks", "register", "rejection_finish_reason",
+    "verify",
+]

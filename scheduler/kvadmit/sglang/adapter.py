@@ -1,0 +1,487 @@
+"""The SGLang adapter: translates SGLang's scheduler objects into the core's
+numbers and the core's answers back into SGLang's actions.
+
+Policy lives in the compiled core (`kvadmit.AdmissionCore`); this module only
+keeps a map from SGLang request ids (``Req.rid``) to core slots and reports
+progress. Everything here is a pure function of scheduler state (the waiting
+queue, the running batch, the allocator's free tokens), so every
+tensor-parallel rank takes the same decisions. Wall time is passed to the
+core only for its Retry-After hint and drain rate, never for a decision.
+
+SGLang classes are imported lazily: ``import kvadmit.sglang`` works without
+SGLang installed.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+from kvadmit import AdmissionConfig, AdmissionCore, ConfigError, Rejection
+
+logger = logging.getLogger("kvadmit.sglang")
+
+ENV_VAR = "KVADMIT_CONFIG"
+
+# Priorities are clamped so that negating them (SGLang's "higher value first"
+# default) stays inside int64; SGLang itself uses +/-sys.maxsize as sentinels.
+_PRIORITY_LIMIT = 1 << 62
+
+
+def config_text_from_env() -> Optional[str]:
+    """The JSON in KVADMIT_CONFIG, or None when unset or blank."""
+    text = os.environ.get(ENV_VAR)
+    if text is None or not text.strip():
+        return None
+    return text
+
+
+def load_config(text: Optional[str]) -> Optional[AdmissionConfig]:
+    """Parses and validates kvadmit's JSON (raises `kvadmit.ConfigError` naming the field)."""
+    if text is None:
+        return None
+    return AdmissionConfig.from_json(text)
+
+
+def explicit_keys(text: Optional[str]) -> frozenset:
+    """Keys the operator wrote in the JSON (so engine-derived defaults do not override them)."""
+    if text is None:
+        return frozenset()
+    try:
+        values = json.loads(text)
+    except ValueError:
+        return frozenset()
+    return frozenset(values) if isinstance(values, dict) else frozenset()
+
+
+@dataclass
+class EnqueueOutcome:
+    """What `SGLangAdmission.on_enqueue` decided for one request."""
+
+    rejection: Optional[Rejection] = None            # refuse the incoming request
+    shed: list = field(default_factory=list)         # [(Req, Rejection)] waiting requests to abort
+    requeued: bool = False                           # a running request came back (retraction)
+
+
+def rejection_finish_reason(rejection: Rejection) -> dict:
+    """SGLang's abort finish-reason dict for a kvadmit rejection.
+
+    Overload (retryable) is HTTP 503 like SGLang's own full-queue abort; a
+    request this server can never take is HTTP 400. The message names
+    kvadmit's reason and limit; ``retry_after`` (whole seconds) rides along
+    for streaming clients, who read the finish reason itself."""
+    from http import HTTPStatus
+
+    if rejection.retryable:
+        status = HTTPStatus.SERVICE_UNAVAILABLE
+        seconds = max(1, math.ceil(rejection.retry_after_s))
+        tail = f"; retry after {seconds} s"
+    else:
+        status = HTTPStatus.BAD_REQUEST
+        seconds = None
+        tail = "; retrying will not help"
+    reason = {
+        "type": "abort",
+        "status_code": status,
+        "message": f"kvadmit rejected the request ({rejection.reason}): {rejection.message}{tail}",
+        "kvadmit_reason": rejection.reason,
+    }
+    if seconds is not None:
+        reason["retry_after"] = seconds
+    return reason
+
+
+class _NoReqStates(list):
+    """Stands in for PrefillAdder.req_states: SGLang's ignore_eos look-ahead
+    (a future-memory rule) is replaced by the core's, so nothing is recorded."""
+
+    def append(self, item):  # noqa: D401 - list API
+        pass
+
+    def insert(self, index, item):
+        pass
+
+
+_CLASSES: dict = {}
+
+
+def _sglang_classes():
+    """Builds (once) the PrefillAdder / PrefillBudget subclasses over SGLang's real ones."""
+    if _CLASSES:
+        return _CLASSES
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+    from sglang.srt.mem_cache.prefill_budget import PrefillBudget
+
+    class KvadmitPrefillBudget(PrefillBudget):
+        """SGLang's token budget with the future-reservation terms taken out.
+
+        SGLang's own rule (remaining = available + evictable - sum of running
+        ``min(max_new - generated, clip) * new_token_ratio``, and a new request
+        charged its clipped max_new) is replaced by the kvadmit core's policy,
+        which has already said 'admit' when this is reached. What stays is the
+        physical check: the prefill itself (plus SGLang's page overhead) must
+        fit in the free + evictable tokens now."""
+
+        def check_prefill(self, *, extend_input_len, total_tokens, max_new_tokens, input_tokens,
+                          swa_host_hit_length, chunk_limit, auxiliary_swa_host_hit_length=0):
+            return super().check_prefill(
+                extend_input_len=extend_input_len,
+                total_tokens=total_tokens - max_new_tokens,
+                max_new_tokens=0,
+                input_tokens=input_tokens,
+                swa_host_hit_length=swa_host_hit_length,
+                chunk_limit=chunk_limit,
+                auxiliary_swa_host_hit_length=auxiliary_swa_host_hit_length,
+            )
+
+        def reserve(self, extend_input_len, max_new_tokens, **kwargs):
+            super().reserve(extend_input_len, 0, **kwargs)
+
+    class KvadmitPrefillAdder(PrefillAdder):
+        """SGLang's PrefillAdder whose admission asks the kvadmit core.
+
+        For each waiting request SGLang offers (in the core's order, see
+        `SGLangAdmission.order_waiting`) the core answers with
+        ``next_admissible(free_blocks)``: this request (SGLang then does the
+        mechanics: prefix lock, chunking, token budgets, and the core commits
+        with ``admit``), nothing (NO_TOKEN: the batch is full for now), or a
+        later request (head_of_line='bypass': this one is skipped)."""
+
+        kvadmit: "SGLangAdmission" = None  # set on the per-scheduler subclass
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            old = self.memory_budget
+            if type(old) is not PrefillBudget:
+                raise RuntimeError(
+                    f"kvadmit supports SGLang's full-attention token budget (PrefillBudget); "
+                    f"this server uses {type(old).__name__}")
+            self.memory_budget = KvadmitPrefillBudget(
+                self.token_to_kv_pool_allocator, self.tree_cache,
+                num_mixed_decode_tokens=old.current_offset)
+            self.req_states = _NoReqStates()
+
+        def add_one_req(self, req, has_chunked_req, truncation_align_size):
+            adapter = self.kvadmit
+            slot = adapter.slot_for(req)
+            if slot is None:  # not tracked (cannot happen via SGLang's queue): SGLang decides
+                return super().add_one_req(req, has_chunked_req, truncation_align_size)
+            with self._lock_node(req.last_node):
+                free_tokens = int(self.memory_budget.remaining_current)
+            adapter.note_prefix_hit(slot, req)
+            nxt = adapter.core.next_admissible(max(free_tokens, 0) // adapter.page_size)
+            if nxt != slot:
+                if nxt < 0:
+                    return AddReqResult.NO_TOKEN
+                return AddReqResult.CONTINUE  # bypass: a later request goes first
+            before = len(self.can_run_list)
+            res = super().add_one_req(req, has_chunked_req, truncation_align_size)
+            if len(self.can_run_list) > before and self.can_run_list[-1] is req:
+                adapter.on_admitted(slot)
+            return res
+
+        def add_one_req_ignore_eos(self, req):
+            self.req_states = _NoReqStates()
+            return super().add_one_req_ignore_eos(req)
+
+        def preempt_to_schedule(self, req):
+            # SGLang's priority preemption reserves with its own ratio rule; with
+            # kvadmit, memory victims are the core's and only come from retraction.
+            return False
+
+    _CLASSES.update(adder=KvadmitPrefillAdder, budget=KvadmitPrefillBudget, result=AddReqResult)
+    return _CLASSES
+
+
+# Live adapters, so static SGLang hooks (the retraction order gets only the
+# request list) can find the adapter that owns a request.
+_ADAPTERS: "weakref.WeakSet[SGLangAdmission]" = weakref.WeakSet()
+
+
+def adapter_for_reqs(reqs: Iterable[Any]) -> Optional["SGLangAdmission"]:
+    for req in reqs:
+        for adapter in list(_ADAPTERS):
+            if req.rid in adapter._slot:
+                return adapter
+        return None
+    return None
+
+
+class SGLangAdmission:
+    """kvadmit's view of one SGLang scheduler.
+
+    ``num_tokens`` is the KV pool in tokens (SGLang's max_total_num_tokens),
+    ``page_size`` its page (the core's block). ``low_priority_values_first``
+    mirrors SGLang's flag: the core serves lower values first, so SGLang's
+    default (higher value = more important) is negated.
+    """
+
+    def __init__(self, config: AdmissionConfig, *, num_tokens: int, page_size: int = 1,
+                 max_model_len: int = 0, low_priority_values_first: bool = False,
+                 clock: Callable[[], float] = time.time):
+        if page_size < 1:
+            raise ValueError(f"page_size={page_size}: must be >= 1")
+        self.config = config
+        self.page_size = page_size
+        self.num_tokens = num_tokens
+        self.low_priority_values_first = low_priority_values_first
+        self.clock = clock
+        self.core = AdmissionCore(config, max(num_tokens // page_size, 1), page_size, max_model_len)
+        self._slot: dict = {}     # rid -> core slot
+        self._rid_of: dict = {}   # core slot -> rid
+        self._req: dict = {}      # rid -> Req (strong ref while tracked)
+        self.counters = {"rejected_sent": 0, "shed_sent": 0, "requeued": 0, "adopted": 0,
+                         "untracked": 0, "steps": 0}
+        self.adder_class = type("KvadmitPrefillAdder", (_sglang_classes()["adder"],),
+                                {"kvadmit": self})
+        self.exporter = None
+        _ADAPTERS.add(self)
+
+    # ------------------------------------------------------------------
+    # Construction from a live SGLang Scheduler
+    @classmethod
+    def for_scheduler(cls, scheduler, config: AdmissionConfig,
+                      explicit: frozenset = frozenset()) -> "SGLangAdmission":
+        """Checks the server is one kvadmit supports and builds its adapter."""
+        problems = unsupported_reasons(scheduler)
+        if problems:
+            raise RuntimeError(
+                "kvadmit cannot manage this SGLang server: " + "; ".join(problems)
+                + ". Remove --kvadmit-config / KVADMIT_CONFIG or change the server flags.")
+        chunk = getattr(scheduler, "chunked_prefill_size", None)
+        if "prefill_chunk_tokens" not in explicit and chunk and chunk > 0:
+            config = config.replace(prefill_chunk_tokens=int(chunk))
+        adapter = cls(
+            config,
+            num_tokens=int(scheduler.max_total_num_tokens),
+            page_size=int(scheduler.page_size),
+            max_model_len=int(getattr(scheduler, "max_req_len", 0) or 0),
+            low_priority_values_first=bool(scheduler.schedule_low_priority_values_first),
+        )
+        if getattr(scheduler, "enable_priority_preemption", False):
+            logger.warning("kvadmit: SGLang's priority preemption is off while kvadmit "
+                           "manages admission; victims come from the core (victim=%s)",
+                           config.victim)
+        from kvadmit.sglang.metrics import exporter_for_scheduler
+        adapter.exporter = exporter_for_scheduler(scheduler)
+        logger.info("kvadmit: policy=%s victim=%s queue_order=%s on %d tokens (page %d), "
+                    "max_model_len=%d", config.policy, config.victim, config.queue_order,
+                    adapter.num_tokens, adapter.page_size, adapter.core.max_model_len)
+        return adapter
+
+    # ------------------------------------------------------------------
+    # Request numbers
+    def _priority(self, req) -> int:
+        p = req.priority if req.priority is not None else 0
+        p = max(-_PRIORITY_LIMIT, min(_PRIORITY_LIMIT, int(p)))
+        return p if self.low_priority_values_first else -p
+
+    @staticmethod
+    def _max_new(req) -> int:
+        m = req.sampling_params.max_new_tokens
+        return max(int(m), 1) if m is not None else 1
+
+    def slot_for(self, req) -> Optional[int]:
+        return self._slot.get(req.rid)
+
+    def _track(self, req, slot: int) -> None:
+        self._slot[req.rid] = slot
+        self._rid_of[slot] = req.rid
+        self._req[req.rid] = req
+
+    def _untrack(self, slot: int):
+        rid = self._rid_of.pop(slot)
+        del self._slot[rid]
+        return self._req.pop(rid, None)
+
+    def _update(self, slot: int, req) -> None:
+        generated = len(req.output_ids)
+        prompt = self.core.info(slot)["prompt_tokens"]
+        computed = min(max(int(req.kv.kv_committed_len), 0), prompt + generated)
+        self.core.update(slot, computed, generated)
+
+    # ------------------------------------------------------------------
+    # Arrival: Scheduler._abort_on_queued_limit
+    def on_enqueue(self, req, now: Optional[float] = None) -> EnqueueOutcome:
+        """A request enters SGLang's waiting queue: a new arrival (caps, maybe
+        shedding) or a running request coming back (retraction, preemption)."""
+        now = self.clock() if now is None else now
+        slot = self._slot.get(req.rid)
+        if slot is not None:
+            self._req[req.rid] = req
+            if self.core.state(slot) == "running":
+                self._update(slot, req)
+                self.core.preempt(slot, now)
+                self.counters["requeued"] += 1
+                return EnqueueOutcome(requeued=True)
+            return EnqueueOutcome()
+        res = self.core.arrive(len(req.origin_input_ids), self._max_new(req),
+                               priority=self._priority(req), cached_tokens=0, now=now)
+        if not res.accepted:
+            self.counters["rejected_sent"] += 1
+            return EnqueueOutcome(rejection=res.rejection)
+        shed = []
+        for victim_slot, rejection in res.shed:
+            victim = self._untrack(victim_slot)
+            if victim is not None:
+                shed.append((victim, rejection))
+        self.counters["shed_sent"] += len(shed)
+        self._track(req, res.slot)
+        return EnqueueOutcome(shed=shed)
+
+    def forget(self, req) -> None:
+        """SGLang dropped a request kvadmit had accepted (e.g. its own queue cap)."""
+        slot = self._slot.get(req.rid)
+        if slot is not None:
+            self._untrack(slot)
+            self.core.abort(slot)
+
+    def _adopt(self, req, now: float) -> Optional[int]:
+        """A request reached the queue or batch by a path kvadmit did not see.
+        The core has no cap-free arrival, so one refused here stays untracked."""
+        res = self.core.arrive(len(req.origin_input_ids), self._max_new(req),
+                               priority=self._priority(req), now=now)
+        if not res.accepted or res.shed:
+            for victim_slot, _ in res.shed:  # cannot happen without shedding config
+                self._untrack(victim_slot)
+            self.counters["untracked"] += 1
+            logger.warning("kvadmit: request %s bypassed the queue hook and is not tracked (%s)",
+                           req.rid, res.rejection)
+            return None
+        self._track(req, res.slot)
+        self.counters["adopted"] += 1
+        return res.slot
+
+    # ------------------------------------------------------------------
+    # Admission: get_prefill_adder_class + the adder
+    def order_waiting(self, waiting_queue: list) -> None:
+        """Sorts SGLang's waiting list in place into the core's service order
+        (queue_order fcfs / priority); SGLang's admission loop then offers
+        requests in that order. Untracked requests keep their place at the end."""
+        pos = {s: i for i, s in enumerate(self.core.waiting())}
+        end = len(pos)
+        waiting_queue.sort(key=lambda r: pos.get(self._slot.get(r.rid), end))
+
+    def note_prefix_hit(self, slot: int, req) -> None:
+        if self.core.state(slot) != "waiting":
+            return
+        info = self.core.info(slot)
+        cached = min(int(req.prefix_len), info["prompt_tokens"] + info["generated_tokens"])
+        self.core.set_cached(slot, max(cached, 0))
+
+    def on_admitted(self, slot: int) -> None:
+        self.core.admit(slot, self.clock())
+
+    # ------------------------------------------------------------------
+    # Once per scheduler step: Scheduler.get_next_batch_to_run
+    def begin_step(self, running_batch, last_batch, chunked_req, waiting_queue,
+                   now: Optional[float] = None) -> None:
+        """Brings the ledger in line with SGLang before the step decides anything:
+        progress of every request holding KV, finished / aborted ones leave."""
+        now = self.clock() if now is None else now
+        core = self.core
+        waiting_rids = {r.rid for r in waiting_queue}
+        live = {}
+        for batch in (running_batch, last_batch):
+            if batch is not None:
+                for r in batch.reqs:
+                    if not r.finished():
+                        live[r.rid] = r
+        if chunked_req is not None and not chunked_req.finished():
+            live[chunked_req.rid] = chunked_req
+        for rid, r in live.items():
+            if rid in waiting_rids:
+                continue
+            slot = self._slot.get(rid)
+            if slot is None:
+                slot = self._adopt(r, now)
+                if slot is None:
+                    continue
+            self._req[rid] = r
+            if core.state(slot) == "waiting":
+                core.admit(slot, now)
+            self._update(slot, r)
+        for slot in core.running():
+            if self._rid_of[slot] not in live:
+                self._leave(slot, now)
+        for slot in core.waiting():
+            rid = self._rid_of[slot]
+            if rid not in waiting_rids and rid not in live:
+                self._leave(slot, now)
+        for r in waiting_queue:
+            if r.rid not in self._slot:
+                self._adopt(r, now)
+
+    def _leave(self, slot: int, now: float) -> None:
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        state = self.core.state(slot)
+        req = self._req.get(self._rid_of[slot])
+        if (state == "running" and req is not None and req.finished()
+                and not isinstance(req.finished_reason, FINISH_ABORT)):
+            self._update(slot, req)
+            self._untrack(slot)
+            self.core.finish(slot, now)
+        else:
+            self._untrack(slot)
+            self.core.abort(slot)
+
+    def end_step(self, now: Optional[float] = None) -> None:
+        now = self.clock() if now is None else now
+        self.core.on_step(now)
+        self.counters["steps"] += 1
+        if self.exporter is not None:
+            self.exporter.publish(self.stats())
+
+    # ------------------------------------------------------------------
+    # Retraction: ScheduleBatch._get_decode_retraction_order
+    def retraction_order(self, reqs: list) -> list:
+        """Indices of ``reqs`` from most protected to first victim (SGLang pops
+        victims off the end), in the core's victim order."""
+        slots = []
+        for r in reqs:
+            slot = self._slot.get(r.rid)
+            if slot is not None and self.core.state(slot) == "running":
+                self._update(slot, r)
+                slots.append(slot)
+            else:
+                slots.append(None)
+        pos = {s: i for i, s in enumerate(self.core.victim_order())}
+        # Untracked requests are kept (front); ties keep SGLang's batch order.
+        return sorted(range(len(reqs)), key=lambda i: (pos.get(slots[i], -1), i))
+
+    # ------------------------------------------------------------------
+    def stats(self) -> dict:
+        out = self.core.stats()
+        out.update(self.counters)
+        out.update(policy=self.config.policy, victim=self.config.victim,
+                   num_blocks=self.core.num_blocks, block_size=self.core.block_size)
+        return out
+
+
+def unsupported_reasons(scheduler) -> list:
+    """Server setups kvadmit does not manage (it raises at start-up instead of guessing)."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.mem_cache.prefill_budget import PrefillBudget
+
+    reasons = []
+    mode = getattr(scheduler, "disaggregation_mode", DisaggregationMode.NULL)
+    if mode != DisaggregationMode.NULL:
+        reasons.append(f"prefill/decode disaggregation (mode {mode.value}) is not supported")
+    if getattr(scheduler, "dllm_config", None) is not None:
+        reasons.append("diffusion LLMs (dllm) are not supported")
+    if getattr(scheduler, "is_hybrid_swa", False):
+        reasons.append("hybrid sliding-window KV pools are not supported")
+    if getattr(scheduler, "is_hybrid_ssm", False):
+        reasons.append("hybrid Mamba/SSM state pools are not supported")
+    allocator = scheduler.token_to_kv_pool_allocator
+    budget = allocator.create_prefill_budget(scheduler.tree_cache)
+    if type(budget) is not PrefillBudget:
+        reasons.append(f"the KV allocator {type(allocator).__name__} uses budget "
+                       f"{type(budget).__name__}; kvadmit supports PrefillBudget pools")
+    return reasons

@@ -1,0 +1,88 @@
+"""kvadmit's counters next to SGLang's Prometheus metrics.
+
+SGLang runs prometheus_client in multiprocess mode (PROMETHEUS_MULTIPROC_DIR
+is set before the scheduler processes start), so metrics created in a
+scheduler process reach the HTTP server's ``/metrics``. kvadmit exports
+``kvadmit:*`` series with the same labels as SGLang's scheduler metrics, only
+where SGLang's own scheduler metrics are on (``--enable-metrics``).
+
+Without metrics the numbers are still reachable: ``core.stats()`` per rank in
+``GET /server_info`` (``internal_states[i]["kvadmit"]``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+# stats() key -> (metric suffix, documentation); counters export the growth.
+COUNTERS = {
+    "arrived": "requests that reached kvadmit's queue",
+    "admitted": "admissions (a retracted request counts again when re-admitted)",
+    "preempted": "running requests retracted back to the queue",
+    "finished": "requests that finished",
+    "aborted": "requests aborted or dropped while tracked",
+    "requeued": "retracted or preempted requests re-queued by SGLang",
+}
+GAUGES = {
+    "waiting": "requests waiting in kvadmit's queue",
+    "running": "requests kvadmit counts as running",
+    "queued_tokens": "prompt tokens waiting for prefill",
+    "new_token_ratio": "predict policy's new_token_ratio",
+    "quantile": "adaptive policy's output-length quantile",
+}
+
+
+class PrometheusExport:
+    """Publishes `SGLangAdmission.stats()` as Prometheus series."""
+
+    def __init__(self, labels: dict, registry=None):
+        from prometheus_client import REGISTRY, Counter, Gauge
+
+        registry = REGISTRY if registry is None else registry
+        names = list(labels)
+        self.labels = dict(labels)
+        self._last: dict = {}
+        self.counters = {
+            key: Counter(f"kvadmit:{key}", doc, labelnames=names, registry=registry)
+            for key, doc in COUNTERS.items()
+        }
+        self.rejected = Counter("kvadmit:rejected", "arrivals refused, by reason",
+                                labelnames=names + ["reason"], registry=registry)
+        self.held = Counter("kvadmit:held", "admission checks that held the queue head, by decision",
+                            labelnames=names + ["decision"], registry=registry)
+        self.gauges = {
+            key: Gauge(f"kvadmit:{key}", doc, labelnames=names, registry=registry,
+                       multiprocess_mode="mostrecent")
+            for key, doc in GAUGES.items()
+        }
+
+    def _grow(self, metric, key, value, **extra) -> None:
+        delta = value - self._last.get(key, 0)
+        if delta > 0:
+            metric.labels(**self.labels, **extra).inc(delta)
+        self._last[key] = value
+
+    def publish(self, stats: dict) -> None:
+        for key, metric in self.counters.items():
+            self._grow(metric, key, stats.get(key, 0))
+        for reason, n in stats.get("rejected", {}).items():
+            self._grow(self.rejected, ("rejected", reason), n, reason=reason)
+        for decision, n in stats.get("held", {}).items():
+            self._grow(self.held, ("held", decision), n, decision=decision)
+        for key, metric in self.gauges.items():
+            metric.labels(**self.labels).set(stats.get(key, 0))
+
+
+_EXPORTERS: dict = {}
+
+
+def exporter_for_scheduler(scheduler) -> Optional[PrometheusExport]:
+    """One exporter per label set and process, where SGLang's scheduler metrics are on."""
+    reporter = getattr(scheduler, "metrics_reporter", None)
+    collector = getattr(reporter, "metrics_collector", None)
+    if reporter is None or not getattr(reporter, "enable_metrics", False) or collector is None:
+        return None
+    labels = dict(getattr(collector, "labels", {}) or {})
+    key = tuple(sorted(labels.items()))
+    if key not in _EXPORTERS:
+        _EXPORTERS[key] = PrometheusExport(labels)
+    return _EXPORTERS[key]

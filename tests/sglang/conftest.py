@@ -1,0 +1,166 @@
+"""Test set-up for the SGLang plug-in tests (CPU).
+
+TEST-ONLY IMPORT SHIM FOR TORCHVISION. SGLang 0.5.23's scheduler import chain
+reaches ``torchvision`` at import time (``sglang/srt/configs/__init__.py`` ->
+multimodal helpers), although nothing these tests run uses it. The only
+torchvision wheels on PyPI for this environment pull in CUDA torch, so the
+tests do not install it. Instead, while (and only while) SGLang's scheduling
+modules are first imported, a stub ``torchvision`` package is placed in
+``sys.modules``; any use of it raises. The stub is removed right after the
+import, and transformers' "is torchvision available" answer is computed
+(False) before the stub exists, so nothing else sees it. This shim is never
+used outside the tests: a real SGLang server has a real torchvision.
+
+When SGLang is not installed, this file does nothing and every test module in
+this folder skips (``pytest.importorskip("sglang")``).
+"""
+from __future__ import annotations
+
+import enum
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import types
+import warnings
+
+import pytest
+
+HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
+_STUB_NAMES = (
+    "torchvision", "torchvision.transforms", "torchvision.transforms.functional",
+    "torchvision.transforms.v2", "torchvision.transforms.v2.functional",
+    "torchvision.io", "torchvision.ops",
+)
+
+
+class _InterpolationMode(enum.Enum):
+    NEAREST = "nearest"
+    NEAREST_EXACT = "nearest-exact"
+    BILINEAR = "bilinear"
+    BICUBIC = "bicubic"
+    BOX = "box"
+    HAMMING = "hamming"
+    LANCZOS = "lanczos"
+
+
+def _stub_module(name: str) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    mod.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    mod.__path__ = []
+    mod.__version__ = "0.0.0+kvadmit-test-stub"
+
+    def __getattr__(attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+
+        class _Unavailable:
+            def __init__(self, *args, **kwargs):
+                raise RuntimeError(f"torchvision test stub: {name}.{attr} is not available")
+
+        _Unavailable.__name__ = attr
+        return _Unavailable
+
+    mod.__getattr__ = __getattr__
+    return mod
+
+
+def _import_sglang_with_torchvision_stub() -> None:
+    if importlib.util.find_spec("torchvision") is not None:  # a real one: no shim
+        _import_sglang()
+        return
+    try:  # answer transformers' availability checks truthfully before the stub exists
+        from transformers.utils import import_utils
+        import_utils.is_torchvision_available()
+        import_utils.is_torchvision_v2_available()
+    except Exception:
+        pass
+    stubs = {name: _stub_module(name) for name in _STUB_NAMES}
+    stubs["torchvision.transforms"].InterpolationMode = _InterpolationMode
+    stubs["torchvision.transforms.functional"].InterpolationMode = _InterpolationMode
+    stubs["torchvision"].transforms = stubs["torchvision.transforms"]
+    stubs["torchvision.transforms"].functional = stubs["torchvision.transforms.functional"]
+    stubs["torchvision.transforms"].v2 = stubs["torchvision.transforms.v2"]
+    stubs["torchvision.transforms.v2"].functional = stubs["torchvision.transforms.v2.functional"]
+    sys.modules.update(stubs)
+    try:
+        _import_sglang()
+    finally:
+        for name in _STUB_NAMES:
+            if sys.modules.get(name) is stubs[name]:
+                del sys.modules[name]
+
+
+def _import_sglang() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import sglang.srt.managers.scheduler  # noqa: F401  (~6 s)
+        import sglang.srt.managers.schedule_batch  # noqa: F401
+        import sglang.srt.managers.schedule_policy  # noqa: F401
+        import sglang.srt.mem_cache.unified_radix_cache  # noqa: F401
+        import sglang.srt.plugins  # noqa: F401
+
+
+if HAVE_SGLANG:
+    os.environ.pop("KVADMIT_CONFIG", None)
+    os.environ.pop("SGLANG_PLUGINS", None)
+    _import_sglang_with_torchvision_stub()
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", device="cpu"))
+
+
+@pytest.fixture
+def clean_plugins(monkeypatch):
+    """A process state as if SGLang had just started: no plug-in loaded, no
+    hooks registered; everything kvadmit's hooks patched is put back after."""
+    import sglang.srt.plugins as plugins
+    from kvadmit.sglang import plugin
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    targets = list(plugin.cli_hooks()) + list(plugin.engine_hooks())
+    saved = []
+    for target in targets:
+        obj_path, _, attr = target.rpartition(".")
+        import pkgutil
+        obj = pkgutil.resolve_name(obj_path)
+        saved.append((obj, attr, obj.__dict__.get(attr, _MISSING)))
+    hooks = {k: list(v) for k, v in HookRegistry._hooks.items()}
+    patched = set(HookRegistry._patched)
+    HookRegistry.reset()
+    monkeypatch.setattr(plugins, "_plugins_loaded", False)
+    monkeypatch.delenv("KVADMIT_CONFIG", raising=False)
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    yield HookRegistry
+    for obj, attr, raw in saved:
+        if raw is _MISSING:
+            if attr in obj.__dict__:
+                delattr(obj, attr)
+        else:
+            setattr(obj, attr, raw)
+    HookRegistry.reset()
+    HookRegistry._hooks.update(hooks)
+    HookRegistry._patched.update(patched)
+
+
+_MISSING = object()
+
+
+@pytest.fixture(scope="session")
+def kvadmit_hooks():
+    """kvadmit's hooks installed once for the session, the way SGLang does it in a
+    scheduler process: KVADMIT_CONFIG set, then SGLang's own load_plugins().
+    Hooks are pass-through for a scheduler without a kvadmit adapter, so the
+    baseline (SGLang's default) runs through the same patched methods."""
+    import sglang.srt.plugins as plugins
+
+    os.environ["KVADMIT_CONFIG"] = '{"policy": "peak"}'
+    try:
+        plugins._plugins_loaded = False
+        plugins.load_plugins()
+    finally:
+        os.environ.pop("KVADMIT_CONFIG", None)
+    from kvadmit.sglang import plugin
+
+    plugin.verify(plugin.engine_hooks())
+    return plugin

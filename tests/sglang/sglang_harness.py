@@ -1,0 +1,261 @@
+"""Drives SGLang 0.5.23's real scheduling classes on CPU, with a fake forward.
+
+What is real: ``Req``, ``PrefillAdder`` (through the hooked
+``Scheduler.get_prefill_adder_class``), ``ScheduleBatch`` (init_new,
+prepare_for_extend, prepare_for_decode, check_decode_mem, retract_decode with
+the hooked ``_get_decode_retraction_order``, filter_batch, merge_batch),
+``TokenToKVPoolAllocator`` (SGLang's allocator for page_size 1),
+``ReqToTokenPool``, ``UnifiedRadixCache`` (SGLang's default tree cache) and
+``release_kv_cache`` / ``checkpoint_kv_cache``; requests enter through the real
+``Scheduler._add_request_to_queue`` (which calls the hooked
+``_abort_on_queued_limit``) on a ``Scheduler`` object that carries only the
+attributes those methods read, and aborts go out through the real
+``send_abort_output`` into an in-memory stand-in for the tokenizer socket.
+
+What is not: a ``Scheduler`` cannot be constructed without a model and GPU, so
+``Harness.step`` mirrors the structure of ``Scheduler.get_next_batch_to_run``
+(merge the last prefill batch, prefill via the adder loop of
+``_get_new_batch_prefill_raw``, else decode via ``update_running_batch``) and is
+passed as ``original`` to kvadmit's own hook function for that method. The
+"model" emits token 5 until a request's scripted output length, then EOS.
+"""
+from __future__ import annotations
+
+import random
+from array import array
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.managers.schedule_policy import AddReqResult
+from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import (
+    NewTokenRatioTracker,
+)
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.mem_cache.unified_cache.components import ComponentType
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+from kvadmit import AdmissionConfig
+from kvadmit.sglang import SGLangAdmission
+from kvadmit.sglang import plugin
+
+EOS = 999
+VOCAB = 1000
+
+
+class Outbox:
+    """Stands in for the scheduler's socket to the tokenizer; keeps what was sent."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send_output(self, output, recv_req=None):
+        self.sent.append((output, recv_req))
+
+    def aborts(self):
+        return [o for o, _ in self.sent]
+
+
+def make_req(rid: str, prompt_len: int, max_new: int, *, out_len: Optional[int] = None,
+             priority=None, ignore_eos: bool = False, seed: int = 0) -> Req:
+    """A real SGLang Req; the fake model ends it with EOS after ``out_len`` tokens."""
+    rng = random.Random(hash((rid, seed)) & 0xFFFFFFFF)
+    params = SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos)
+    params.normalize(None)
+    req = Req(rid, "", array("q", [rng.randint(1, 900) for _ in range(prompt_len)]), params,
+              eos_token_ids={EOS}, vocab_size=VOCAB, priority=priority)
+    req.kvadmit_test_out_len = max_new if out_len is None else out_len
+    return req
+
+
+@dataclass
+class StepLog:
+    prefill: int = 0
+    decode: int = 0
+    retracted: int = 0
+    finished: int = 0
+
+
+class Harness:
+    def __init__(self, config: Optional[AdmissionConfig], *, pool_tokens: int = 2048,
+                 max_running: int = 64, max_prefill_tokens: int = 16384,
+                 max_context: int = 4096, max_queued_requests: Optional[int] = None,
+                 enable_priority_scheduling: bool = False,
+                 low_priority_values_first: bool = False):
+        self.allocator = TokenToKVPoolAllocator(pool_tokens, torch.float16, "cpu", None, False)
+        self.req_to_token_pool = ReqToTokenPool(max_running + 8, max_context, "cpu", False)
+        params = CacheInitParams(disable=False, req_to_token_pool=self.req_to_token_pool,
+                                 token_to_kv_pool_allocator=self.allocator, page_size=1)
+        params.tree_components = (ComponentType.FULL,)
+        self.tree_cache = UnifiedRadixCache(params)
+        self.model_config = SimpleNamespace(vocab_size=VOCAB, is_encoder_decoder=False)
+        self.max_running = max_running
+        self.max_prefill_tokens = max_prefill_tokens
+        self.tracker = NewTokenRatioTracker.from_config()
+        self.outbox = Outbox()
+
+        s = Scheduler.__new__(Scheduler)  # only what the called methods read
+        s.waiting_queue = []
+        s.running_batch = ScheduleBatch(reqs=[])
+        s.last_batch = None
+        s.chunked_req = None
+        s.page_size = 1
+        s.tree_cache = self.tree_cache
+        s.token_to_kv_pool_allocator = self.allocator
+        s.max_total_num_tokens = pool_tokens
+        s.max_req_len = max_context
+        s.max_queued_requests = max_queued_requests
+        s.enable_priority_scheduling = enable_priority_scheduling
+        s.schedule_low_priority_values_first = low_priority_values_first
+        s.abort_on_priority_when_disabled = False
+        s.disaggregation_mode = DisaggregationMode.NULL
+        s.enable_hicache_storage = False
+        s.enable_lmcache = False
+        s.processed_tokens_counter = 0
+        s.rust_server = None
+        s.ipc_channels = SimpleNamespace(send_to_tokenizer=self.outbox)
+        s.beam_coordinator = SimpleNamespace(retire_group=lambda req: None)
+        s._kvadmit = None
+        self.sched = s
+        self.adapter: Optional[SGLangAdmission] = None
+        if config is not None:
+            self.adapter = SGLangAdmission(config, num_tokens=pool_tokens, page_size=1,
+                                           max_model_len=max_context,
+                                           low_priority_values_first=low_priority_values_first)
+            s._kvadmit = self.adapter
+        self.log = StepLog()
+        self.finished: list = []
+
+    # ------------------------------------------------------------------
+    def submit(self, req: Req) -> bool:
+        """Scheduler._add_request_to_queue (real). True when the request was queued."""
+        Scheduler._add_request_to_queue(self.sched, req)
+        return any(r is req for r in self.sched.waiting_queue)
+
+    def new_adder(self, running_batch):
+        adder_cls = self.sched.get_prefill_adder_class()
+        return adder_cls(
+            1, self.tree_cache, self.allocator, running_batch, self.tracker.current,
+            self.max_prefill_tokens, None, 0, 0,
+            max_running_requests=self.max_running, waiting_queue_len=len(self.sched.waiting_queue))
+
+    # ------------------------------------------------------------------
+    # Mirror of Scheduler.get_next_batch_to_run (see the module docstring)
+    def _get_next_batch_to_run(self, sched, running_batch, last_batch):
+        if last_batch is not None and last_batch.forward_mode.is_extend():
+            last_batch.filter_batch()
+            if not last_batch.is_empty() and last_batch is not running_batch:
+                if running_batch.is_empty():
+                    running_batch = last_batch
+                else:
+                    running_batch.merge_batch(last_batch)
+        bs = running_batch.batch_size()
+        running_batch.filter_batch()
+        if running_batch.batch_size() < bs or running_batch.is_empty():
+            running_batch.batch_is_full = False
+        new_batch = self._prefill(running_batch)
+        if new_batch is not None:
+            return SimpleNamespace(batch_to_run=new_batch, running_batch=running_batch)
+        if running_batch.is_empty():
+            return SimpleNamespace(batch_to_run=None, running_batch=running_batch)
+        return SimpleNamespace(batch_to_run=self._update_running_batch(running_batch),
+                               running_batch=running_batch)
+
+    def _prefill(self, running_batch):
+        sched = self.sched
+        if running_batch.batch_is_full or not sched.waiting_queue:
+            return None
+        if running_batch.batch_size() >= self.max_running:
+            running_batch.batch_is_full = True
+            return None
+        adder = self.new_adder(running_batch)
+        for req in sched.waiting_queue:
+            if adder.budget_state() == AddReqResult.OTHER:
+                break
+            if len(adder.can_run_list) + running_batch.batch_size() >= self.max_running:
+                running_batch.batch_is_full = True
+                break
+            req.init_next_round_input(self.tree_cache)
+            res = adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None)
+            if res != AddReqResult.CONTINUE:
+                if res == AddReqResult.NO_TOKEN:
+                    running_batch.batch_is_full = (len(adder.can_run_list) > 0
+                                                   or not running_batch.is_empty())
+                break
+        if not adder.can_run_list:
+            return None
+        chosen = set(adder.can_run_list)
+        sched.waiting_queue = [r for r in sched.waiting_queue if r not in chosen]
+        batch = ScheduleBatch.init_new(adder.can_run_list, self.req_to_token_pool, self.allocator,
+                                       self.tree_cache, self.model_config, False,
+                                       SpeculativeAlgorithm.NONE)
+        batch.prepare_for_extend()
+        return batch
+
+    def _update_running_batch(self, batch):
+        if not batch.check_decode_mem():
+            retracted, ratio, to_abort = batch.retract_decode()
+            assert not to_abort, [r.rid for r in to_abort]
+            self.log.retracted += len(retracted)
+            self.tracker.current = ratio
+            for req in retracted:
+                Scheduler._add_request_to_queue(self.sched, req, is_retracted=True)
+        else:
+            self.tracker.decay_step()
+        if batch.is_empty():
+            return None
+        batch.prepare_for_decode()
+        return batch
+
+    # ------------------------------------------------------------------
+    def _forward(self, batch) -> None:
+        """Fake model + SGLang's result processing for one batch."""
+        for req in batch.reqs:
+            if req.finished():
+                continue
+            tok = EOS if len(req.output_ids) + 1 >= req.kvadmit_test_out_len else 5
+            req.output_ids.append(tok)
+            req.update_finish_state()
+            if req.finished():
+                release_kv_cache(req, self.tree_cache, checkpoint=True)
+                self.finished.append(req)
+                self.log.finished += 1
+            elif batch.forward_mode.is_extend():
+                checkpoint_kv_cache(req, self.tree_cache)
+
+    def step(self) -> Optional[ScheduleBatch]:
+        """One scheduler iteration (through kvadmit's get_next_batch_to_run hook)."""
+        s = self.sched
+        plan = plugin.around_get_next_batch_to_run(
+            self._get_next_batch_to_run, s, running_batch=s.running_batch, last_batch=s.last_batch)
+        s.running_batch = plan.running_batch
+        batch = plan.batch_to_run
+        if batch is not None:
+            if batch.forward_mode.is_extend():
+                self.log.prefill += 1
+            else:
+                self.log.decode += 1
+            self._forward(batch)
+        s.last_batch = batch
+        return batch
+
+    def run(self, max_steps: int = 100_000) -> StepLog:
+        s = self.sched
+        steps = 0
+        while s.waiting_queue or not s.running_batch.is_empty() or (
+                s.last_batch is not None and not s.last_batch.is_empty()
+                and any(not r.finished() for r in s.last_batch.reqs)):
+            self.step()
+            steps += 1
+            assert steps < max_steps, "workload did not drain"
+        self.step()  # let the ledger see the last finishes
+        return self.log

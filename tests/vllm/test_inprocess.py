@@ -1,0 +1,225 @@
+"""vLLM's real V1 scheduler, in-process with fake model outputs: exact checks of
+kvadmit's gate, victims, caps, accounting and native free-block queue."""
+import random
+
+import pytest
+
+from kvadmit import ConfigError
+from kvadmit.vllm import KvadmitAsyncScheduler, KvadmitScheduler, Scheduler
+from kvadmit.vllm.inprocess import InProcessEngine
+
+
+def engine(model_dir, kvadmit=None, **kw):
+    kw.setdefault("num_blocks", 24)
+    return InProcessEngine(model_dir, scheduler_cls=Scheduler if kvadmit is not None else None,
+                           additional_config={"kvadmit": kvadmit} if kvadmit is not None else None,
+                           max_model_len=512, **kw)
+
+
+def workload(n=64, seed=0, stop_early=False):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p = [rng.randrange(3, 1000) for _ in range(rng.randint(16, 128))]
+        m = rng.randint(16, 200)
+        out.append((p, m, rng.randint(1, m) if stop_early else None))
+    return out
+
+
+def run(eng, reqs, record=None):
+    ids = [eng.add(p, m, output_tokens=o) for p, m, o in reqs]
+    while eng.scheduler.has_requests():
+        out = eng.step()
+        if record is not None:
+            record.append((sorted(out.num_scheduled_tokens.items()), sorted(out.preempted_req_ids or ()),
+                           {r: eng.scheduler.kv_cache_manager.get_block_ids(r)
+                            for r in out.num_scheduled_tokens}))
+    return ids
+
+
+def test_factory_picks_the_flavour(model_dir):
+    assert type(engine(model_dir, {}).scheduler) is KvadmitScheduler
+    assert type(engine(model_dir, {}, async_scheduling=True).scheduler) is KvadmitAsyncScheduler
+
+
+def test_overcommit_lifo_is_a_pass_through(model_dir):
+    reqs = workload()
+    ref, ours = [], []
+    base = engine(model_dir)
+    run(base, reqs, ref)
+    eng = engine(model_dir, {"policy": "overcommit", "victim": "lifo"})
+    run(eng, reqs, ours)
+    assert base.log.preemptions > 10          # the workload does overload the pool
+    assert ours == ref                         # same schedule, preemptions and block ids, step by step
+    assert eng.log.outputs == base.log.outputs
+
+
+@pytest.mark.parametrize("policy", ["overcommit", "reserve", "peak", "predict", "adaptive"])
+@pytest.mark.parametrize("stop_early", [False, True])
+def test_every_policy_finishes_everything_and_leaks_nothing(model_dir, policy, stop_early):
+    reqs = workload(stop_early=stop_early)
+    eng = engine(model_dir, {"policy": policy})
+    ids = run(eng, reqs)
+    for rid, (_, m, o) in zip(ids, reqs):
+        assert len(eng.log.outputs[rid]) == (o or m), rid
+    assert len(eng.log.finished) == len(reqs)
+    if policy in ("reserve", "peak"):
+        assert eng.log.preemptions == 0
+    s = eng.scheduler
+    pool = s.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    stats = s.kvadmit_core.stats()
+    assert stats["waiting"] == stats["running"] == 0 and not s.kvadmit_slot
+    assert stats["finished"] == len(reqs) and stats["preempted"] == eng.log.preemptions
+
+
+def test_strict_fifo_holds_small_requests_behind_a_held_head(model_dir):
+    eng = engine(model_dir, {"policy": "reserve"})
+    eng.add([5] * 100, 300)                # reserves ceil(400/32) = 13 of 23 blocks
+    eng.step()
+    big = eng.add([6] * 200, 200)          # needs 13 more: held
+    small = eng.add([7] * 10, 10)          # would fit (1 block)
+    out = eng.step()
+    assert big not in out.num_scheduled_tokens and small not in out.num_scheduled_tokens
+    assert not eng.scheduler.waiting and len(eng.scheduler.waiting) == 2
+    assert eng.scheduler.kvadmit_core.stats()["held"]["hold_capacity"] >= 1
+
+
+def test_bypass_lets_the_small_request_pass(model_dir):
+    eng = engine(model_dir, {"policy": "reserve", "head_of_line": "bypass", "max_bypass": 1})
+    eng.add([5] * 100, 300)
+    eng.step()
+    big = eng.add([6] * 200, 200)
+    small = eng.add([7] * 10, 10)
+    out = eng.step()
+    assert small in out.num_scheduled_tokens and big not in out.num_scheduled_tokens
+    assert eng.scheduler.kvadmit_core.info(eng.scheduler.kvadmit_slot[big])["bypassed"] == 1
+    eng.run()
+    assert len(eng.log.finished) == 3
+
+
+VICTIM_KEY = {   # larger = preempted first; arrival order is the request id order
+    "lcf": lambda r: (-r.num_computed_tokens, int(r.request_id[1:])),
+    "length": lambda r: (-r.num_output_tokens, r.num_prompt_tokens, int(r.request_id[1:])),
+    "priority": lambda r: (r.priority, -r.num_computed_tokens, int(r.request_id[1:])),
+}
+
+
+@pytest.mark.parametrize("victim", sorted(VICTIM_KEY))
+def test_vllm_preempts_the_cores_victim(model_dir, victim):
+    eng = engine(model_dir, {"policy": "overcommit", "victim": victim}, num_blocks=12)
+    s = eng.scheduler
+    rng = random.Random(1)
+    for i in range(8):
+        eng.add([rng.randrange(3, 1000) for _ in range(rng.randint(20, 90))], 150, priority=i % 3)
+    seen = []
+    original = s._preempt_request
+
+    def spy(request, *args, **kwargs):
+        # vLLM has just popped its victim off the end of `running`.
+        seen.append((request, list(s.running)))
+        return original(request, *args, **kwargs)
+
+    s._preempt_request = spy
+    firsts = 0
+    while s.has_requests():
+        seen.clear()
+        eng.step()
+        if seen:
+            victim_req, rest = seen[0]
+            assert max(rest + [victim_req], key=VICTIM_KEY[victim]) is victim_req
+            firsts += 1
+    assert firsts >= 3
+    assert len(eng.log.finished) == 8
+
+
+def test_victim_order_is_applied_to_running(model_dir):
+    eng = engine(model_dir, {"policy": "overcommit", "victim": "lcf"}, num_blocks=64)
+    a = eng.add([3] * 100, 50)
+    eng.step()
+    b = eng.add([4] * 20, 50)
+    eng.step()
+    eng.step()
+    # lcf: least computed tokens goes last (first victim): b has 20 + a few, a has 100 + a few.
+    assert [r.request_id for r in eng.scheduler.running] == [a, b]
+    eng2 = engine(model_dir, {"policy": "overcommit", "victim": "lcf"}, num_blocks=64)
+    b2 = eng2.add([4] * 20, 50)
+    eng2.step()
+    a2 = eng2.add([3] * 100, 50)
+    eng2.step()
+    eng2.step()   # reordered before scheduling: a2 (more computed) ahead of b2
+    assert [r.request_id for r in eng2.scheduler.running] == [a2, b2]
+
+
+def test_queue_cap_rejects_with_a_visible_reason(model_dir):
+    eng = engine(model_dir, {"policy": "peak", "max_queued_requests": 2})
+    ids = [eng.add([9] * 30, 20) for _ in range(3)]
+    assert ids[2] not in eng.scheduler.requests
+    eng.run()
+    assert eng.log.finished[ids[2]] == "abort"
+    assert eng.log.stop_reasons[ids[2]] == "kvadmit:queue_full"
+    assert eng.log.outputs[ids[2]] == []
+    assert all(len(eng.log.outputs[i]) == 20 for i in ids[:2])
+    assert eng.scheduler.kvadmit_core.stats()["rejected"]["queue_full"] == 1
+
+
+def test_context_and_invalid_input_rejections(model_dir):
+    eng = engine(model_dir, {"policy": "peak"})
+    too_long = eng.add([9] * 400, 200, request_id="long")       # 600 > max_model_len 512
+    ok = eng.add([9] * 10, 5, request_id="ok")
+    eng.run()
+    assert eng.log.stop_reasons[too_long] == "kvadmit:context_length"
+    assert len(eng.log.outputs[ok]) == 5
+
+
+def test_priority_shedding_aborts_the_shed_request(model_dir):
+    eng = engine(model_dir, {"policy": "reserve", "max_queued_requests": 1,
+                             "shed_lower_priority": True, "queue_order": "priority"})
+    eng.add([5] * 100, 300)
+    eng.step()                               # running, reserving most of the pool
+    low = eng.add([6] * 200, 200, priority=5)
+    high = eng.add([7] * 10, 10, priority=0)
+    assert low not in eng.scheduler.requests and high in eng.scheduler.requests
+    eng.run()
+    assert eng.log.stop_reasons[low] == "kvadmit:shed"
+    assert len(eng.log.outputs[high]) == 10
+    pool = eng.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
+def test_client_abort_is_accounted(model_dir):
+    from vllm.v1.request import RequestStatus
+    eng = engine(model_dir, {"policy": "peak"})
+    a = eng.add([5] * 50, 100)
+    b = eng.add([6] * 50, 100)
+    eng.step()
+    eng.scheduler.finish_requests([a, b], RequestStatus.FINISHED_ABORTED)
+    st = eng.scheduler.kvadmit_core.stats()
+    assert st["aborted"] == 2 and st["running"] == st["waiting"] == 0
+    assert not eng.scheduler.kvadmit_slot
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_native_free_block_queue_gives_identical_block_ids(model_dir, prefix_caching):
+    rng = random.Random(3)
+    shared = [rng.randrange(3, 1000) for _ in range(64)]   # two full blocks of shared prefix
+    reqs = [((shared if i % 2 else []) + [rng.randrange(3, 1000) for _ in range(rng.randint(16, 96))],
+             rng.randint(16, 150), None) for i in range(48)]
+    ref, ours = [], []
+    base = engine(model_dir, enable_prefix_caching=prefix_caching)
+    run(base, reqs, ref)
+    eng = engine(model_dir, {"policy": "overcommit", "native_allocator": True},
+                 enable_prefix_caching=prefix_caching)
+    assert type(eng.scheduler.kv_cache_manager.block_pool.free_block_queue).__name__ == "BlockObjectQueue"
+    run(eng, reqs, ours)
+    assert ours == ref
+    pool = eng.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    pool.free_block_queue.native.check_invariants()
+
+
+def test_bad_config_stops_start_up(model_dir):
+    with pytest.raises(ConfigError, match="policy='fast'"):
+        engine(model_dir, {"policy": "fast"})
+    with pytest.raises(ConfigError, match="unknown key 'polic'"):
+        engine(model_dir, {"polic": "peak"})
