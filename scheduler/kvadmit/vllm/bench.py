@@ -216,6 +216,11 @@ def run_one(label: str, model_dir: str, workload: list[BenchRequest], num_blocks
             ttft.append(m.first_token_latency)
             if m.num_generation_tokens > 1:
                 tpot.append((m.last_token_ts - m.first_token_ts) / (m.num_generation_tokens - 1))
+    # Shut the engine down first: its last step's count must be on disk before we read it.
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    import gc
+    gc.collect()
     computed = int(counts.read_text() or 0)
     counts.unlink()
     # Every request computes its prompt once and feeds back all but its last token.
@@ -229,10 +234,6 @@ def run_one(label: str, model_dir: str, workload: list[BenchRequest], num_blocks
         "tpot_p50_s": _pct(tpot, 0.5), "tpot_p99_s": _pct(tpot, 0.99),
         "rejected": rejected, "wrong_length": wrong, "tokens": tokens,
     }
-    engine = llm.llm_engine
-    del llm, engine
-    import gc
-    gc.collect()
     return row
 
 
@@ -254,10 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS),
                     help=f"any of {', '.join(CONFIGS)}, or name=JSON for a kvadmit config")
     ap.add_argument("--model-dir", default=os.path.expanduser("~/.cache/kvadmit/tiny-llama"))
-    ap.add_argument("--json", default=None, help="write the rows here")
-    ap.add_argument("--plot", default=None, help="write a PNG comparison here")
+    ap.add_argument("--json", default="bench/results/vllm_cpu_{workload}.json",
+                    help="write the rows here ('' to skip)")
+    ap.add_argument("--plot", default="bench/results/vllm_cpu_{workload}.png",
+                    help="write a PNG comparison here ('' to skip)")
     ap.add_argument("--keep-tokens", action="store_true", help="keep token ids in the JSON")
     args = ap.parse_args(argv)
+    args.json = args.json.format(workload=args.workload) if args.json else None
+    args.plot = args.plot.format(workload=args.workload) if args.plot else None
 
     from kvadmit.vllm.tiny_model import build_tiny_llama
     model_dir = str(build_tiny_llama(args.model_dir))
@@ -280,9 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     for i, name in enumerate(args.configs, 1):
         label, _, js = name.partition("=")
         cfg = json.loads(js) if js else CONFIGS[label]
-        print(f"[{i}/{len(args.configs)}] {label} ...", file=sys.stderr, flush=True)
+        print(f"[{i}/{len(args.configs)}] {label}: starting an engine ...", file=sys.stderr, flush=True)
         rows.append(run_one(label, model_dir, workload, args.num_blocks, args.block_size,
                             args.max_model_len, cfg, stop_early))
+        r = rows[-1]
+        print(f"[{i}/{len(args.configs)}] {label}: {r['preemptions']} preemptions, {r['steps']} steps, "
+              f"{r['wall_s']:.1f} s", file=sys.stderr, flush=True)
     base = rows[0]
     print(f"{'config':13} {'preempt':>7} {'recomp':>7} {'steps':>6} {'wall s':>7} {'tok/s':>7} "
           f"{'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'rej':>4} {'same out':>8}")

