@@ -1,9 +1,15 @@
 """Builds the compiled core, kvadmit._native, from the Cython sources in native/.
 
-Everything else (metadata, package layout) lives in pyproject.toml.
+and lays out the packages; the metadata lives in pyproject.toml.
 """
 from Cython.Build import cythonize
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
+
+# The package lives under scheduler/ (src layout); engine patches under patches/
+# install as the package kvadmit_patches.
+packages = find_packages("scheduler") + ["kvadmit_patches"] + [
+    "kvadmit_patches." + p for p in find_packages("patches")]
+package_dir = {"": "scheduler", "kvadmit_patches": "patches"}
 
 extensions = [
     Extension(
@@ -15,6 +21,8 @@ extensions = [
 ]
 
 setup(
+    packages=packages,
+    package_dir=package_dir,
     ext_modules=cythonize(
         extensions,
         compiler_directives={

@@ -11,8 +11,8 @@ import, and transformers' "is torchvision available" answer is computed
 (False) before the stub exists, so nothing else sees it. This shim is never
 used outside the tests: a real SGLang server has a real torchvision.
 
-When SGLang is not installed, this file does nothing and every test module in
-this folder skips (``pytest.importorskip("sglang")``).
+When SGLang is not installed, this file does nothing and the test modules in
+this folder are not collected (each also has ``pytest.importorskip("sglang.srt")``).
 """
 from __future__ import annotations
 
@@ -26,7 +26,23 @@ import warnings
 
 import pytest
 
-HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
+
+
+def _have_sglang() -> bool:
+    # Not find_spec("sglang"): pytest puts tests/ on sys.path, where this folder
+    # (tests/sglang, no __init__.py) is a namespace package named "sglang" when
+    # the real SGLang is absent. The real one is found through sglang.srt.
+    try:
+        return importlib.util.find_spec("sglang.srt") is not None
+    except ImportError:
+        return False
+
+
+HAVE_SGLANG = _have_sglang()
+if not HAVE_SGLANG:
+    # Do not even import the modules: each would pull this folder in as a fake
+    # "sglang" namespace package before its importorskip fires.
+    collect_ignore_glob = ["test_sglang_*.py", "sglang_harness.py"]
 _STUB_NAMES = (
     "torchvision", "torchvision.transforms", "torchvision.transforms.functional",
     "torchvision.transforms.v2", "torchvision.transforms.v2.functional",
@@ -118,13 +134,18 @@ def clean_plugins(monkeypatch):
     from kvadmit.sglang import plugin
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    targets = list(plugin.cli_hooks()) + list(plugin.engine_hooks())
+    import pkgutil
+
+    hooks_by_target = {**plugin.cli_hooks(), **plugin.engine_hooks()}
+    ours = {hook for hook, _ in hooks_by_target.values()}
     saved = []
-    for target in targets:
+    for target in hooks_by_target:
         obj_path, _, attr = target.rpartition(".")
-        import pkgutil
         obj = pkgutil.resolve_name(obj_path)
-        saved.append((obj, attr, obj.__dict__.get(attr, _MISSING)))
+        raw = obj.__dict__.get(attr, _MISSING)
+        saved.append((obj, attr, raw))
+        if raw is not _MISSING:  # run the test on SGLang's own function
+            setattr(obj, attr, _strip_kvadmit(raw, ours))
     hooks = {k: list(v) for k, v in HookRegistry._hooks.items()}
     patched = set(HookRegistry._patched)
     HookRegistry.reset()
@@ -144,6 +165,22 @@ def clean_plugins(monkeypatch):
 
 
 _MISSING = object()
+
+
+def _strip_kvadmit(raw, ours):
+    """``raw`` without the HookRegistry wrappers around kvadmit's hooks."""
+    kind = type(raw) if isinstance(raw, (classmethod, staticmethod)) else None
+    fn = raw.__func__ if kind else raw
+    while any(_cell(c) in ours for c in (getattr(fn, "__closure__", None) or ())):
+        fn = fn.__wrapped__
+    return kind(fn) if kind else fn
+
+
+def _cell(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return None
 
 
 @pytest.fixture(scope="session")

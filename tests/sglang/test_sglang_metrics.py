@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-pytest.importorskip("sglang")
+pytest.importorskip("sglang.srt")  # not "sglang": see conftest.py
 prometheus_client = pytest.importorskip("prometheus_client")
 
 from sglang.srt.managers.io_struct import GetInternalStateReqOutput  # noqa: E402

@@ -6,7 +6,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
-pytest.importorskip("sglang")
+pytest.importorskip("sglang.srt")  # not "sglang": see conftest.py
 
 import sglang.srt.plugins as plugins  # noqa: E402
 from sglang.srt.managers.schedule_batch import ScheduleBatch  # noqa: E402
@@ -84,7 +84,7 @@ def test_bad_config_in_env_stops_startup(clean_plugins, monkeypatch, text, field
 def test_missing_hook_target_raises(clean_plugins, monkeypatch):
     """An SGLang without Scheduler.get_prefill_adder_class: SGLang only logs the
     failed hook; kvadmit stops start-up and names the target and the version."""
-    monkeypatch.delattr(Scheduler, "get_prefill_adder_class")
+    del Scheduler.get_prefill_adder_class  # clean_plugins puts it back afterwards
     monkeypatch.setenv("KVADMIT_CONFIG", json.dumps({"policy": "peak"}))
     with pytest.raises(KvadmitStartupError) as info:
         plugins.load_plugins()

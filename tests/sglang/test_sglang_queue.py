@@ -5,7 +5,7 @@ from http import HTTPStatus
 
 import pytest
 
-pytest.importorskip("sglang")
+pytest.importorskip("sglang.srt")  # not "sglang": see conftest.py
 
 from sglang.srt.managers.io_struct import AbortReq  # noqa: E402
 

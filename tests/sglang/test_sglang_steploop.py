@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-pytest.importorskip("sglang")
+pytest.importorskip("sglang.srt")  # not "sglang": see conftest.py
 
 from kvadmit import AdmissionConfig  # noqa: E402
 

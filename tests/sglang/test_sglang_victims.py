@@ -3,7 +3,7 @@ the core's victim order, and SGLang's real retract_decode takes the core's
 victim first."""
 import pytest
 
-pytest.importorskip("sglang")
+pytest.importorskip("sglang.srt")  # not "sglang": see conftest.py
 
 from sglang.srt.managers.schedule_batch import ScheduleBatch  # noqa: E402
 

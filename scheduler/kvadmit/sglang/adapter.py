@@ -489,6 +489,8 @@ def unsupported_reasons(scheduler) -> list:
     mode = getattr(scheduler, "disaggregation_mode", DisaggregationMode.NULL)
     if mode != DisaggregationMode.NULL:
         reasons.append(f"prefill/decode disaggregation (mode {mode.value}) is not supported")
+    if getattr(scheduler, "enable_pdmux", False):
+        reasons.append("prefill/decode multiplexing (--enable-pdmux) is not supported")
     if getattr(scheduler, "dllm_config", None) is not None:
         reasons.append("diffusion LLMs (dllm) are not supported")
     if getattr(scheduler, "is_hybrid_swa", False):

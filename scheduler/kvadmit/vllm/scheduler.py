@@ -30,6 +30,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from kvadmit._native import AdmissionCore, BlockObjectQueue
 from kvadmit.config import AdmissionConfig, ConfigError
+from kvadmit.vllm.metrics import process_metrics
 
 logger = logging.getLogger("kvadmit.vllm")
 
@@ -152,6 +153,7 @@ class _KvadmitMixin:
         self.kvadmit_slot = {}
         self._kvadmit_rejections: list[tuple[int, EngineCoreOutput]] = []
         self.waiting = GatedWaitingQueue(self)
+        self._kvadmit_metrics = process_metrics()
         logger.info("kvadmit: policy=%s victim=%s on %d blocks of %d tokens", cfg.policy,
                     cfg.victim, pool.num_gpu_blocks - 1, self.block_size)
 
@@ -223,6 +225,8 @@ class _KvadmitMixin:
             self.running = order
         out = super().schedule(*args, **kwargs)
         core.on_step(time.monotonic())
+        if self._kvadmit_metrics is not None:
+            self._kvadmit_metrics.update(core.stats())
         return out
 
     def _preempt_request(self, request: Request, timestamp: float, *args, **kwargs) -> None:

@@ -1,0 +1,74 @@
+"""vLLM 0.32: a kvadmit rejection becomes an HTTP error before the response starts.
+
+The engine's scheduler (kvadmit.vllm) refuses a request by finishing it with
+finish_reason "abort" and stop_reason "kvadmit:<reason>". Through `vllm serve`
+that would be a 200 response with finish_reason "abort". This patch wraps
+`AsyncLLM.generate` so that such an output raises a `GracefulHTTPError` instead,
+which vLLM's OpenAI server turns into an error response: 503 Service
+Unavailable for overload (queue_full, queued_tokens_full, shed), 400 Bad
+Request for a request this server can never run (context_length, kv_capacity,
+invalid). Non-streaming responses get the status code; a streaming response has
+already started, so its client gets vLLM's error event in the stream instead.
+
+Applied in every vLLM process by the `vllm.general_plugins` entry point
+`kvadmit` (kvadmit.vllm.plugin); outputs without a kvadmit stop_reason pass
+through untouched, so it changes nothing unless kvadmit refused the request.
+"""
+from __future__ import annotations
+
+from http import HTTPStatus
+
+TARGET = "vllm.v1.engine.async_llm.AsyncLLM.generate"
+VERSIONS = ("0.32.0",)
+PREFIX = "kvadmit:"
+OVERLOAD = ("queue_full", "queued_tokens_full", "shed")
+MESSAGES = {
+    "queue_full": "the engine's waiting queue is full (kvadmit max_queued_requests); retry later",
+    "queued_tokens_full": "the engine's prefill backlog is full (kvadmit max_queued_tokens); retry later",
+    "shed": "the request was shed for a higher-priority request; retry later",
+    "context_length": "prompt tokens + max_tokens exceed the model's context length",
+    "kv_capacity": "the request needs more KV cache than this server's whole pool holds",
+    "invalid": "the request's token counts are invalid",
+}
+
+
+def rejection_reason(output) -> str | None:
+    """The kvadmit reason code if this RequestOutput is a kvadmit rejection."""
+    if not getattr(output, "finished", False) or not output.outputs:
+        return None
+    stop = output.outputs[0].stop_reason
+    if output.outputs[0].finish_reason == "abort" and isinstance(stop, str) and stop.startswith(PREFIX):
+        return stop[len(PREFIX):]
+    return None
+
+
+def error_for(reason: str):
+    from vllm.exceptions import GracefulHTTPError
+
+    status = HTTPStatus.SERVICE_UNAVAILABLE if reason in OVERLOAD else HTTPStatus.BAD_REQUEST
+    return GracefulHTTPError(f"{PREFIX}{reason}: {MESSAGES.get(reason, 'refused by kvadmit')}", status)
+
+
+def apply() -> bool:
+    """Installs the wrapper once; returns False (and does nothing) on other versions."""
+    import vllm
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    if vllm.__version__ not in VERSIONS:
+        return False
+    original = AsyncLLM.generate
+    if getattr(original, "__kvadmit_patch__", False):
+        return True
+
+    async def generate(self, *args, **kwargs):
+        async for output in original(self, *args, **kwargs):
+            reason = rejection_reason(output)
+            if reason is not None:
+                raise error_for(reason)
+            yield output
+
+    generate.__kvadmit_patch__ = True
+    generate.__wrapped__ = original
+    generate.__doc__ = original.__doc__
+    AsyncLLM.generate = generate
+    return True

@@ -1,0 +1,68 @@
+"""kvadmit's counters as Prometheus metrics of the engine-core process.
+
+vLLM's scheduler statistics cross to the API server as a msgspec struct that
+drops fields it does not know, so kvadmit does not ride on them. Its counters
+live in the engine-core process, where the scheduler runs; `vllm serve`'s
+`/metrics` shows them when Prometheus multiprocess mode is on, i.e. when
+PROMETHEUS_MULTIPROC_DIR is set before `vllm serve` starts (prometheus_client's
+documented route for several processes). Without it they stay in the engine
+process and `/metrics` does not list them. `LLM.get_metrics()` lists only the
+front end's `vllm:` metrics, so offline use reads `scheduler.kvadmit_core.stats()`.
+"""
+from __future__ import annotations
+
+_METRICS = None
+
+
+class KvadmitMetrics:
+    """Counters mirroring `AdmissionCore.stats()`, advanced by the difference."""
+
+    def __init__(self):
+        from prometheus_client import Counter, Gauge
+
+        self.admitted = Counter("kvadmit_admitted", "Requests kvadmit let start")
+        self.held = Counter("kvadmit_held", "Admission checks that held a waiting request",
+                            ["reason"])
+        self.rejected = Counter("kvadmit_rejected", "Requests refused at arrival", ["reason"])
+        self.preempted = Counter("kvadmit_preemptions", "Running requests preempted")
+        self.finished = Counter("kvadmit_finished", "Requests finished")
+        self.predicted = Counter("kvadmit_predicted_output_tokens",
+                                 "Output tokens predicted at admission, for finished requests")
+        self.actual = Counter("kvadmit_actual_output_tokens",
+                              "Output tokens actually generated, for finished requests")
+        self.waiting = Gauge("kvadmit_waiting_requests", "Requests waiting", multiprocess_mode="livesum")
+        self.last: dict = {}
+
+    def update(self, stats: dict) -> None:
+        last, self.last = self.last, stats
+
+        def delta(key, *path):
+            now, before = stats, last
+            for k in (key, *path):
+                now = now.get(k, 0) if isinstance(now, dict) else 0
+                before = before.get(k, 0) if isinstance(before, dict) else 0
+            return max(now - before, 0)
+
+        self.admitted.inc(delta("admitted"))
+        self.preempted.inc(delta("preempted"))
+        self.finished.inc(delta("finished"))
+        for reason in stats["held"]:
+            self.held.labels(reason).inc(delta("held", reason))
+        for reason in stats["rejected"]:
+            self.rejected.labels(reason).inc(delta("rejected", reason))
+        lp, lp0 = stats["length_predictions"], last.get("length_predictions", {})
+        n, n0 = lp["finished"], lp0.get("finished", 0)
+        self.predicted.inc(max(lp["mean_predicted"] * n - lp0.get("mean_predicted", 0) * n0, 0))
+        self.actual.inc(max(lp["mean_actual"] * n - lp0.get("mean_actual", 0) * n0, 0))
+        self.waiting.set(stats["waiting"])
+
+
+def process_metrics() -> KvadmitMetrics | None:
+    """The process's one set of kvadmit metrics (None without prometheus_client)."""
+    global _METRICS
+    if _METRICS is None:
+        try:
+            _METRICS = KvadmitMetrics()
+        except ImportError:
+            return None
+    return _METRICS

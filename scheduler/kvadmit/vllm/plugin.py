@@ -1,0 +1,19 @@
+"""`vllm.general_plugins` entry point: vLLM loads it in every process.
+
+It applies kvadmit's vLLM patches (see patches/README.md). They only act on
+requests kvadmit's scheduler refused, so without `--scheduler-cls
+kvadmit.vllm.Scheduler` nothing changes.
+"""
+import logging
+
+logger = logging.getLogger("kvadmit.vllm")
+
+
+def register() -> None:
+    from kvadmit_patches import vllm_http_status
+
+    if not vllm_http_status.apply():
+        import vllm
+        logger.warning("kvadmit: no HTTP status patch for vLLM %s (written for %s): refused "
+                       "requests answer 200 with finish_reason 'abort'", vllm.__version__,
+                       ", ".join(vllm_http_status.VERSIONS))
