@@ -11,7 +11,7 @@ import pytest
 def bench(model_dir, tmp_path, *args):
     out = tmp_path / "rows.json"
     cmd = [sys.executable, "-m", "kvadmit.vllm.bench", "--model-dir", model_dir, "--keep-tokens",
-           "--json", str(out), *args]
+           "--json", str(out), "--plot", "", *args]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return {r["config"]: r for r in json.loads(out.read_text())["rows"]}
@@ -20,7 +20,8 @@ def bench(model_dir, tmp_path, *args):
 @pytest.fixture(scope="module")
 def ignore_eos_rows(model_dir, tmp_path_factory):
     return bench(model_dir, tmp_path_factory.mktemp("bench"), "--workload", "synthetic",
-                 "--ignore-eos", "--requests", "48", "--num-blocks", "24", "--configs",
+                 "--ignore-eos", "--requests", "40", "--num-blocks", "24", "--max-tokens", "128",
+                 "--configs",
                  "vllm-default", "overcommit", "reserve", "peak", "predict", "adaptive",
                  'native={"policy": "overcommit", "native_allocator": true}')
 
@@ -53,7 +54,7 @@ def test_real_lengths_below_the_cap(model_dir, tmp_path):
     """Requests stop (EOS) at their real length, below max_tokens: the scheduler
     cannot know it in advance, and the adaptive policy learns it."""
     rows = bench(model_dir, tmp_path, "--workload", "synthetic", "--requests", "64",
-                 "--num-blocks", "24", "--configs", "vllm-default", "adaptive")
+                 "--num-blocks", "24", "--max-tokens", "256", "--configs", "vllm-default", "adaptive")
     for name, r in rows.items():
         assert r["wrong_length"] == 0 and r["rejected"] == {}, name
     assert rows["adaptive"]["tokens"] == rows["vllm-default"]["tokens"]

@@ -22,7 +22,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
-from kvadmit import AdmissionConfig, AdmissionCore, ConfigError, Rejection
+from kvadmit import AdmissionConfig, AdmissionCore, Rejection
 
 logger = logging.getLogger("kvadmit.sglang")
 

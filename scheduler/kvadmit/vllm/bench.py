@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
+from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
@@ -34,12 +35,33 @@ from kvadmit._native import POLICIES
 from kvadmit.vllm.scheduler import KvadmitAsyncScheduler, KvadmitScheduler
 
 COUNTS_ENV = "KVADMIT_BENCH_COUNTS"
+EXPECT_ENV = "KVADMIT_BENCH_EXPECT"
 
 
 class _CountsScheduledTokens:
-    """Bench-only: adds up the tokens each step schedules (prompts, recomputation
-    after preemption, decodes) and writes the total to $KVADMIT_BENCH_COUNTS,
-    since vLLM's own metrics do not count recomputed tokens."""
+    """Bench-only scheduler additions:
+
+    - adds up the tokens each step schedules (prompts, recomputation after
+      preemption, decodes) and writes the total to $KVADMIT_BENCH_COUNTS, since
+      vLLM's own metrics do not count recomputed tokens;
+    - holds the first step until $KVADMIT_BENCH_EXPECT requests have arrived, so
+      the whole workload is queued before anything runs (a burst) and two runs of
+      the same workload schedule identically, whatever the timing of arrivals.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._bench_expect = int(os.environ.get(EXPECT_ENV, "0"))
+        self._bench_seen = 0
+        if self._bench_expect:
+            self.set_pause_state(PauseState.PAUSED_ALL)
+
+    def add_request(self, request):
+        out = super().add_request(request)
+        self._bench_seen += 1
+        if self._bench_expect and self._bench_seen == self._bench_expect:
+            self.set_pause_state(PauseState.UNPAUSED)
+        return out
 
     def schedule(self, *args, **kwargs):
         out = super().schedule(*args, **kwargs)
@@ -181,6 +203,7 @@ def run_one(label: str, model_dir: str, workload: list[BenchRequest], num_blocks
     import tempfile
     counts = pathlib.Path(tempfile.mkstemp(prefix="kvadmit-bench-")[1])
     os.environ[COUNTS_ENV] = str(counts)
+    os.environ[EXPECT_ENV] = str(len(workload))
     kwargs = dict(scheduler_cls="kvadmit.vllm.bench.CountingScheduler")
     if kvadmit is not None:
         kwargs["additional_config"] = {"kvadmit": kvadmit}
