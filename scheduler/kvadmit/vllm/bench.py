@@ -196,7 +196,7 @@ def _metric(metrics, name):
 
 def run_one(label: str, model_dir: str, workload: list[BenchRequest], num_blocks: int,
             block_size: int, max_model_len: int, kvadmit: dict | None, stop_early: bool,
-            max_num_seqs: int = 64) -> dict:
+            max_num_seqs: int = 64, dtype: str = "float32") -> dict:
     """One engine, one generate call; returns the row of numbers for `label`."""
     from vllm import LLM, SamplingParams
 
@@ -207,7 +207,7 @@ def run_one(label: str, model_dir: str, workload: list[BenchRequest], num_blocks
     kwargs = dict(scheduler_cls="kvadmit.vllm.bench.CountingScheduler")
     if kvadmit is not None:
         kwargs["additional_config"] = {"kvadmit": kvadmit}
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", block_size=block_size,
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=dtype, block_size=block_size,
               num_gpu_blocks_override=num_blocks, max_model_len=max_model_len,
               max_num_seqs=max_num_seqs, enforce_eager=True, seed=0, gpu_memory_utilization=0.3,
               disable_log_stats=False, enable_prefix_caching=False,
@@ -277,7 +277,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="every request runs to max_tokens (no early stop)")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS),
                     help=f"any of {', '.join(CONFIGS)}, or name=JSON for a kvadmit config")
-    ap.add_argument("--model-dir", default=os.path.expanduser("~/.cache/kvadmit/tiny-llama"))
+    ap.add_argument("--model-dir", default=os.path.expanduser("~/.cache/kvadmit/tiny-llama"),
+                    help="where the tiny random-weight Llama is built (if missing)")
+    ap.add_argument("--model", default=None,
+                    help="use this local model instead of the tiny one (its eos id must be 2 "
+                         "for real-length stops, or pass --ignore-eos)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--json", default="bench/results/vllm_cpu_{workload}.json",
                     help="write the rows here ('' to skip)")
     ap.add_argument("--plot", default="bench/results/vllm_cpu_{workload}.png",
@@ -288,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     args.plot = args.plot.format(workload=args.workload) if args.plot else None
 
     from kvadmit.vllm.tiny_model import build_tiny_llama
-    model_dir = str(build_tiny_llama(args.model_dir))
+    model_dir = args.model or str(build_tiny_llama(args.model_dir))
     stop_early = not args.ignore_eos
     if args.workload == "synthetic":
         workload = synthetic_workload(args.requests, args.max_model_len, args.max_tokens,
@@ -310,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = json.loads(js) if js else CONFIGS[label]
         print(f"[{i}/{len(args.configs)}] {label}: starting an engine ...", file=sys.stderr, flush=True)
         rows.append(run_one(label, model_dir, workload, args.num_blocks, args.block_size,
-                            args.max_model_len, cfg, stop_early))
+                            args.max_model_len, cfg, stop_early, args.max_num_seqs, args.dtype))
         r = rows[-1]
         print(f"[{i}/{len(args.configs)}] {label}: {r['preemptions']} preemptions, {r['steps']} steps, "
               f"{r['wall_s']:.1f} s", file=sys.stderr, flush=True)
