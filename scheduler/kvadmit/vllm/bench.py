@@ -267,10 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvadmit bench vllm", description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=("synthetic", "azure"), default="azure")
     ap.add_argument("--trace", default=None, help="Azure CSV (default: ../shared/traces/azure2023_conv.csv)")
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--num-blocks", type=int, default=24)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--num-blocks", type=int, default=33)
     ap.add_argument("--block-size", type=int, default=32)
-    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-tokens", type=int, default=2048,
                     help="the cap requests carry (azure: scaled like the lengths)")
     ap.add_argument("--ignore-eos", action="store_true",
