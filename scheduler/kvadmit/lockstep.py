@@ -13,7 +13,7 @@ A request is (arrival step, prompt tokens, max_new tokens, true output length).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from kvadmit._native import AdmissionCore, BlockAllocator
 from kvadmit.config import AdmissionConfig
@@ -134,6 +134,3 @@ def run_lockstep(config: AdmissionConfig, requests: Sequence[Request], num_block
                            f"{core.num_waiting} waiting and {core.num_running} running")
     return out
 
-
-def requests_from_lengths(rows: Iterable[tuple[int, int, int, int]]) -> list[Request]:
-    return [Request(*row) for row in rows]

@@ -269,9 +269,6 @@ class _KvadmitMixin:
         # Pending rejections keep the engine stepping until their outputs are sent.
         return bool(self._kvadmit_rejections) or super().has_finished_requests()
 
-    def kvadmit_stats(self) -> dict:
-        return self.kvadmit_core.stats()
-
 
 class KvadmitScheduler(_KvadmitMixin, VllmScheduler):
     """vLLM's Scheduler with kvadmit admission (synchronous scheduling)."""
