@@ -20,7 +20,8 @@ def bench(model_dir, tmp_path, *args):
 @pytest.fixture(scope="module")
 def ignore_eos_rows(model_dir, tmp_path_factory):
     return bench(model_dir, tmp_path_factory.mktemp("bench"), "--workload", "synthetic",
-                 "--ignore-eos", "--requests", "40", "--num-blocks", "24", "--max-tokens", "128",
+                 "--ignore-eos", "--requests", "40", "--num-blocks", "24", "--max-model-len", "512",
+                 "--max-tokens", "128",
                  "--configs",
                  "vllm-default", "overcommit", "reserve", "peak", "predict", "adaptive",
                  'native={"policy": "overcommit", "native_allocator": true}')
@@ -54,7 +55,8 @@ def test_real_lengths_below_the_cap(model_dir, tmp_path):
     """Requests stop (EOS) at their real length, below max_tokens: the scheduler
     cannot know it in advance, and the adaptive policy learns it."""
     rows = bench(model_dir, tmp_path, "--workload", "synthetic", "--requests", "64",
-                 "--num-blocks", "24", "--max-tokens", "256", "--configs", "vllm-default", "adaptive")
+                 "--num-blocks", "24", "--max-model-len", "512", "--max-tokens", "256",
+                 "--configs", "vllm-default", "adaptive")
     for name, r in rows.items():
         assert r["wrong_length"] == 0 and r["rejected"] == {}, name
     assert rows["adaptive"]["tokens"] == rows["vllm-default"]["tokens"]
