@@ -42,6 +42,25 @@ def test_factory_picks_the_flavour(model_dir):
     assert type(engine(model_dir, {}, async_scheduling=True).scheduler) is KvadmitAsyncScheduler
 
 
+def test_async_flavour_runs_and_passes_through(model_dir):
+    """The AsyncScheduler flavour (GPUs default to async scheduling), driven one
+    step at a time: pass-through equals vLLM's AsyncScheduler, peak never preempts."""
+    reqs = workload(48)
+    ref, ours = [], []
+    base = engine(model_dir, async_scheduling=True)
+    run(base, reqs, ref)
+    eng = engine(model_dir, {"policy": "overcommit"}, async_scheduling=True)
+    run(eng, reqs, ours)
+    assert type(base.scheduler).__name__ == "AsyncScheduler" and base.log.preemptions > 0
+    assert ours == ref and eng.log.outputs == base.log.outputs
+    peak = engine(model_dir, {"policy": "peak"}, async_scheduling=True)
+    ids = run(peak, reqs)
+    assert peak.log.preemptions == 0
+    assert all(len(peak.log.outputs[r]) == m for r, (_, m, _) in zip(ids, reqs))
+    pool = peak.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
 def test_overcommit_lifo_is_a_pass_through(model_dir):
     reqs = workload()
     ref, ours = [], []

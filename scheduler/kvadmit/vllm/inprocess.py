@@ -42,6 +42,7 @@ class InProcessEngine:
                  enable_prefix_caching: bool = False, async_scheduling: bool = False,
                  scheduling_policy: str = "fcfs"):
         global _hash_ready
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 
         args = EngineArgs(model=model_dir, skip_tokenizer_init=True, dtype="float32",
@@ -59,7 +60,7 @@ class InProcessEngine:
             num_blocks=num_blocks, kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(
                 block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.float32))])
-        cls = scheduler_cls or VllmScheduler
+        cls = scheduler_cls or (VllmAsyncScheduler if async_scheduling else VllmScheduler)
         self.scheduler = cls(vllm_config=self.vllm_config, kv_cache_config=kv_cache_config,
                              structured_output_manager=StructuredOutputManager(self.vllm_config),
                              block_size=block_size, log_stats=True)
