@@ -66,3 +66,43 @@ def process_metrics() -> KvadmitMetrics | None:
         except ImportError:
             return None
     return _METRICS
+
+
+class _EngineSeriesBridge:
+    """Prometheus collector: the kvadmit series written by other processes (engine
+    cores) in multiprocess mode, renamed `vllm:kvadmit_*` for `LLM.get_metrics()`."""
+
+    def __init__(self, path: str):
+        self._path = path
+
+    def collect(self):
+        from prometheus_client.metrics_core import Metric
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        for family in MultiProcessCollector(None, path=self._path).collect():
+            if not family.name.startswith("kvadmit_"):
+                continue
+            renamed = Metric("vllm:" + family.name, family.documentation, family.type)
+            for sample in family.samples:
+                renamed.add_sample("vllm:" + sample.name, sample.labels, sample.value)
+            yield renamed
+
+
+_BRIDGED = False
+
+
+def register_bridge() -> bool:
+    """Adds the bridge to this process's default registry once, in multiprocess mode."""
+    global _BRIDGED
+    import os
+
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if _BRIDGED or not path:
+        return _BRIDGED
+    try:
+        from prometheus_client import REGISTRY
+    except ImportError:
+        return False
+    REGISTRY.register(_EngineSeriesBridge(path))
+    _BRIDGED = True
+    return True

@@ -1,8 +1,10 @@
 """`vllm.general_plugins` entry point: vLLM loads it in every process.
 
-It applies kvadmit's vLLM patches (see patches/README.md). They only act on
-requests kvadmit's scheduler refused, so without `--scheduler-cls
-kvadmit.vllm.Scheduler` nothing changes.
+It applies kvadmit's vLLM patches (see patches/README.md), which only act on
+requests kvadmit's scheduler refused, and, in Prometheus multiprocess mode,
+makes the engine's kvadmit counters visible to `LLM.get_metrics()`
+(kvadmit.vllm.metrics). Without `--scheduler-cls kvadmit.vllm.Scheduler`
+nothing changes.
 """
 import logging
 
@@ -12,6 +14,9 @@ logger = logging.getLogger("kvadmit.vllm")
 def register() -> None:
     from kvadmit_patches import vllm_http_status
 
+    from kvadmit.vllm.metrics import register_bridge
+
+    register_bridge()
     if not vllm_http_status.apply():
         import vllm
         logger.warning("kvadmit: no HTTP status patch for vLLM %s (written for %s): refused "
