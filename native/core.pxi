@@ -317,10 +317,7 @@ cdef class AdmissionCore:
             c.steps = self._worst_steps(s) + self._prefill_extra_steps(s)
             return peak_blocks_sorted(NULL, 0, &c, self.block_size, self.num_blocks,
                                       self._fen) <= self.num_blocks
-        if self._policy == P_OVERCOMMIT:
-            return True
-        if self._policy == P_PREDICT:
-            return True  # its rule compares against free tokens: see _decide
+        # peak / adaptive (_decide settles overcommit and predict itself)
         self._ensure_profile()
         c = self._curve(s)
         return peak_blocks_sorted(self._profile.data(), self._profile.size(), &c,

@@ -40,11 +40,10 @@ def cmd_lockstep(args: argparse.Namespace) -> int:
 
     base = AdmissionConfig.from_json(args.config) if args.config else AdmissionConfig()
     trace = scale_rate(load_trace(args.trace, limit=args.requests), args.rate)
-    reqs, too_long = [], 0
+    reqs = []
     for r in trace:
+        # Requests over max_model_len stay in: the core refuses them (context_length).
         m = max_tokens_for(r, args.max_tokens_rule, args.max_tokens, args.max_model_len)
-        if r.prompt_tokens + m > args.max_model_len:
-            too_long += 1  # the core rejects these as context_length; keep them to count it
         reqs.append(Request(int(r.arrival_s * 1000 / args.step_ms), r.prompt_tokens, m,
                             r.output_tokens))
     print(f"{len(reqs)} requests from {args.trace} at x{args.rate} rate; max_tokens rule "

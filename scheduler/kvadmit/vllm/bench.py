@@ -33,6 +33,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
 from kvadmit._native import POLICIES
 from kvadmit.vllm.scheduler import KvadmitAsyncScheduler, KvadmitScheduler
+from kvadmit.vllm.tiny_model import EOS_TOKEN_ID
 
 COUNTS_ENV = "KVADMIT_BENCH_COUNTS"
 EXPECT_ENV = "KVADMIT_BENCH_EXPECT"
@@ -101,7 +102,6 @@ class CountingScheduler:
             impl = CountingKvadmitScheduler if ours else CountingVllmScheduler
         return impl(*args, **kwargs)
 
-EOS_TOKEN_ID = 2            # the tiny model's eos (kvadmit.vllm.tiny_model)
 STOP_AT_KEY = "kvadmit_stop_at"
 
 

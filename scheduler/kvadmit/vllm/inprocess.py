@@ -21,8 +21,9 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from kvadmit.vllm.tiny_model import EOS_TOKEN_ID
+
 _hash_ready = False
-EOS_TOKEN_ID = 2
 
 
 @dataclass

@@ -210,14 +210,16 @@ class _KvadmitMixin:
             slot = self.kvadmit_slot.get(req.request_id)
             if slot is None:
                 continue
-            if core.state(slot) == "waiting":   # started outside the gate (KV-holding queue)
-                core.admit(slot, time.monotonic())
             prompt = req.num_prompt_tokens
             gen = max(req.num_tokens - prompt, req.num_computed_tokens - prompt, 0)
             slots.append(slot)
             generated.append(gen)
             computed.append(min(req.num_computed_tokens, prompt + gen))
             by_slot[slot] = req
+        if core.num_running < len(slots):   # started outside the gate (KV-holding queue)
+            for slot in slots:
+                if core.state(slot) == "waiting":
+                    core.admit(slot, time.monotonic())
         core.update_many(slots, computed, generated)
         # vLLM preempts running[-1] first: put the core's victim order in place.
         order = [by_slot[s] for s in core.victim_order() if s in by_slot]

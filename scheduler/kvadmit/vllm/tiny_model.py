@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+EOS_TOKEN_ID = 2
 TINY_LLAMA = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096)
 
@@ -22,7 +23,8 @@ def build_tiny_llama(path: str | pathlib.Path, seed: int = 0) -> pathlib.Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**TINY_LLAMA, torch_dtype="float32", bos_token_id=1, eos_token_id=2)
+    cfg = LlamaConfig(**TINY_LLAMA, torch_dtype="float32", bos_token_id=1,
+                      eos_token_id=EOS_TOKEN_ID)
     LlamaForCausalLM(cfg).save_pretrained(path)
     marker.write_text(json.dumps({"seed": seed, **TINY_LLAMA}))
     return path
