@@ -6,12 +6,14 @@ benchmarks all drive this one module."""
 from cpython.long cimport PyLong_AsLongLong, PyLong_CheckExact
 from cpython.object cimport PyObject, Py_TYPE
 from cython.operator cimport dereference as deref, preincrement as inc
-from libc.math cimport ceil, isfinite
+from libc.math cimport ceil, isfinite, INFINITY
+from libc.stdlib cimport llabs
 from libc.stdint cimport int32_t, int64_t, uint64_t, INT64_MAX
 from libcpp.algorithm cimport sort
 from libcpp.deque cimport deque
 from libcpp.map cimport map as cmap
 from libcpp.pair cimport pair
+from libcpp.queue cimport priority_queue
 from libcpp.unordered_map cimport unordered_map
 from libcpp.vector cimport vector
 
@@ -20,6 +22,7 @@ include "allocator.pxi"
 include "curves.pxi"
 include "length_model.pxi"
 include "core.pxi"
+include "sim.pxi"
 
 COMPILED = True
 """Set only by the compiled module (tests check it is a real extension)."""

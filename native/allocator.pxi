@@ -79,6 +79,19 @@ cdef class BlockAllocator:
         self._ref[b] += 1
         return 0
 
+    cdef int32_t c_cache(self, int32_t b, uint64_t h) noexcept nogil:
+        """`cache` unchecked: b (used) now holds hash h, unless another block
+        already does (then that block's id is returned and b stays uncached)."""
+        if self._has_hash[b]:
+            return b
+        cdef int32_t existing = self.c_lookup(h)
+        if existing >= 0:
+            return existing
+        self._hash[b] = h
+        self._has_hash[b] = 1
+        self._cached[h] = b
+        return b
+
     cdef inline int32_t c_lookup(self, uint64_t h) noexcept nogil:
         cdef unordered_map[uint64_t, int32_t].iterator it = self._cached.find(h)
         if it == self._cached.end():

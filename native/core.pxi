@@ -14,7 +14,8 @@ STATES = ("free", "waiting", "running")
 POLICIES = ("overcommit", "reserve", "peak", "predict", "adaptive")
 VICTIMS = ("lifo", "priority", "lcf", "length")
 DECISIONS = ("admit", "hold_blocks", "hold_capacity")
-REJECT_REASONS = ("queue_full", "queued_tokens_full", "context_length", "kv_capacity", "shed")
+REJECT_REASONS = ("queue_full", "queued_tokens_full", "context_length", "kv_capacity", "shed",
+                  "queue_delay")
 
 cdef enum:  # indexes into POLICIES
     P_OVERCOMMIT = 0
@@ -40,6 +41,7 @@ cdef enum:  # indexes into REJECT_REASONS
     R_CONTEXT = 2
     R_KV_CAPACITY = 3
     R_SHED = 4
+    R_QUEUE_DELAY = 5
 
 ctypedef pair[int64_t, int64_t] QKey  # (order key, arrival seq); smaller is served first
 
@@ -129,7 +131,7 @@ cdef class AdmissionCore:
     cdef int64_t _pr_clip, _pr_retract_steps
     cdef double _aq_base, _aq_max, _aq_target
     cdef int64_t _aq_interval
-    cdef double _retry_default, _retry_max, _drain_window
+    cdef double _retry_default, _retry_max, _drain_window, _max_q_delay
     # ledger, indexed by slot
     cdef vector[int64_t] _prompt, _cached, _computed, _generated, _max_new
     cdef vector[int64_t] _priority, _arrival, _admit_seq, _admit_step, _blocks, _pred_total
@@ -160,7 +162,7 @@ cdef class AdmissionCore:
     # counters
     cdef int64_t _n_arrived, _n_admitted, _n_preempted, _n_finished, _n_aborted
     cdef int64_t _held[3]
-    cdef int64_t _rejected[5]
+    cdef int64_t _rejected[6]
     cdef int64_t _n_len_obs
     cdef double _len_abs_err, _len_pred_sum, _len_actual_sum
 
@@ -197,6 +199,7 @@ cdef class AdmissionCore:
         self._retry_default = config.retry_after_default_s
         self._retry_max = config.retry_after_max_s
         self._drain_window = config.drain_window_s
+        self._max_q_delay = config.max_queue_delay_s
         self._lengths = OutputLengthModel(
             config.adaptive_bucket_tokens,
             max_model_len if max_model_len > 0 else num_blocks * block_size,
@@ -214,7 +217,7 @@ cdef class AdmissionCore:
         cdef int i
         for i in range(3):
             self._held[i] = 0
-        for i in range(5):
+        for i in range(6):
             self._rejected[i] = 0
         self._len_abs_err = self._len_pred_sum = self._len_actual_sum = 0.0
         self._seen_time = False
@@ -416,27 +419,48 @@ cdef class AdmissionCore:
             self._t_first = now
             self._seen_time = True
 
-    cdef object _retry_after(self, double excess_reqs, double excess_tokens, double now):
-        """Seconds until the observed admission rate drains the excess (None: cannot drain)."""
+    cdef bint _drain_rates(self, double now, double* reqs_per_s, double* tokens_per_s):
+        """Admissions and their prefill tokens per second over the drain window
+        (False: none observed yet)."""
         cdef double horizon = now - self._drain_window
         while not self._drain.empty() and self._drain.front().first < horizon:
             self._drain.pop_front()
         cdef double span = now - (self._t_first if self._t_first > horizon else horizon)
-        cdef double n = self._drain.size()
         cdef double toks = 0.0
         cdef size_t i
         for i in range(self._drain.size()):
             toks += self._drain[i].second
-        if span <= 0.0 or n == 0.0:
+        if span <= 0.0 or self._drain.empty():
+            return False
+        reqs_per_s[0] = self._drain.size() / span
+        tokens_per_s[0] = toks / span
+        return True
+
+    cdef object _retry_after(self, double excess_reqs, double excess_tokens, double now):
+        """Seconds until the observed admission rate drains the excess (None: cannot drain)."""
+        cdef double rr, rt
+        if not self._drain_rates(now, &rr, &rt):
             return self._retry_default
         cdef double wait = 0.0
         if excess_reqs > 0:
-            wait = excess_reqs / (n / span)
-        if excess_tokens > 0 and toks > 0:
-            wait = max(wait, excess_tokens / (toks / span))
+            wait = excess_reqs / rr
+        if excess_tokens > 0 and rt > 0:
+            wait = max(wait, excess_tokens / rt)
         elif excess_tokens > 0:
             wait = max(wait, self._retry_default)
         return min(max(wait, 0.0), self._retry_max)
+
+    cdef double _predicted_delay(self, int64_t queued, double now):
+        """Queueing delay a new arrival would see: the waiting requests (and their
+        prefill tokens) ahead of it, plus itself, at the recent admission rate
+        (0 when the queue is empty or no rate is known yet)."""
+        cdef double rr, rt, wait
+        if self._waiting.empty() or not self._drain_rates(now, &rr, &rt):
+            return 0.0
+        wait = (self._waiting.size() + 1) / rr
+        if rt > 0:
+            wait = max(wait, (self._queued_tokens + queued) / rt)
+        return wait
 
     cdef Rejection _reject(self, int code, str message, str limit, object value, object retry):
         self._rejected[code] += 1
@@ -499,6 +523,17 @@ cdef class AdmissionCore:
                 R_QUEUED_TOKENS,
                 f"prompt needs {queued} tokens of prefill, more than max_queued_tokens="
                 f"{self._max_q_tokens}", "max_queued_tokens", self._max_q_tokens, None), [])
+        cdef double delay
+        if self._max_q_delay > 0:
+            delay = self._predicted_delay(queued, now)
+            if delay > self._max_q_delay:
+                self._release(s)
+                return ArrivalResult(False, -1, self._reject(
+                    R_QUEUE_DELAY,
+                    f"predicted queueing delay {delay:.3g} s ({self._waiting.size()} requests and "
+                    f"{self._queued_tokens} prompt tokens waiting) exceeds max_queue_delay_s="
+                    f"{self._max_q_delay:g}", "max_queue_delay_s", self._max_q_delay,
+                    min(delay - self._max_q_delay, self._retry_max)), [])
         cdef list shed = []
         cdef int64_t over_reqs = 0, over_tokens = 0
         if self._max_q_reqs > 0:
@@ -604,8 +639,10 @@ cdef class AdmissionCore:
         self._check_slot(slot, ST_WAITING)
         if not isfinite(now):
             raise ValueError(f"now={now}: must be a finite number of seconds")
+        self._admit(<int32_t>slot, now)
+
+    cdef void _admit(self, int32_t s, double now) noexcept:
         self._note_time(now)
-        cdef int32_t s = <int32_t>slot
         cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
         while deref(it).second != s:
             self._bypassed[deref(it).second] += 1
@@ -669,6 +706,13 @@ cdef class AdmissionCore:
             self._dirty()
         return 0
 
+    cdef void _progress(self, int32_t s, int64_t computed_tokens, int64_t generated_tokens) noexcept nogil:
+        """`update` for a running request, unchecked (the native engine's hot path)."""
+        self._computed[s] = computed_tokens
+        self._generated[s] = generated_tokens
+        self._profile_dirty = True
+        self._offsets_dirty = True
+
     def update_many(self, slots, computed_tokens, generated_tokens):
         """`update` for many requests at once (one call per engine step)."""
         cdef Py_ssize_t i, n = len(slots)
@@ -696,6 +740,9 @@ cdef class AdmissionCore:
 
     def on_step(self, double now=0.0):
         """Once per engine step, after its preemptions: advances the predict ratio."""
+        self._on_step()
+
+    cdef void _on_step(self) noexcept nogil:
         self._step += 1
         if self._running.empty() and self._waiting.empty():
             self._ratio = self._pr_init
@@ -708,7 +755,9 @@ cdef class AdmissionCore:
         """Commits: a running request gives its memory back and waits again
         (recompute: its KV is gone, its output so far is kept)."""
         self._check_slot(slot, ST_RUNNING)
-        cdef int32_t s = <int32_t>slot
+        self._preempt(<int32_t>slot)
+
+    cdef void _preempt(self, int32_t s) noexcept nogil:
         self._run_remove(s)
         self._computed[s] = 0
         self._cached[s] = 0
@@ -729,11 +778,13 @@ cdef class AdmissionCore:
     def finish(self, int64_t slot, double now=0.0):
         """A running request is done; its output length feeds the length model."""
         self._check_slot(slot, ST_RUNNING)
-        cdef int32_t s = <int32_t>slot
+        self._finish(<int32_t>slot)
+
+    cdef void _finish(self, int32_t s) noexcept nogil:
         self._run_remove(s)
         self._lengths.c_observe(self._generated[s])
         self._n_len_obs += 1
-        self._len_abs_err += abs(self._pred_total[s] - self._generated[s])
+        self._len_abs_err += llabs(self._pred_total[s] - self._generated[s])
         self._len_pred_sum += self._pred_total[s]
         self._len_actual_sum += self._generated[s]
         self._n_finished += 1
@@ -767,6 +818,9 @@ cdef class AdmissionCore:
 
     def victim(self):
         """The running request to preempt first, or -1."""
+        return self._victim_slot()
+
+    cdef int32_t _victim_slot(self) noexcept nogil:
         if self._running.empty():
             return -1
         cdef VictimKey best = self._victim_key(self._running[0])
@@ -863,7 +917,7 @@ cdef class AdmissionCore:
             "preempted": self._n_preempted, "finished": self._n_finished,
             "aborted": self._n_aborted,
             "held": {DECISIONS[i]: self._held[i] for i in (1, 2)},
-            "rejected": {REJECT_REASONS[i]: self._rejected[i] for i in range(5)},
+            "rejected": {REJECT_REASONS[i]: self._rejected[i] for i in range(6)},
             "waiting": self._waiting.size(), "running": self._running.size(),
             "queued_tokens": self._queued_tokens,
             "new_token_ratio": self._ratio, "quantile": self._quantile,

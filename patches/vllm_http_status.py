@@ -5,7 +5,7 @@ finish_reason "abort" and stop_reason "kvadmit:<reason>". Through `vllm serve`
 that would be a 200 response with finish_reason "abort". This patch wraps
 `AsyncLLM.generate` so that such an output raises a `GracefulHTTPError` instead,
 which vLLM's OpenAI server turns into an error response: 503 Service
-Unavailable for overload (queue_full, queued_tokens_full, shed), 400 Bad
+Unavailable for overload (queue_full, queued_tokens_full, queue_delay, shed), 400 Bad
 Request for a request this server can never run (context_length, kv_capacity,
 invalid). Non-streaming responses get the status code; a streaming response has
 already started, so its client gets vLLM's error event in the stream instead.
@@ -21,10 +21,11 @@ from http import HTTPStatus
 TARGET = "vllm.v1.engine.async_llm.AsyncLLM.generate"
 VERSIONS = ("0.32.0",)
 PREFIX = "kvadmit:"
-OVERLOAD = ("queue_full", "queued_tokens_full", "shed")
+OVERLOAD = ("queue_full", "queued_tokens_full", "queue_delay", "shed")
 MESSAGES = {
     "queue_full": "the engine's waiting queue is full (kvadmit max_queued_requests); retry later",
     "queued_tokens_full": "the engine's prefill backlog is full (kvadmit max_queued_tokens); retry later",
+    "queue_delay": "the predicted wait in the engine's queue exceeds kvadmit max_queue_delay_s; retry later",
     "shed": "the request was shed for a higher-priority request; retry later",
     "context_length": "prompt tokens + max_tokens exceed the model's context length",
     "kv_capacity": "the request needs more KV cache than this server's whole pool holds",

@@ -120,3 +120,21 @@ def test_slot_misuse_is_an_error():
     core.abort(s)
     with pytest.raises(KeyError):
         core.abort(s)
+
+
+def test_queue_delay_cap_from_the_admission_rate():
+    core = make_core("overcommit", num_blocks=1000, max_queue_delay_s=2.0, drain_window_s=100)
+    # No admission seen yet: no rate, so no prediction and no refusal.
+    for _ in range(5):
+        assert core.arrive(8, 4, now=0.0).accepted
+    for t in (1.0, 2.0, 3.0, 4.0):                        # 4 admissions, 32 prompt tokens, in 4 s
+        core.admit(core.waiting()[0], t)
+    # 1 waiting + the arrival at 1 request/s and 8 tokens/s: 2 s, not over the cap.
+    assert core.arrive(8, 4, now=4.0).accepted
+    res = core.arrive(8, 4, now=4.0)                      # 3 requests ahead of nothing: 3 s
+    assert not res.accepted and res.rejection.reason == "queue_delay"
+    assert res.rejection.limit == "max_queue_delay_s" and res.rejection.retry_after_s == pytest.approx(1.0)
+    assert "predicted queueing delay 3 s" in res.rejection.message
+    # A long prompt is judged on its prefill tokens too: (16 + 40) tokens at 8/s = 7 s.
+    assert core.arrive(40, 4, now=4.0).rejection.reason == "queue_delay"
+    assert core.stats()["rejected"]["queue_delay"] == 2

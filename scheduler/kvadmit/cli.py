@@ -6,6 +6,9 @@
     kvadmit bench vllm [--workload azure|synthetic] ...
         vLLM's real engine (CPU build) on a tiny local model: vLLM's scheduler
         against every kvadmit policy on one workload (see kvadmit.vllm.bench).
+    kvadmit simulate --trace ../shared/traces/azure2023_conv.csv --preset h100-8b --load 1.5
+        Replays a workload through every policy on a virtual clock, on the native
+        engine model or vLLM's real scheduler (kvadmit.simulate).
     kvadmit config
         Prints the configuration keys with their defaults and ranges.
 """
@@ -104,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_lockstep)
 
     sub.add_parser("bench", help="`kvadmit bench vllm --help`: real-engine benchmark")
+
+    from kvadmit.simulate.cli import add_parser as add_simulate
+    add_simulate(sub)
 
     p = sub.add_parser("config", help="print the configuration keys")
     p.set_defaults(fn=cmd_config)

@@ -58,6 +58,9 @@ class AdmissionConfig:
         0, 1_000_000_000, "refuse arrivals beyond this many waiting requests (0: no cap)"))
     max_queued_tokens: int = field(default=0, metadata=_int(
         0, 10**15, "refuse arrivals beyond this many prompt tokens waiting for prefill (0: no cap)"))
+    max_queue_delay_s: float = field(default=0.0, metadata=_float(
+        0.0, 86400.0, "refuse arrivals whose predicted queueing delay (requests and prompt tokens "
+        "waiting, at the admission rate of the last drain_window_s) exceeds this (0: no cap)"))
     shed_lower_priority: bool = field(default=False, metadata=_bool(
         "when a cap is hit, evict strictly lower-priority waiting requests instead of refusing"))
     prefill_chunk_tokens: int = field(default=0, metadata=_int(

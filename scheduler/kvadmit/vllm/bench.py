@@ -37,6 +37,7 @@ from kvadmit.vllm.tiny_model import EOS_TOKEN_ID
 
 COUNTS_ENV = "KVADMIT_BENCH_COUNTS"
 EXPECT_ENV = "KVADMIT_BENCH_EXPECT"
+STEP_TIMES_ENV = "KVADMIT_BENCH_STEP_TIMES"
 
 
 class _CountsScheduledTokens:
@@ -87,6 +88,47 @@ class CountingKvadmitScheduler(_CountsScheduledTokens, KvadmitScheduler):
 
 class CountingKvadmitAsyncScheduler(_CountsScheduledTokens, KvadmitAsyncScheduler):
     """kvadmit's async scheduler, counting scheduled tokens."""
+
+
+class _TimesSteps:
+    """Bench-only: times the real engine's steps from inside the scheduler
+    (bench/fit_cpu_step_time.py).
+
+    At the start of each schedule() call, appends one line for the PREVIOUS
+    step (if it scheduled any tokens) to $KVADMIT_BENCH_STEP_TIMES:
+    `interval_s tokens context requests schedule_s start_s`, where interval_s
+    is the wall time from the previous schedule() call's start to this one's
+    (that step's scheduling, model forward and update_from_output, run serially
+    without async scheduling), tokens is its total scheduled tokens, context
+    the sum over its scheduled requests of num_computed_tokens after the step
+    (the KV length attention reads), requests how many it scheduled,
+    schedule_s how long its schedule() took and start_s its start on
+    time.perf_counter()'s clock (CLOCK_MONOTONIC on Linux: comparable with
+    the parent process's).
+    """
+
+    def schedule(self, *args, **kwargs):
+        now = time.perf_counter()
+        prev = getattr(self, "_bench_prev", None)
+        if prev is not None:
+            if not hasattr(self, "_bench_times"):
+                path = os.environ.get(STEP_TIMES_ENV)
+                self._bench_times = open(path, "a", buffering=1) if path else None
+            if self._bench_times is not None:
+                self._bench_times.write(f"{now - prev[0]:.9f} {prev[1]} {prev[2]} {prev[3]} "
+                                        f"{prev[4]:.9f} {prev[0]:.9f}\n")
+        out = super().schedule(*args, **kwargs)
+        if out.total_num_scheduled_tokens:
+            context = sum(self.requests[r].num_computed_tokens for r in out.num_scheduled_tokens)
+            self._bench_prev = (now, out.total_num_scheduled_tokens, context,
+                                len(out.num_scheduled_tokens), time.perf_counter() - now)
+        else:
+            self._bench_prev = None
+        return out
+
+
+class TimingVllmScheduler(_TimesSteps, _CountsScheduledTokens, VllmScheduler):
+    """vLLM's own (sync) Scheduler, counting scheduled tokens and timing steps."""
 
 
 class CountingScheduler:

@@ -1,0 +1,547 @@
+# The simulator's native engine: continuous batching on a virtual clock.
+#
+# A model of vLLM V1's step loop, driven by the same AdmissionCore the engine
+# adapters use, with the core's BlockAllocator as the KV pool:
+#   1. running requests first, in admission order: a decode takes 1 token, an
+#      unfinished (chunked) prefill the rest of its prompt up to the step's token
+#      budget; a request whose blocks do not fit preempts the core's victim
+#      (recompute: blocks go back, with their prefix hashes, and the request waits
+#      again at its arrival position), possibly itself;
+#   2. if nothing was preempted, waiting requests in the core's order while the
+#      core admits them, the budget lasts, `max_num_seqs` allows and their first
+#      chunk's blocks fit (prefix hits from the allocator's cache first);
+#   3. the step takes T = a + b * (tokens in the batch) + c * (context of the
+#      batch: computed tokens of every scheduled request after the step); a
+#      request whose prompt (and output so far) is computed emits a token at the
+#      step's end, and finishes at its real output length.
+# Everything in the loop is native; Python is called only for arrivals (the
+# core's `arrive` returns its Rejection objects) and the progress callback.
+
+cdef enum:
+    RQ_PENDING = 0
+    RQ_WAITING = 1
+    RQ_RUNNING = 2
+    RQ_DONE = 3
+    RQ_REJECTED = 4
+
+cdef enum:
+    STEP_IDLE = 0
+    STEP_RAN = 1
+    STEP_PREEMPTED_ONLY = 2
+
+cdef inline uint64_t _mix_hash(uint64_t prev, uint64_t value, uint64_t index) noexcept nogil:
+    """Chained block hash (splitmix64 finaliser over prev, value and index)."""
+    cdef uint64_t x = prev * <uint64_t>0x9E3779B97F4A7C15 + value
+    x ^= (index + <uint64_t>0x632BE59BD9B4E019) * <uint64_t>0xD6E8FEB86659FD93
+    x ^= x >> 30
+    x *= <uint64_t>0xBF58476D1CE4E5B9
+    x ^= x >> 27
+    x *= <uint64_t>0x94D049BB133111EB
+    x ^= x >> 31
+    return x
+
+
+cdef class NativeEngine:
+    """Continuous-batching engine model around an `AdmissionCore` (see the
+    comment at the top of native/sim.pxi). Build it, `add_requests`, `run`,
+    then read `results()`, `totals()` and `timeline()`."""
+    cdef readonly AdmissionCore core
+    cdef readonly BlockAllocator allocator
+    cdef int64_t _bs, _nblocks, _max_seqs, _budget, _hash_block
+    cdef bint _chunked, _prefix
+    cdef double _ta, _tb, _tc, _sample_dt
+    # requests, by index in arrival order
+    cdef vector[double] _arr
+    cdef vector[int64_t] _prompt, _out, _maxtok, _prio, _hoff, _hids, _hashed, _parent
+    cdef vector[double] _delay
+    cdef vector[int64_t] _open          # indexes of requests with a fixed arrival time
+    cdef priority_queue[pair[double, int64_t]] _released   # (-time, -index): children due
+    cdef vector[int64_t] _computed, _gen, _maxcomp, _sched
+    cdef vector[int32_t] _slot, _npre
+    cdef vector[char] _rstate
+    cdef vector[int32_t] _reason
+    cdef vector[double] _t_first, _t_done
+    cdef vector[vector[int32_t]] _blocks
+    cdef vector[vector[uint64_t]] _hashes
+    cdef vector[vector[int64_t]] _children
+    cdef vector[int32_t] _slot_req, _running, _scheduled
+    cdef int64_t _next                  # position in _open
+    cdef bint _ran
+    # totals
+    cdef double _clock, _t0, _kv_block_s, _busy_s, _next_sample
+    cdef int64_t _steps, _preemptions, _recomputed, _out_tokens, _prefill_tokens
+    cdef int64_t _hit_tokens, _query_tokens, _peak_used, _held_blocks, _batch_tokens
+    cdef int64_t _n_done, _n_rejected
+    cdef vector[double] _tl_t
+    cdef vector[int64_t] _tl_used, _tl_running, _tl_waiting, _tl_preempt
+
+    def __init__(self, config, int64_t num_blocks, int64_t block_size, int64_t max_model_len,
+                 int64_t max_num_seqs, int64_t max_num_batched_tokens, bint chunked_prefill=True,
+                 bint prefix_caching=False, double step_a=0.0, double step_b=0.0,
+                 double step_c=0.0, int64_t hash_block_tokens=0, double sample_interval_s=1.0):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={max_num_seqs}: must be >= 1")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens}: must be >= 1")
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len={max_model_len}: must be >= 1")
+        if not chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={max_num_batched_tokens}: without chunked prefill it must "
+                f"be >= max_model_len={max_model_len}, or a long prompt never fits a step")
+        for name, v in (("step_a", step_a), ("step_b", step_b), ("step_c", step_c)):
+            if not (isfinite(v) and v >= 0.0):
+                raise ValueError(f"{name}={v}: must be a finite number >= 0 (seconds)")
+        if step_a + step_b <= 0.0:
+            raise ValueError("step_a + step_b must be > 0, or the virtual clock never advances")
+        if hash_block_tokens < 0 or (hash_block_tokens and hash_block_tokens % block_size):
+            raise ValueError(f"hash_block_tokens={hash_block_tokens}: must be 0 or a multiple of "
+                             f"block_size={block_size}")
+        if not (isfinite(sample_interval_s) and sample_interval_s > 0):
+            raise ValueError(f"sample_interval_s={sample_interval_s}: must be > 0")
+        self.core = AdmissionCore(config, num_blocks, block_size, max_model_len)
+        self.allocator = BlockAllocator(num_blocks)
+        self._bs = block_size
+        self._nblocks = num_blocks
+        self._max_seqs = max_num_seqs
+        self._budget = max_num_batched_tokens
+        self._chunked = chunked_prefill
+        self._prefix = prefix_caching
+        self._ta, self._tb, self._tc = step_a, step_b, step_c
+        self._hash_block = hash_block_tokens
+        self._sample_dt = sample_interval_s
+        self._hoff.push_back(0)
+        self._ran = False
+
+    def add_requests(self, arrival_s, prompt_tokens, output_tokens, max_tokens, priority=None,
+                     hash_offsets=None, hash_ids=None, hashed_tokens=None, parent=None,
+                     delay_s=None):
+        """Appends requests (sequences of equal length; fixed arrivals not decreasing).
+
+        ``hash_offsets`` (n + 1 entries) and ``hash_ids`` give each request's
+        prefix-block ids in CSR form (Mooncake's hash_ids, `hash_block_tokens`
+        tokens each), describing its first ``hashed_tokens`` tokens (default: the
+        prompt). A request with ``parent[i] >= 0`` (an earlier index, counted
+        over all requests added) is the next turn of a session: it arrives
+        ``delay_s[i]`` after its parent finished or was refused; its arrival_s
+        is ignored."""
+        if self._ran:
+            raise RuntimeError("add_requests after run")
+        cdef Py_ssize_t n = len(arrival_s), i, base = self._arr.size()
+        for name, seq in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens),
+                          ("max_tokens", max_tokens)):
+            if len(seq) != n:
+                raise ValueError(f"{name}: {len(seq)} entries, expected {n} (one per arrival)")
+        if priority is not None and len(priority) != n:
+            raise ValueError(f"priority: {len(priority)} entries, expected {n}")
+        if (hash_offsets is None) != (hash_ids is None):
+            raise ValueError("hash_offsets and hash_ids go together")
+        if hash_offsets is not None and len(hash_offsets) != n + 1:
+            raise ValueError(f"hash_offsets: {len(hash_offsets)} entries, expected {n + 1}")
+        for name, seq in (("hashed_tokens", hashed_tokens), ("parent", parent), ("delay_s", delay_s)):
+            if seq is not None and len(seq) != n:
+                raise ValueError(f"{name}: {len(seq)} entries, expected {n}")
+        if (parent is None) != (delay_s is None):
+            raise ValueError("parent and delay_s go together")
+        cdef int64_t par
+        cdef double dl
+        cdef double t, last = self._arr[self._open.back()] if not self._open.empty() else -1e300
+        cdef int64_t p, o, m, h0 = self._hids.size()
+        for i in range(n):
+            t = arrival_s[i]
+            p = prompt_tokens[i]
+            o = output_tokens[i]
+            m = max_tokens[i]
+            par = parent[i] if parent is not None else -1
+            dl = delay_s[i] if delay_s is not None else 0.0
+            if par >= base + i or par < -1:
+                raise ValueError(f"parent[{i}]={par}: must be -1 or an earlier request's index")
+            if not (isfinite(dl) and dl >= 0.0):
+                raise ValueError(f"delay_s[{i}]={dl}: must be a finite number >= 0")
+            if par < 0 and (not isfinite(t) or t < last):
+                raise ValueError(f"arrival_s[{i}]={t}: arrivals must be finite and not decrease")
+            if p < 1:
+                raise ValueError(f"prompt_tokens[{i}]={p}: must be >= 1")
+            if o < 1 or o > m:
+                raise ValueError(f"output_tokens[{i}]={o}: must be in [1, max_tokens[{i}]={m}]")
+            if par < 0:
+                last = t
+                self._open.push_back(base + i)
+            self._parent.push_back(par)
+            self._delay.push_back(dl)
+            self._hashed.push_back(hashed_tokens[i] if hashed_tokens is not None else p)
+            self._arr.push_back(t if par < 0 else -1.0)
+            self._prompt.push_back(p)
+            self._out.push_back(o)
+            self._maxtok.push_back(m)
+            self._prio.push_back(priority[i] if priority is not None else 0)
+            self._hoff.push_back(h0 + (hash_offsets[i + 1] - hash_offsets[0]
+                                       if hash_offsets is not None else 0))
+        if hash_ids is not None:
+            if len(hash_ids) != hash_offsets[n] - hash_offsets[0]:
+                raise ValueError(f"hash_ids: {len(hash_ids)} entries, hash_offsets say "
+                                 f"{hash_offsets[n] - hash_offsets[0]}")
+            for i in range(len(hash_ids)):
+                self._hids.push_back(hash_ids[i])
+        cdef Py_ssize_t total = self._arr.size()
+        self._computed.resize(total, 0)
+        self._gen.resize(total, 0)
+        self._maxcomp.resize(total, 0)
+        self._sched.resize(total, 0)
+        self._slot.resize(total, -1)
+        self._npre.resize(total, 0)
+        self._rstate.resize(total, RQ_PENDING)
+        self._reason.resize(total, -1)
+        self._t_first.resize(total, -1.0)
+        self._t_done.resize(total, -1.0)
+        self._blocks.resize(total)
+        self._hashes.resize(total)
+        self._children.resize(total)
+        for i in range(base, total):
+            if self._parent[i] >= 0:
+                self._children[self._parent[i]].push_back(i)
+
+    # ------------------------------------------------------------------
+    cdef uint64_t _block_hash(self, int32_t r, int64_t j) noexcept nogil:
+        """Hash of request r's j-th block (tokens [j*bs, (j+1)*bs)): chained over
+        the trace's prefix-block ids while the block lies inside the tokens they
+        describe, over a per-request value after that (unique content)."""
+        cdef vector[uint64_t]* hs = &self._hashes[r]
+        cdef int64_t jj, k, nids = self._hoff[r + 1] - self._hoff[r]
+        cdef uint64_t prev
+        jj = hs.size()
+        while jj <= j:
+            prev = hs.back() if jj > 0 else 0
+            k = (jj * self._bs) // self._hash_block if self._hash_block else nids
+            if k < nids and (jj + 1) * self._bs <= self._hashed[r]:
+                hs.push_back(_mix_hash(prev, <uint64_t>self._hids[self._hoff[r] + k],
+                                       <uint64_t>((jj * self._bs) % self._hash_block)))
+            else:
+                hs.push_back(_mix_hash(prev, (<uint64_t>1 << 62) + <uint64_t>r, <uint64_t>jj))
+            jj += 1
+        return deref(hs)[j]
+
+    cdef void _release_blocks(self, int32_t r) noexcept nogil:
+        """Gives r's blocks back, tail first (so its tail is evicted first)."""
+        cdef vector[int32_t]* b = &self._blocks[r]
+        cdef size_t i, n = b.size()
+        cdef int32_t tmp
+        for i in range(n // 2):
+            tmp = deref(b)[i]
+            deref(b)[i] = deref(b)[n - 1 - i]
+            deref(b)[n - 1 - i] = tmp
+        self.allocator.c_free(b.data(), n)
+        b.clear()
+
+    cdef bint _grow(self, int32_t r, int64_t upto_tokens) noexcept nogil:
+        """Takes the blocks r needs to hold `upto_tokens`; False if too few are free."""
+        cdef int64_t need = cdiv(upto_tokens, self._bs) - <int64_t>self._blocks[r].size()
+        if need <= 0:
+            return True
+        cdef size_t old = self._blocks[r].size()
+        if need > self.allocator._free._count:
+            return False
+        self._blocks[r].resize(old + need)
+        self.allocator.c_allocate(need, self._blocks[r].data() + old)
+        return True
+
+    cdef void _preempt(self, int32_t v, int64_t* budget) noexcept nogil:
+        cdef size_t i
+        if self._sched[v] > 0:
+            budget[0] += self._sched[v]
+            self._sched[v] = 0
+        self._release_blocks(v)
+        self.core._preempt(self._slot[v])
+        self._computed[v] = 0
+        self._npre[v] += 1
+        self._rstate[v] = RQ_WAITING
+        self._preemptions += 1
+        for i in range(self._running.size()):
+            if self._running[i] == v:
+                self._running.erase(self._running.begin() + i)
+                break
+
+    cdef void _finish(self, int32_t r, double t) noexcept nogil:
+        self._release_blocks(r)
+        self.core._finish(self._slot[r])
+        self._slot_req[self._slot[r]] = -1
+        self._slot[r] = -1
+        self._rstate[r] = RQ_DONE
+        self._t_done[r] = t
+        self._n_done += 1
+        self._hashes[r].clear()
+        self._hashes[r].shrink_to_fit()
+        self._blocks[r].shrink_to_fit()
+        self._release_children(r, t)
+
+    cdef void _release_children(self, int32_t r, double t) noexcept nogil:
+        """A session's next turns arrive their delay after r is done."""
+        cdef int64_t c
+        cdef vector[int64_t]* kids = &self._children[r]
+        cdef size_t i
+        for i in range(kids.size()):
+            c = deref(kids)[i]
+            self._arr[c] = t + self._delay[c]
+            self._released.push(pair[double, int64_t](-self._arr[c], -c))
+
+    cdef void _reject(self, int32_t r, str reason):
+        self._rstate[r] = RQ_REJECTED
+        self._reason[r] = REJECT_REASONS.index(reason)
+        self._t_done[r] = self._clock
+        self._n_rejected += 1
+        self._hashes[r].clear()
+        self._release_children(r, self._clock)
+
+    cdef double _next_arrival(self) noexcept nogil:
+        """Time of the next arrival not yet processed (INFINITY: none known yet)."""
+        cdef double t = INFINITY
+        if self._next < <int64_t>self._open.size():
+            t = self._arr[self._open[self._next]]
+        if not self._released.empty() and -self._released.top().first < t:
+            t = -self._released.top().first
+        return t
+
+    cdef int32_t _pop_arrival(self) noexcept nogil:
+        cdef int32_t r
+        if not self._released.empty() and (self._next >= <int64_t>self._open.size() or
+                -self._released.top().first < self._arr[self._open[self._next]] or
+                (-self._released.top().first == self._arr[self._open[self._next]] and
+                 -self._released.top().second < self._open[self._next])):
+            r = <int32_t>(-self._released.top().second)
+            self._released.pop()
+            return r
+        r = <int32_t>self._open[self._next]
+        self._next += 1
+        return r
+
+    cdef int _arrivals(self) except -1:
+        cdef int32_t r, v
+        cdef ArrivalResult res
+        while self._next_arrival() <= self._clock:
+            r = self._pop_arrival()
+            res = self.core.arrive(self._prompt[r], self._maxtok[r], self._prio[r], 0, self._arr[r])
+            for slot, rej in res.shed:
+                v = self._slot_req[slot]
+                self._slot_req[slot] = -1
+                self._slot[v] = -1
+                self._reject(v, rej.reason)
+            if not res.accepted:
+                self._reject(r, res.rejection.reason)
+                continue
+            if res.slot >= <int64_t>self._slot_req.size():
+                self._slot_req.resize(res.slot + 1, -1)
+            self._slot_req[res.slot] = r
+            self._slot[r] = <int32_t>res.slot
+            self._rstate[r] = RQ_WAITING
+        return 0
+
+    cdef int64_t _prefix_hit_blocks(self, int32_t r, int64_t tokens, int64_t* fresh) noexcept nogil:
+        """Leading cached blocks r can share (at most (tokens - 1) / bs, as vLLM:
+        the last token is always computed); `fresh` gets how many are cached-free."""
+        cdef int64_t j, lim = (tokens - 1) // self._bs
+        cdef int32_t b
+        fresh[0] = 0
+        for j in range(lim):
+            b = self.allocator.c_lookup(self._block_hash(r, j))
+            if b < 0:
+                return j
+            if self.allocator._ref[b] == 0:
+                fresh[0] += 1
+        return lim
+
+    cdef int _step(self) noexcept:
+        """One engine step: STEP_RAN, STEP_PREEMPTED_ONLY (every scheduled request
+        was preempted: try again at the same time) or STEP_IDLE (nothing to run)."""
+        cdef int64_t budget = self._budget, n, tokens, hits, fresh, j, c0, c1, ctx = 0, batch = 0
+        cdef size_t i = 0, k
+        cdef int32_t r, v, s, b
+        cdef bint preempted = False
+        self._scheduled.clear()
+        # 1. running requests, in admission order
+        while i < self._running.size() and budget > 0:
+            r = self._running[i]
+            n = self._prompt[r] + self._gen[r] - self._computed[r]
+            if n > budget:
+                n = budget
+            while not self._grow(r, self._computed[r] + n):
+                v = self.core._victim_slot()
+                v = self._slot_req[v]
+                for k in range(self._running.size()):
+                    if self._running[k] == v:
+                        if k < i:
+                            i -= 1
+                        break
+                self._preempt(v, &budget)
+                preempted = True
+                if v == r:
+                    break
+            if self._rstate[r] != RQ_RUNNING:
+                continue          # r itself was the victim; i already points past it
+            self._sched[r] = n
+            self._scheduled.push_back(r)
+            budget -= n
+            i += 1
+        # 2. waiting requests, only in a step without preemption (as vLLM)
+        while not preempted and budget > 0 and <int64_t>self._running.size() < self._max_seqs:
+            s = self.core.c_next_admissible(self.allocator._free._count, False)
+            if s < 0:
+                break
+            r = self._slot_req[s]
+            tokens = self._prompt[r] + self._gen[r]
+            hits = self._prefix_hit_blocks(r, tokens, &fresh) if self._prefix else 0
+            fresh = fresh if self._prefix else 0
+            c0 = hits * self._bs
+            n = tokens - c0
+            if n > budget:
+                if not self._chunked:
+                    break
+                n = budget
+            if cdiv(c0 + n, self._bs) - hits + fresh > self.allocator._free._count:
+                self._held_blocks += 1
+                break
+            for j in range(hits):
+                b = self.allocator.c_lookup(self._block_hash(r, j))
+                self.allocator.c_share(b)
+                self._blocks[r].push_back(b)
+            self._grow(r, c0 + n)
+            self._hit_tokens += c0
+            self._query_tokens += tokens
+            self._computed[r] = c0
+            self.core._admit(s, self._clock)
+            self._rstate[r] = RQ_RUNNING
+            self._running.push_back(r)
+            self._sched[r] = n
+            self._scheduled.push_back(r)
+            budget -= n
+        if self._scheduled.empty():
+            return STEP_PREEMPTED_ONLY if preempted else STEP_IDLE
+        # 3. the step
+        for k in range(self._scheduled.size()):
+            r = self._scheduled[k]
+            if self._sched[r] > 0:
+                batch += self._sched[r]
+                ctx += self._computed[r] + self._sched[r]
+        cdef double dt = self._ta + self._tb * batch + self._tc * ctx
+        cdef double t_end = self._clock + dt
+        cdef int64_t used = self._nblocks - self.allocator._free._count
+        if used > self._peak_used:
+            self._peak_used = used
+        self._kv_block_s += used * dt
+        self._busy_s += dt
+        self._batch_tokens += batch
+        for k in range(self._scheduled.size()):
+            r = self._scheduled[k]
+            n = self._sched[r]
+            if n == 0:
+                continue     # preempted after being scheduled
+            self._sched[r] = 0
+            c0 = self._computed[r]
+            c1 = c0 + n
+            if c0 < self._maxcomp[r]:
+                self._recomputed += (c1 if c1 < self._maxcomp[r] else self._maxcomp[r]) - c0
+            if c1 > self._maxcomp[r]:
+                self._maxcomp[r] = c1
+            if c0 < self._prompt[r]:
+                self._prefill_tokens += (c1 if c1 < self._prompt[r] else self._prompt[r]) - c0
+            self._computed[r] = c1
+            if self._prefix:
+                for j in range(c0 // self._bs, c1 // self._bs):
+                    self.allocator.c_cache(self._blocks[r][j], self._block_hash(r, j))
+            if c1 == self._prompt[r] + self._gen[r]:
+                self._gen[r] += 1
+                self._out_tokens += 1
+                if self._t_first[r] < 0:
+                    self._t_first[r] = t_end
+            self.core._progress(self._slot[r], self._computed[r], self._gen[r])
+            if self._gen[r] >= self._out[r]:
+                for i in range(self._running.size()):
+                    if self._running[i] == r:
+                        self._running.erase(self._running.begin() + i)
+                        break
+                self._finish(r, t_end)
+        self._clock = t_end
+        self._steps += 1
+        self.core._on_step()
+        while self._clock >= self._next_sample:
+            self._tl_t.push_back(self._next_sample)
+            self._tl_used.push_back(self._nblocks - self.allocator._free._count)
+            self._tl_running.push_back(self._running.size())
+            self._tl_waiting.push_back(self.core._waiting.size())
+            self._tl_preempt.push_back(self._preemptions)
+            self._next_sample += self._sample_dt
+        return STEP_RAN
+
+    def run(self, progress=None, int64_t progress_every=10000):
+        """Replays every request to completion or rejection. ``progress(done,
+        total)`` is called every `progress_every` steps."""
+        if self._ran:
+            raise RuntimeError("run() twice")
+        self._ran = True
+        cdef int64_t total = self._arr.size()
+        if total == 0:
+            return
+        if self._open.empty():
+            raise ValueError("no request has a fixed arrival time (every one has a parent)")
+        self._clock = self._t0 = self._arr[self._open[0]]
+        self._next_sample = self._t0
+        cdef int64_t since = 0
+        cdef int st
+        while True:
+            self._arrivals()
+            st = self._step()
+            if st == STEP_PREEMPTED_ONLY:
+                continue
+            if st == STEP_RAN:
+                since += 1
+                if progress is not None and since >= progress_every:
+                    since = 0
+                    progress(self._n_done + self._n_rejected, total)
+                continue
+            if self._next_arrival() < INFINITY:
+                self._clock = max(self._clock, self._next_arrival())
+                continue
+            if self._running.empty() and self.core._waiting.empty():
+                break
+            raise RuntimeError(
+                f"native engine stuck at t={self._clock:.3f}s: {self.core._waiting.size()} waiting, "
+                f"{self._running.size()} running, {self.allocator._free._count} free blocks, "
+                f"nothing schedulable")
+        if progress is not None:
+            progress(self._n_done + self._n_rejected, total)
+        if self.allocator._free._count != self._nblocks:
+            raise AssertionError(f"leak: {self._nblocks - self.allocator._free._count} blocks "
+                                 f"still used at idle")
+
+    def results(self):
+        """Per request, in the order added: arrival, first-token and finish times
+        (s, -1 if none), output tokens, preemptions, rejection reason (None if served)."""
+        return {
+            "arrival_s": [t for t in self._arr],
+            "first_token_s": [t for t in self._t_first],
+            "finish_s": [t for t in self._t_done],
+            "output_tokens": [g for g in self._gen],
+            "preemptions": [p for p in self._npre],
+            "rejected": [REJECT_REASONS[c] if c >= 0 else None for c in self._reason],
+        }
+
+    def totals(self):
+        cdef double span = self._clock - self._t0
+        return {
+            "steps": self._steps, "preemptions": self._preemptions,
+            "recomputed_tokens": self._recomputed, "output_tokens": self._out_tokens,
+            "prefill_tokens": self._prefill_tokens, "batch_tokens": self._batch_tokens,
+            "prefix_hit_tokens": self._hit_tokens, "prefix_query_tokens": self._query_tokens,
+            "held_for_blocks": self._held_blocks,
+            "makespan_s": span, "busy_s": self._busy_s,
+            "kv_util_mean": self._kv_block_s / (span * self._nblocks) if span > 0 else 0.0,
+            "kv_util_peak": self._peak_used / <double>self._nblocks,
+            "finished": self._n_done, "rejected": self._n_rejected,
+            "free_blocks_at_end": self.allocator._free._count,
+        }
+
+    def timeline(self):
+        """Samples every sample_interval_s of virtual time: time, used blocks,
+        running, waiting, preemptions so far."""
+        return {"t": [x for x in self._tl_t], "used_blocks": [x for x in self._tl_used],
+                "running": [x for x in self._tl_running], "waiting": [x for x in self._tl_waiting],
+                "preemptions": [x for x in self._tl_preempt]}

@@ -1,0 +1,76 @@
+"""The simulator's engines: one run of one policy on one workload.
+
+`run_native` drives the compiled engine model (`kvadmit._native.NativeEngine`);
+`kvadmit.simulate.vllm_engine.run_vllm` drives vLLM's real V1 scheduler. Both
+return a `RawRun` with the same fields, so metrics, tables and plots do not
+care which engine ran.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kvadmit._native import NativeEngine
+from kvadmit.config import AdmissionConfig
+from kvadmit.simulate.steptime import StepTimeModel
+from kvadmit.simulate.workload import Workload
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """The engine's limits (vLLM's names): KV pool, context, batch."""
+    num_blocks: int
+    block_size: int = 16
+    max_model_len: int = 8192
+    max_num_seqs: int = 1024
+    max_num_batched_tokens: int = 8192
+    chunked_prefill: bool = True
+    prefix_caching: bool = False
+
+    def __post_init__(self) -> None:
+        for k, lo in (("num_blocks", 1), ("block_size", 1), ("max_model_len", 1),
+                      ("max_num_seqs", 1), ("max_num_batched_tokens", 1)):
+            if getattr(self, k) < lo:
+                raise ValueError(f"{k}={getattr(self, k)}: must be >= {lo}")
+        if self.num_blocks * self.block_size <= self.max_model_len:
+            raise ValueError(f"num_blocks={self.num_blocks} x block_size={self.block_size} tokens "
+                             f"must exceed max_model_len={self.max_model_len}")
+
+
+@dataclass
+class RawRun:
+    """What one engine run produced. ``per_request`` columns are in workload order:
+    arrival_s, first_token_s, finish_s (-1: never), output_tokens, preemptions,
+    rejected (reason or None). ``totals`` and ``timeline`` as NativeEngine's."""
+    engine: str
+    per_request: dict
+    totals: dict
+    timeline: dict
+    wall_s: float
+    extra: dict = field(default_factory=dict)
+
+
+def run_native(workload: Workload, config: AdmissionConfig, shape: EngineShape,
+               step: StepTimeModel, sample_interval_s: float | None = None,
+               progress=None) -> RawRun:
+    if workload.hash_block_tokens and workload.hash_block_tokens % shape.block_size:
+        raise ValueError(f"workload {workload.name}: prefix-id blocks of {workload.hash_block_tokens} "
+                         f"tokens are not a multiple of block_size={shape.block_size}")
+    if sample_interval_s is None:
+        sample_interval_s = max(workload.open_loop_span_s() / 500.0, 0.05)
+    eng = NativeEngine(config, shape.num_blocks, shape.block_size, shape.max_model_len,
+                       shape.max_num_seqs, shape.max_num_batched_tokens,
+                       chunked_prefill=shape.chunked_prefill, prefix_caching=shape.prefix_caching,
+                       step_a=step.a, step_b=step.b, step_c=step.c,
+                       hash_block_tokens=workload.hash_block_tokens if shape.prefix_caching else 0,
+                       sample_interval_s=sample_interval_s)
+    t0 = time.perf_counter()
+    eng.add_requests(workload.arrival_s, workload.prompt_tokens, workload.output_tokens,
+                     workload.max_tokens, workload.priority,
+                     workload.hash_offsets if shape.prefix_caching else None,
+                     workload.hash_ids if shape.prefix_caching else None,
+                     workload.hashed_tokens, workload.parent, workload.delay_s)
+    eng.run(progress=progress)
+    wall = time.perf_counter() - t0
+    return RawRun("native", eng.results(), eng.totals(), eng.timeline(), wall,
+                  extra={"core": eng.core.stats()})

@@ -1,0 +1,91 @@
+"""Compare policies on one workload, find an engine's capacity, sweep the load."""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import replace
+
+from kvadmit.config import AdmissionConfig
+from kvadmit.simulate.engine import EngineShape, RawRun, run_native
+from kvadmit.simulate.metrics import Slo, summarize
+from kvadmit.simulate.policies import PolicySpec
+from kvadmit.simulate.steptime import StepTimeModel
+from kvadmit.simulate.workload import Workload
+
+CAPACITY_SAMPLE = 4000
+
+
+def progress_line(label: str):
+    """A progress line on stderr, refreshed at most twice a second; call with done=None to clear."""
+    last = [0.0]
+
+    def report(done, total):
+        now = time.monotonic()
+        if done is None:
+            print("\r" + " " * 70 + "\r", end="", file=sys.stderr, flush=True)
+        elif now - last[0] >= 0.5 or done == total:
+            last[0] = now
+            print(f"\r  {label}: {done}/{total} requests done", end="", file=sys.stderr, flush=True)
+    return report
+
+
+def run_policy(workload: Workload, spec: PolicySpec, engine: str, shape: EngineShape,
+               step: StepTimeModel, base: AdmissionConfig, model_dir: str | None = None,
+               progress=None) -> RawRun:
+    w = workload.with_oracle_caps() if spec.oracle else workload
+    if engine == "native":
+        return run_native(w, spec.config(base), shape, step, progress=progress)
+    if engine == "vllm":
+        from kvadmit.simulate.vllm_engine import run_vllm
+        if model_dir is None:
+            raise ValueError("--engine vllm needs a model directory (--model-dir)")
+        return run_vllm(w, None if spec.vllm_own else spec.config(base), shape, step, model_dir,
+                        progress=progress)
+    raise ValueError(f"engine={engine!r}: must be 'native' or 'vllm'")
+
+
+def compare(workload: Workload, policies: list[PolicySpec], engine: str, shape: EngineShape,
+            step: StepTimeModel, base: AdmissionConfig, slo: Slo, model_dir: str | None = None,
+            show_progress: bool = True) -> tuple[list[dict], dict[str, RawRun]]:
+    rows, raws = [], {}
+    for spec in policies:
+        prog = progress_line(spec.name) if show_progress else None
+        raw = run_policy(workload, spec, engine, shape, step, base, model_dir, prog)
+        if prog:
+            prog(None, None)
+        raws[spec.name] = raw
+        rows.append({"policy": spec.name, "engine": engine, "wall_s": raw.wall_s,
+                     **summarize(raw.per_request, raw.totals, slo)})
+    return rows, raws
+
+
+def capacity_rps(workload: Workload, shape: EngineShape, step: StepTimeModel,
+                 sample: int = CAPACITY_SAMPLE) -> float:
+    """Requests/s the engine completes when saturated: the first `sample` open-loop
+    requests all queued at once under vLLM's rule (overcommit, LIFO victim) on the
+    native engine; completed requests / makespan."""
+    idx = [i for i in range(len(workload)) if workload.parent is None or workload.parent[i] < 0][:sample]
+    n = len(idx)
+    sat = Workload(name=workload.name, arrival_s=[0.0] * n,
+                   prompt_tokens=[workload.prompt_tokens[i] for i in idx],
+                   output_tokens=[workload.output_tokens[i] for i in idx],
+                   max_tokens=[workload.max_tokens[i] for i in idx])
+    raw = run_native(sat, AdmissionConfig(policy="overcommit", victim="lifo"),
+                     replace(shape, prefix_caching=False), step)
+    return raw.totals["finished"] / raw.totals["makespan_s"]
+
+
+def offered_rps(workload: Workload) -> float:
+    n = sum(1 for i in range(len(workload)) if workload.parent is None or workload.parent[i] < 0)
+    span = workload.open_loop_span_s()
+    if n < 2 or span <= 0:
+        raise ValueError(f"workload {workload.name}: needs two or more arrivals spread in time "
+                         f"to have a rate")
+    return (n - 1) / span
+
+
+def at_load(workload: Workload, load: float, capacity: float) -> Workload:
+    """The workload with its arrivals rescaled to offer `load` x capacity."""
+    if not load > 0:
+        raise ValueError(f"load={load}: must be > 0")
+    return workload.scaled(load * capacity / offered_rps(workload))

@@ -1,0 +1,210 @@
+"""Workloads for the simulator: real traces and synthetic generators.
+
+A `Workload` is columns, one entry a request, in the order requests are added
+to an engine: fixed arrival times (not decreasing) for open-loop requests, and
+for a session's later turns a parent (the previous turn) and a delay (the
+tool/think time after the parent is done). Traces carry the real output length
+but no `max_tokens`: the `max_tokens` rule ('cap' or 'context') chooses one.
+"""
+from __future__ import annotations
+
+import math
+import pathlib
+import random
+from dataclasses import dataclass, field
+
+from kvadmit.traces import load_trace, max_tokens_for
+
+
+@dataclass
+class Workload:
+    name: str
+    arrival_s: list[float]
+    prompt_tokens: list[int]
+    output_tokens: list[int]
+    max_tokens: list[int]
+    priority: list[int] | None = None
+    hash_block_tokens: int = 0                 # tokens per prefix-block id (0: no ids)
+    hash_offsets: list[int] | None = None      # CSR: request i's ids are hash_ids[off[i]:off[i+1]]
+    hash_ids: list[int] | None = None
+    hashed_tokens: list[int] | None = None     # leading tokens the ids describe (default: prompt)
+    parent: list[int] | None = None            # previous turn of the session, or -1
+    delay_s: list[float] | None = None         # wait after the parent is done
+    session: list[int] | None = None
+    description: str = ""
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.arrival_s)
+        for name in ("prompt_tokens", "output_tokens", "max_tokens", "priority", "hashed_tokens",
+                     "parent", "delay_s", "session"):
+            col = getattr(self, name)
+            if col is not None and len(col) != n:
+                raise ValueError(f"workload {self.name}: {name} has {len(col)} entries, expected {n}")
+
+    def __len__(self) -> int:
+        return len(self.arrival_s)
+
+    def hash_ids_of(self, i: int) -> list[int]:
+        if self.hash_ids is None:
+            return []
+        return self.hash_ids[self.hash_offsets[i]:self.hash_offsets[i + 1]]
+
+    def open_loop_span_s(self) -> float:
+        t = [a for i, a in enumerate(self.arrival_s) if self.parent is None or self.parent[i] < 0]
+        return (t[-1] - t[0]) if len(t) > 1 else 0.0
+
+    def with_oracle_caps(self) -> "Workload":
+        """The same requests with max_tokens = the real output length (the oracle's knowledge)."""
+        w = Workload(**{**self.__dict__, "max_tokens": list(self.output_tokens)})
+        w.name = self.name
+        return w
+
+    def scaled(self, factor: float) -> "Workload":
+        """Arrivals `factor` times as fast (2.0: twice the rate); session delays unchanged."""
+        if not factor > 0:
+            raise ValueError(f"rate factor={factor}: must be > 0")
+        t0 = self.arrival_s[0] if self.arrival_s else 0.0
+        arr = [a if self.parent is not None and self.parent[i] >= 0 else t0 + (a - t0) / factor
+               for i, a in enumerate(self.arrival_s)]
+        return Workload(**{**self.__dict__, "arrival_s": arr})
+
+
+def from_trace(path: str | pathlib.Path, limit: int | None = None, rate: float = 1.0,
+               max_tokens_rule: str = "cap", max_tokens_cap: int = 2048,
+               max_model_len: int = 8192, repeat: int = 1) -> Workload:
+    """A trace (Azure .csv, Mooncake .jsonl) as a workload. ``rate`` scales the
+    arrival rate; ``repeat`` replays the trace back to back that many times (for
+    scale runs; Mooncake ids are kept, so later copies hit the earlier prefixes)."""
+    if repeat < 1:
+        raise ValueError(f"repeat={repeat}: must be >= 1")
+    reqs = load_trace(path, limit=limit)
+    if not reqs:
+        raise ValueError(f"{path}: no requests")
+    span = reqs[-1].arrival_s + (reqs[-1].arrival_s / max(len(reqs) - 1, 1))
+    arr, prompt, out, mx, off, ids = [], [], [], [], [0], []
+    for k in range(repeat):
+        for r in reqs:
+            arr.append((r.arrival_s + k * span) / rate)
+            prompt.append(r.prompt_tokens)
+            out.append(r.output_tokens)
+            mx.append(max_tokens_for(r, max_tokens_rule, max_tokens_cap, max_model_len))
+            ids.extend(r.hash_ids)
+            off.append(len(ids))
+    has_ids = bool(ids)
+    name = pathlib.Path(path).stem
+    return Workload(
+        name=name, arrival_s=arr, prompt_tokens=prompt, output_tokens=out, max_tokens=mx,
+        hash_block_tokens=512 if has_ids else 0,
+        hash_offsets=off if has_ids else None, hash_ids=ids if has_ids else None,
+        description=(f"{name}: {len(reqs)} requests{f' x{repeat}' if repeat > 1 else ''} at x{rate:g} "
+                     f"the trace rate; max_tokens rule '{max_tokens_rule}' (cap {max_tokens_cap}, "
+                     f"context {max_model_len})"),
+        meta={"trace": str(path), "limit": limit, "rate": rate, "max_tokens_rule": max_tokens_rule,
+              "max_tokens_cap": max_tokens_cap, "repeat": repeat})
+
+
+def _lognormal_int(rng: random.Random, mean: float, sigma: float, lo: int, hi: int) -> int:
+    mu = math.log(mean) - sigma * sigma / 2.0         # so that E[X] = mean
+    return max(lo, min(hi, int(round(rng.lognormvariate(mu, sigma)))))
+
+
+def _arrivals(rng: random.Random, n: int, rate: float, burst_cv: float) -> list[float]:
+    """Poisson (cv 1) or Gamma-renewal arrivals with inter-arrival CV `burst_cv` (> 1: bursty)."""
+    if not rate > 0:
+        raise ValueError(f"rate={rate}: must be > 0 requests/s")
+    if not burst_cv > 0:
+        raise ValueError(f"burst_cv={burst_cv}: must be > 0")
+    shape = 1.0 / (burst_cv * burst_cv)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.gammavariate(shape, 1.0 / (shape * rate))
+    return out
+
+
+def synthetic(n: int, rate: float, seed: int = 0, burst_cv: float = 1.0,
+              prompt_mean: float = 1000.0, prompt_sigma: float = 1.0,
+              output_mean: float = 200.0, output_sigma: float = 1.2,
+              max_tokens_cap: int = 2048, max_model_len: int = 8192) -> Workload:
+    """Open-loop requests: Poisson (burst_cv 1) or Gamma-burst arrivals, heavy-tailed
+    (lognormal) prompt and output lengths; max_tokens = min(cap, context left)."""
+    if n < 1:
+        raise ValueError(f"requests={n}: must be >= 1")
+    rng = random.Random(seed)
+    arr = _arrivals(rng, n, rate, burst_cv)
+    prompt, out, mx = [], [], []
+    for _ in range(n):
+        p = _lognormal_int(rng, prompt_mean, prompt_sigma, 1, max_model_len - 1)
+        cap = max(1, min(max_tokens_cap, max_model_len - p))
+        o = _lognormal_int(rng, output_mean, output_sigma, 1, cap)
+        prompt.append(p)
+        out.append(o)
+        mx.append(cap)
+    kind = "Poisson" if burst_cv == 1.0 else f"Gamma-burst (cv {burst_cv:g})"
+    return Workload(name="synthetic", arrival_s=arr, prompt_tokens=prompt, output_tokens=out,
+                    max_tokens=mx,
+                    description=(f"synthetic: {n} requests, {kind} at {rate:g} req/s, lognormal "
+                                 f"prompt mean {prompt_mean:g} / output mean {output_mean:g}, "
+                                 f"max_tokens min({max_tokens_cap}, context left), seed {seed}"),
+                    meta={"seed": seed, "rate": rate, "burst_cv": burst_cv})
+
+
+def agent_sessions(sessions: int, rate: float, seed: int = 0, turns_mean: float = 8.0,
+                   system_tokens: int = 2048, first_user_mean: float = 1500.0,
+                   user_mean: float = 300.0, output_mean: float = 250.0,
+                   tool_wait_mean_s: float = 2.0, max_tokens_cap: int = 1024,
+                   max_model_len: int = 32768, block_tokens: int = 16) -> Workload:
+    """Multi-turn agent sessions: sessions start as a Poisson process; each turn's
+    prompt is the whole context so far (a shared system prompt, then every earlier
+    prompt and output) plus new tool/user tokens, and arrives an exponential tool
+    wait after the previous turn is done. Prefix ids (``block_tokens`` tokens each)
+    make the shared system prompt and each session's history reusable."""
+    if sessions < 1:
+        raise ValueError(f"sessions={sessions}: must be >= 1")
+    if system_tokens % block_tokens:
+        raise ValueError(f"system_tokens={system_tokens}: must be a multiple of block_tokens={block_tokens}")
+    rng = random.Random(seed)
+    starts = _arrivals(rng, sessions, rate, 1.0)
+    w = Workload(name="agents", arrival_s=[], prompt_tokens=[], output_tokens=[], max_tokens=[],
+                 hash_block_tokens=block_tokens, hash_offsets=[0], hash_ids=[], hashed_tokens=[],
+                 parent=[], delay_s=[], session=[])
+    next_id = 1 << 40                                  # session content ids; system ids are small
+    for s, t0 in enumerate(starts):
+        turns = max(1, int(round(rng.expovariate(1.0 / turns_mean))))
+        context_ids = list(range(system_tokens // block_tokens))   # the shared system prompt
+        context = system_tokens
+        prev = -1
+        for k in range(turns):
+            new = _lognormal_int(rng, first_user_mean if k == 0 else user_mean, 0.8, 1, max_model_len)
+            prompt = context + new
+            cap = min(max_tokens_cap, max_model_len - prompt)
+            if cap < 1:
+                break                                   # the session has filled its context
+            out = _lognormal_int(rng, output_mean, 1.0, 1, cap)
+            total = prompt + out
+            # ids for every full block of prompt + output; this turn's blocks past
+            # the history are new content (the last partial one is never shared)
+            while len(context_ids) < total // block_tokens:
+                context_ids.append(next_id)
+                next_id += 1
+            w.arrival_s.append(t0 if prev < 0 else -1.0)
+            w.prompt_tokens.append(prompt)
+            w.output_tokens.append(out)
+            w.max_tokens.append(cap)
+            w.hash_ids.extend(context_ids[:total // block_tokens])
+            w.hash_offsets.append(len(w.hash_ids))
+            w.hashed_tokens.append((total // block_tokens) * block_tokens)
+            w.parent.append(prev)
+            w.delay_s.append(0.0 if prev < 0 else rng.expovariate(1.0 / tool_wait_mean_s))
+            w.session.append(s)
+            prev = len(w.arrival_s) - 1
+            context = total
+            # the next turn appends after this output; keep ids aligned to full blocks
+            del context_ids[total // block_tokens:]
+    # Open-loop arrivals must not decrease in list order: sessions are generated in start order.
+    w.description = (f"agents: {sessions} sessions ({len(w)} turns), Poisson starts at {rate:g}/s, "
+                     f"mean {turns_mean:g} turns, {system_tokens}-token shared system prompt, tool wait "
+                     f"mean {tool_wait_mean_s:g} s, seed {seed}")
+    w.meta = {"seed": seed, "rate": rate, "sessions": sessions}
+    return w

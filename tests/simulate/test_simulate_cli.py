@@ -1,0 +1,68 @@
+"""`kvadmit simulate` end to end on the native engine (seconds)."""
+import json
+import pathlib
+
+import pytest
+
+from kvadmit.cli import main
+
+DATA = pathlib.Path(__file__).parent.parent / "data"
+AZURE = str(DATA / "azure2023_conv_head200.csv")
+SMALL_POOL = ["--num-blocks", "700", "--block-size", "16", "--max-model-len", "4096",
+              "--max-tokens-rule", "cap", "--quiet"]
+
+
+def test_sweep_table_json_and_plot(tmp_path, capsys):
+    out, png = tmp_path / "sim.json", tmp_path / "sim.png"
+    assert main(["simulate", "--trace", AZURE, *SMALL_POOL, "--sweep", "0.5", "1.5",
+                 "--json", str(out), "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "capacity (saturated" in text and "load 1.5x capacity" in text
+    res = json.loads(out.read_text())
+    assert [r["load"] for r in res["runs"]] == [0.5, 1.5]
+    for run in res["runs"]:
+        rows = {r["policy"]: r for r in run["rows"]}
+        assert set(rows) == {"vllm-default", "sglang", "trtllm-no-evict", "trtllm-max-util",
+                             "peak", "adaptive", "oracle"}
+        assert rows["peak"]["preemptions"] == rows["trtllm-no-evict"]["preemptions"] == 0
+        assert rows["oracle"]["preemptions"] == 0
+        for r in rows.values():
+            assert r["finished"] + sum(r["rejected"].values()) == 200
+        # TensorRT-LLM's MAX_UTILIZATION rule is vLLM's: the same decisions
+        assert rows["trtllm-max-util"]["steps"] == rows["vllm-default"]["steps"]
+    high = {r["policy"]: r for r in res["runs"][1]["rows"]}
+    assert high["vllm-default"]["preemptions"] > 0          # the small pool is really short
+    pytest.importorskip("matplotlib")
+    assert png.stat().st_size > 10_000
+
+
+def test_queue_delay_cap_lifts_goodput_at_overload(tmp_path):
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--trace", AZURE, *SMALL_POOL, "--load", "2",
+                 "--policies", "vllm-default", "adaptive",
+                 "--config", '{"max_queue_delay_s": 0.5}', "--json", str(out)]) == 0
+    rows = {r["policy"]: r for r in json.loads(out.read_text())["runs"][0]["rows"]}
+    assert rows["adaptive"]["rejected"].get("queue_delay", 0) > 0
+    assert "queue_delay" not in rows["vllm-default"]["rejected"]     # baselines run as shipped
+    assert rows["adaptive"]["goodput"] > rows["vllm-default"]["goodput"]
+
+
+def test_custom_policy_and_errors(capsys):
+    assert main(["simulate", "--trace", AZURE, *SMALL_POOL, "--policies",
+                 'lcf={"policy": "overcommit", "victim": "lcf"}']) == 0
+    assert "lcf" in capsys.readouterr().out
+    assert main(["simulate", "--trace", AZURE, "--policies", "nope"]) == 2
+    assert "policy 'nope'" in capsys.readouterr().err
+    assert main(["simulate", "--trace", AZURE, "--policies", 'x={"policy": "fast"}']) == 2
+    assert "policy" in capsys.readouterr().err
+    assert main(["simulate", "--trace", AZURE, "--num-blocks", "10"]) == 2
+    assert "max_model_len" in capsys.readouterr().err
+
+
+def test_agents_with_prefix_caching_hit_their_history(tmp_path):
+    out = tmp_path / "a.json"
+    assert main(["simulate", "--synthetic", "agents", "--requests", "40", "--rate", "0.5",
+                 "--prefix-caching", "--policies", "vllm-default", "peak", "--quiet",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["runs"][0]["rows"]
+    assert all(r["prefix_hit_rate"] > 0.5 for r in rows)
