@@ -156,8 +156,8 @@ cdef class AdmissionCore:
     cdef double _quantile
     cdef int64_t _win_admits, _win_preempts
     # drain rate (Retry-After)
-    cdef deque[pair[double, int64_t]] _drain
-    cdef double _t_first
+    cdef deque[pair[double, int64_t]] _drain   # (backlog clock, prefill tokens) per admission
+    cdef double _t_last, _backlog_s
     cdef bint _seen_time
     # counters
     cdef int64_t _n_arrived, _n_admitted, _n_preempted, _n_finished, _n_aborted
@@ -221,6 +221,7 @@ cdef class AdmissionCore:
             self._rejected[i] = 0
         self._len_abs_err = self._len_pred_sum = self._len_actual_sum = 0.0
         self._seen_time = False
+        self._t_last = self._backlog_s = 0.0
 
     # ------------------------------------------------------------------
     # Per-request numbers
@@ -415,17 +416,25 @@ cdef class AdmissionCore:
     # ------------------------------------------------------------------
     # Drain rate and Retry-After
     cdef void _note_time(self, double now):
-        if not self._seen_time:
-            self._t_first = now
+        """Advances the backlog clock: seconds during which requests were waiting.
+        Admissions are counted against it, so the drain rate is the engine's pace
+        at taking queued work, not the arrival rate of a lightly loaded server."""
+        if self._seen_time and now > self._t_last:
+            if not self._waiting.empty():
+                self._backlog_s += now - self._t_last
+            self._t_last = now
+        elif not self._seen_time:
+            self._t_last = now
             self._seen_time = True
 
     cdef bint _drain_rates(self, double now, double* reqs_per_s, double* tokens_per_s):
-        """Admissions and their prefill tokens per second over the drain window
-        (False: none observed yet)."""
-        cdef double horizon = now - self._drain_window
+        """Admissions and their prefill tokens per second of backlog over the last
+        drain_window_s of backlog (False: none observed yet)."""
+        self._note_time(now)
+        cdef double horizon = self._backlog_s - self._drain_window
         while not self._drain.empty() and self._drain.front().first < horizon:
             self._drain.pop_front()
-        cdef double span = now - (self._t_first if self._t_first > horizon else horizon)
+        cdef double span = min(self._backlog_s, self._drain_window)
         cdef double toks = 0.0
         cdef size_t i
         for i in range(self._drain.size()):
@@ -661,7 +670,7 @@ cdef class AdmissionCore:
                 if self._policy == P_ADAPTIVE else self._max_new[s] - self._generated[s])
         self._n_admitted += 1
         self._win_admits += 1
-        self._drain.push_back(pair[double, int64_t](now, queued))
+        self._drain.push_back(pair[double, int64_t](self._backlog_s, queued))
         self._maybe_adapt()
 
     def cancel_admit(self, int64_t slot):
