@@ -8,8 +8,9 @@
 #      (recompute: blocks go back, with their prefix hashes, and the request waits
 #      again at its arrival position), possibly itself;
 #   2. if nothing was preempted, waiting requests in the core's order while the
-#      core admits them, the budget lasts, `max_num_seqs` allows and their first
-#      chunk's blocks fit (prefix hits from the allocator's cache first);
+#      core admits them, the budget lasts, `max_num_seqs` allows and the blocks
+#      of their whole input (vLLM's default; or of the first chunk only) fit,
+#      prefix hits from the allocator's cache first;
 #   3. the step takes T = a + b * (tokens in the batch) + c * (context of the
 #      batch: computed tokens of every scheduled request after the step); a
 #      request whose prompt (and output so far) is computed emits a token at the
@@ -48,7 +49,7 @@ cdef class NativeEngine:
     cdef readonly AdmissionCore core
     cdef readonly BlockAllocator allocator
     cdef int64_t _bs, _nblocks, _max_seqs, _budget, _hash_block
-    cdef bint _chunked, _prefix
+    cdef bint _chunked, _prefix, _full_input
     cdef double _ta, _tb, _tc, _sample_dt
     # requests, by index in arrival order
     cdef vector[double] _arr
@@ -78,7 +79,8 @@ cdef class NativeEngine:
     def __init__(self, config, int64_t num_blocks, int64_t block_size, int64_t max_model_len,
                  int64_t max_num_seqs, int64_t max_num_batched_tokens, bint chunked_prefill=True,
                  bint prefix_caching=False, double step_a=0.0, double step_b=0.0,
-                 double step_c=0.0, int64_t hash_block_tokens=0, double sample_interval_s=1.0):
+                 double step_c=0.0, int64_t hash_block_tokens=0, double sample_interval_s=1.0,
+                 bint reserve_full_input=True):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs}: must be >= 1")
         if max_num_batched_tokens < 1:
@@ -107,6 +109,7 @@ cdef class NativeEngine:
         self._budget = max_num_batched_tokens
         self._chunked = chunked_prefill
         self._prefix = prefix_caching
+        self._full_input = reserve_full_input
         self._ta, self._tb, self._tc = step_a, step_b, step_c
         self._hash_block = hash_block_tokens
         self._sample_dt = sample_interval_s
@@ -396,7 +399,10 @@ cdef class NativeEngine:
                 if not self._chunked:
                     break
                 n = budget
-            if cdiv(c0 + n, self._bs) - hits + fresh > self.allocator._free._count:
+            # vLLM 0.32 (scheduler_reserve_full_isl, on by default) admits only if the
+            # whole input fits now, though it allocates for the first chunk only.
+            if cdiv(tokens if self._full_input else c0 + n, self._bs) - hits + fresh \
+                    > self.allocator._free._count:
                 self._held_blocks += 1
                 break
             for j in range(hits):

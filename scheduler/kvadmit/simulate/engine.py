@@ -26,6 +26,7 @@ class EngineShape:
     max_num_batched_tokens: int = 8192
     chunked_prefill: bool = True
     prefix_caching: bool = False
+    reserve_full_input: bool = True     # vLLM's scheduler_reserve_full_isl: admit only if the whole input fits
 
     def __post_init__(self) -> None:
         for k, lo in (("num_blocks", 1), ("block_size", 1), ("max_model_len", 1),
@@ -63,7 +64,8 @@ def run_native(workload: Workload, config: AdmissionConfig, shape: EngineShape,
                        chunked_prefill=shape.chunked_prefill, prefix_caching=shape.prefix_caching,
                        step_a=step.a, step_b=step.b, step_c=step.c,
                        hash_block_tokens=workload.hash_block_tokens if shape.prefix_caching else 0,
-                       sample_interval_s=sample_interval_s)
+                       sample_interval_s=sample_interval_s,
+                       reserve_full_input=shape.reserve_full_input)
     t0 = time.perf_counter()
     eng.add_requests(workload.arrival_s, workload.prompt_tokens, workload.output_tokens,
                      workload.max_tokens, workload.priority,

@@ -5,6 +5,14 @@ hand-made KV cache config, feeds it requests, and completes every scheduled
 step with a fake model output (token 7 for each sampled position). This is
 vLLM's scheduling code exactly, minus the forward pass: fast, deterministic,
 and the way the tests check gating, victims and caps.
+
+A token is sampled for a scheduled request only once its whole prompt (and
+output so far) is computed, as vLLM's model runner does: a partial prefill
+chunk samples nothing. After each `step`, `last_computed` (num_computed_tokens
+of every scheduled request right after `schedule()`, i.e. including the step's
+tokens), `last_free_blocks` (the block pool's free blocks right after
+`schedule()`) and `last_outputs` (the step's `EngineCoreOutput`s) describe it,
+for callers that put the steps on a clock (`kvadmit.simulate.vllm_engine`).
 """
 from __future__ import annotations
 
@@ -34,6 +42,8 @@ class StepLog:
     finished: dict[str, str] = field(default_factory=dict)       # request id -> finish reason
     stop_reasons: dict[str, object] = field(default_factory=dict)
     outputs: dict[str, list[int]] = field(default_factory=dict)   # request id -> tokens
+    prefix_query_tokens: int = 0      # vLLM's prefix-cache stats (0 without prefix caching)
+    prefix_hit_tokens: int = 0
 
 
 class InProcessEngine:
@@ -41,7 +51,10 @@ class InProcessEngine:
                  block_size: int = 32, max_model_len: int = 1024, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, additional_config: dict | None = None,
                  enable_prefix_caching: bool = False, async_scheduling: bool = False,
-                 scheduling_policy: str = "fcfs"):
+                 scheduling_policy: str = "fcfs", enable_chunked_prefill: bool | None = None,
+                 engine_args: dict | None = None):
+        """`enable_chunked_prefill` None keeps vLLM's default; `engine_args` are
+        further `EngineArgs` fields (e.g. `hf_overrides`)."""
         global _hash_ready
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
@@ -52,7 +65,10 @@ class InProcessEngine:
                           enable_prefix_caching=enable_prefix_caching,
                           additional_config=additional_config or {},
                           async_scheduling=async_scheduling, scheduling_policy=scheduling_policy,
-                          num_gpu_blocks_override=num_blocks)
+                          num_gpu_blocks_override=num_blocks,
+                          **({"enable_chunked_prefill": enable_chunked_prefill}
+                             if enable_chunked_prefill is not None else {}),
+                          **(engine_args or {}))
         self.vllm_config = args.create_engine_config()
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         # The CPU platform turns async scheduling off; GPUs default it on. Honour the ask.
@@ -72,10 +88,17 @@ class InProcessEngine:
         self.log = StepLog()
         self._ids = itertools.count()
         self._stop_at: dict[str, int] = {}
+        self._out_ids: dict[str, list[int]] = {}
+        self.last_computed: dict[str, int] = {}
+        self.last_free_blocks: int = kv_cache_config.num_blocks - 1
+        self.last_outputs: list = []
 
     def add(self, prompt_token_ids: list[int], max_tokens: int, priority: int = 0,
-            request_id: str | None = None, output_tokens: int | None = None) -> str:
-        """Queues a request; with `output_tokens` the fake model emits EOS as that token."""
+            request_id: str | None = None, output_tokens: int | None = None,
+            output_token_ids: list[int] | None = None) -> str:
+        """Queues a request; with `output_tokens` the fake model emits EOS as that token.
+        The fake model's other tokens are `output_token_ids` in order (7 past its end or
+        without it); they must not contain EOS."""
         rid = request_id if request_id is not None else f"r{next(self._ids)}"
         stop_early = output_tokens is not None and output_tokens < max_tokens
         req = Request(request_id=rid, prompt_token_ids=list(prompt_token_ids),
@@ -85,6 +108,8 @@ class InProcessEngine:
                       pooling_params=None, priority=priority, block_hasher=self.block_hasher)
         if stop_early:
             self._stop_at[rid] = output_tokens
+        if output_token_ids is not None:
+            self._out_ids[rid] = output_token_ids
         self.scheduler.add_request(req)
         self.log.outputs.setdefault(rid, [])
         return rid
@@ -95,25 +120,50 @@ class InProcessEngine:
         out = s.schedule()
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
+        computed = {}
         for rid in req_ids:
             req = s.requests[rid]
-            # A token is sampled once the request's whole prompt (and output) is computed.
-            done = req.num_computed_tokens + out.num_scheduled_tokens[rid] >= req.num_tokens
+            # schedule() has already advanced num_computed_tokens by the step's tokens.
+            computed[rid] = req.num_computed_tokens
+            # A token is sampled once the request's whole prompt (and output) is computed:
+            # vLLM's model runner discards the sample of a partial prefill chunk.
+            chunk = getattr(req, "is_prefill_chunk", None)
+            if chunk is None:
+                chunk = req.num_computed_tokens < req.num_tokens
+            if chunk:
+                sampled.append([])
+                continue
+            k = len(req.output_token_ids)
             stop = self._stop_at.get(rid)
-            last = stop is not None and len(req.output_token_ids) + 1 >= stop
-            sampled.append(([EOS_TOKEN_ID] if last else [7]) if done else [])
+            if stop is not None and k + 1 >= stop:
+                sampled.append([EOS_TOKEN_ID])
+            else:
+                ids = self._out_ids.get(rid)
+                sampled.append([ids[k] if ids is not None and k < len(ids) else 7])
+        self.last_computed = computed
+        self.last_free_blocks = s.kv_cache_manager.block_pool.get_num_free_blocks()
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled)
         results = s.update_from_output(out, mro)
         self.log.steps += 1
         self.log.scheduled_tokens += out.total_num_scheduled_tokens
         self.log.preemptions += len(out.preempted_req_ids or ())
+        outputs = []
         for eco in results.values():
+            stats = eco.scheduler_stats
+            pc = stats.prefix_cache_stats if stats is not None else None
+            if pc is not None:
+                self.log.prefix_query_tokens += pc.queries + getattr(pc, "preempted_queries", 0)
+                self.log.prefix_hit_tokens += pc.hits + getattr(pc, "preempted_hits", 0)
             for o in eco.outputs:
+                outputs.append(o)
                 self.log.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:
                     self.log.finished[o.request_id] = str(o.finish_reason)
                     self.log.stop_reasons[o.request_id] = o.stop_reason
+                    self._stop_at.pop(o.request_id, None)
+                    self._out_ids.pop(o.request_id, None)
+        self.last_outputs = outputs
         return out
 
     def run(self, max_steps: int = 100_000) -> StepLog:

