@@ -61,3 +61,21 @@ def test_real_lengths_below_the_cap(model_dir, tmp_path):
         assert r["wrong_length"] == 0 and r["rejected"] == {}, name
     assert rows["adaptive"]["tokens"] == rows["vllm-default"]["tokens"]
     assert rows["adaptive"]["preemptions"] <= rows["vllm-default"]["preemptions"]
+    # The simulator's native engine model replays the same workload with the same
+    # decisions: its steps and preemptions match the real engine's (issue 5: +-15%).
+    from kvadmit.config import AdmissionConfig
+    from kvadmit.simulate import EngineShape, Workload, get_preset, run_native
+    from kvadmit.vllm.bench import synthetic_workload
+    reqs = synthetic_workload(64, 512, 256)
+    w = Workload(name="bench", arrival_s=[0.0] * len(reqs),
+                 prompt_tokens=[len(r.prompt_token_ids) for r in reqs],
+                 output_tokens=[r.output_tokens for r in reqs], max_tokens=[r.max_tokens for r in reqs])
+    shape = EngineShape(num_blocks=23, block_size=32, max_model_len=512, max_num_seqs=64,
+                        max_num_batched_tokens=2048)          # vLLM keeps 1 of the 24 blocks
+    for name, cfg in (("vllm-default", AdmissionConfig(policy="overcommit")),
+                      ("adaptive", AdmissionConfig(policy="adaptive"))):
+        sim = run_native(w, cfg, shape, get_preset("cpu-tiny")).totals
+        real = rows[name]
+        assert abs(sim["steps"] - real["steps"]) <= 0.15 * real["steps"], (name, sim, real)
+        assert abs(sim["preemptions"] - real["preemptions"]) <= max(2, 0.15 * real["preemptions"]), \
+            (name, sim["preemptions"], real["preemptions"])

@@ -33,9 +33,9 @@ class EngineShape:
                       ("max_num_seqs", 1), ("max_num_batched_tokens", 1)):
             if getattr(self, k) < lo:
                 raise ValueError(f"{k}={getattr(self, k)}: must be >= {lo}")
-        if self.num_blocks * self.block_size <= self.max_model_len:
+        if self.num_blocks * self.block_size < self.max_model_len:
             raise ValueError(f"num_blocks={self.num_blocks} x block_size={self.block_size} tokens "
-                             f"must exceed max_model_len={self.max_model_len}")
+                             f"must hold max_model_len={self.max_model_len}")
 
 
 @dataclass
