@@ -21,6 +21,7 @@ include "free_queue.pxi"
 include "allocator.pxi"
 include "curves.pxi"
 include "length_model.pxi"
+include "slo.pxi"
 include "core.pxi"
 include "sim.pxi"
 

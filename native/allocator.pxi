@@ -92,6 +92,22 @@ cdef class BlockAllocator:
         self._cached[h] = b
         return b
 
+    cdef int c_free_evict_first(self, const int32_t* ids, int64_t n) noexcept nogil:
+        """`c_free`, but cached blocks go to the head of the queue: still reusable,
+        evicted before every other cached block (a paused agent's prefix)."""
+        cdef int64_t i
+        cdef int32_t b
+        for i in range(n):
+            b = ids[i]
+            if b < 0 or b >= self._n or self._ref[b] <= 0:
+                return -1
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                if self._has_hash[b]:
+                    self._num_cached_free += 1
+                self._free.c_prepend(b)
+        return 0
+
     cdef inline int32_t c_lookup(self, uint64_t h) noexcept nogil:
         cdef unordered_map[uint64_t, int32_t].iterator it = self._cached.find(h)
         if it == self._cached.end():

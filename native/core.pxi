@@ -13,9 +13,9 @@ cdef enum:
 STATES = ("free", "waiting", "running")
 POLICIES = ("overcommit", "reserve", "peak", "predict", "adaptive")
 VICTIMS = ("lifo", "priority", "lcf", "length")
-DECISIONS = ("admit", "hold_blocks", "hold_capacity")
+DECISIONS = ("admit", "hold_blocks", "hold_capacity", "hold_slo", "hold_agent")
 REJECT_REASONS = ("queue_full", "queued_tokens_full", "context_length", "kv_capacity", "shed",
-                  "queue_delay")
+                  "queue_delay", "slo_infeasible")
 
 cdef enum:  # indexes into POLICIES
     P_OVERCOMMIT = 0
@@ -34,6 +34,8 @@ cdef enum:  # indexes into DECISIONS
     D_ADMIT = 0
     D_HOLD_BLOCKS = 1
     D_HOLD_CAPACITY = 2
+    D_HOLD_SLO = 3        # the TPOT guard: the step would be too slow for a running request
+    D_HOLD_AGENT = 4      # its session is outside the active-agent window
 
 cdef enum:  # indexes into REJECT_REASONS
     R_QUEUE_FULL = 0
@@ -42,6 +44,7 @@ cdef enum:  # indexes into REJECT_REASONS
     R_KV_CAPACITY = 3
     R_SHED = 4
     R_QUEUE_DELAY = 5
+    R_SLO = 6
 
 ctypedef pair[int64_t, int64_t] QKey  # (order key, arrival seq); smaller is served first
 
@@ -91,6 +94,14 @@ cdef class ArrivalResult:
         if self.accepted:
             return f"ArrivalResult(accepted, slot={self.slot}, shed={len(self.shed)})"
         return f"ArrivalResult(rejected, {self.rejection!r})"
+
+
+cdef struct AgentSession:
+    char active
+    int32_t waiting        # requests queued (never started or preempted)
+    int32_t running
+    double idle_since      # when it last had nothing queued or running
+    int64_t activated      # activation order (LIFO pause)
 
 
 cdef struct VictimKey:
@@ -161,8 +172,24 @@ cdef class AdmissionCore:
     cdef bint _seen_time
     # counters
     cdef int64_t _n_arrived, _n_admitted, _n_preempted, _n_finished, _n_aborted
-    cdef int64_t _held[3]
-    cdef int64_t _rejected[6]
+    cdef int64_t _held[5]
+    cdef int64_t _rejected[7]
+    # SLO guard
+    cdef bint _slo_guard, _deadline_order
+    cdef double _def_ttft, _def_tpot
+    cdef readonly StepTimeFit step_time
+    cdef int64_t _step_budget
+    cdef vector[double] _ttft, _tpot, _arrive_t
+    cdef cmap[double, int32_t] _tpot_running     # TPOT targets of running requests (multiset)
+    # agent window
+    cdef bint _agents
+    cdef vector[int64_t] _session
+    cdef unordered_map[int64_t, AgentSession] _sessions
+    cdef double _window, _w_min, _w_max, _a_alpha, _a_beta, _u_low, _u_high, _h_thresh, _idle_s
+    cdef int64_t _a_interval, _a_cooldown, _cooldown_left, _n_active, _activations
+    cdef int64_t _iv_steps, _iv_hit, _iv_query, _window_changes
+    cdef double _iv_usage, _last_now, _ema_step_tokens
+    cdef vector[double] _window_history
     cdef int64_t _n_len_obs
     cdef double _len_abs_err, _len_pred_sum, _len_actual_sum
 
@@ -200,6 +227,28 @@ cdef class AdmissionCore:
         self._retry_max = config.retry_after_max_s
         self._drain_window = config.drain_window_s
         self._max_q_delay = config.max_queue_delay_s
+        self._slo_guard = config.slo_guard
+        self._deadline_order = config.queue_order == "deadline"
+        self._def_ttft = config.default_ttft_slo_s
+        self._def_tpot = config.default_tpot_slo_s
+        self.step_time = StepTimeFit(config.step_time_a, config.step_time_b, config.step_time_c,
+                                     config.step_time_forgetting)
+        self._step_budget = 0
+        self._agents = config.agent_window
+        self._window = config.agent_window_init
+        self._w_min = config.agent_window_min
+        self._w_max = config.agent_window_max
+        self._a_alpha = config.agent_alpha
+        self._a_beta = config.agent_beta
+        self._u_low = config.agent_usage_low
+        self._u_high = config.agent_usage_high
+        self._h_thresh = config.agent_hit_threshold
+        self._a_interval = config.agent_interval_steps
+        self._a_cooldown = config.agent_cooldown_intervals
+        self._idle_s = config.agent_idle_s
+        self._cooldown_left = self._n_active = self._activations = 0
+        self._iv_steps = self._iv_hit = self._iv_query = self._window_changes = 0
+        self._iv_usage = self._last_now = 0.0
         self._lengths = OutputLengthModel(
             config.adaptive_bucket_tokens,
             max_model_len if max_model_len > 0 else num_blocks * block_size,
@@ -215,9 +264,9 @@ cdef class AdmissionCore:
         self._win_admits = self._win_preempts = 0
         self._preempted_this_step = False
         cdef int i
-        for i in range(3):
+        for i in range(5):
             self._held[i] = 0
-        for i in range(6):
+        for i in range(7):
             self._rejected[i] = 0
         self._len_abs_err = self._len_pred_sum = self._len_actual_sum = 0.0
         self._seen_time = False
@@ -327,7 +376,68 @@ cdef class AdmissionCore:
         return peak_blocks_sorted(self._profile.data(), self._profile.size(), &c,
                                   self.block_size, self.num_blocks, self._fen) <= self.num_blocks
 
+    cdef double _running_context(self) noexcept nogil:
+        cdef double c = 0.0
+        cdef size_t i
+        for i in range(self._running.size()):
+            c += self._tokens(self._running[i])
+        return c
+
+    cdef double _prefill_time(self, double q, double r, double ctx) noexcept nogil:
+        """Steps (and their time) to prefill q tokens beside r decoding requests."""
+        cdef double per_step = (self._step_budget - r) if self._step_budget > 0 else q
+        if per_step < 1.0:
+            per_step = 1.0
+        cdef double n = ceil(q / per_step) if q > 0 else 1.0
+        cdef double chunk = q / n
+        return n * self.step_time.c_predict(r + chunk, ctx + chunk)
+
+    cdef double _predict_ttft(self, int32_t s, int64_t queued, double now) noexcept:
+        """The TTFT of a request arriving now, predicted for when it would run
+        (Mooncake): the later of (a) prefilling everything queued ahead and itself
+        under the step-time model and (b) the queue draining at the recent
+        admission pace (which includes waits for KV), plus its own prefill."""
+        cdef double r = self._running.size()
+        cdef double ctx = self._running_context()
+        cdef int64_t ahead, ahead_tokens
+        self._ahead_of(s, &ahead, &ahead_tokens)
+        cdef double compute = self._prefill_time(ahead_tokens + queued, r, ctx)
+        cdef double drain = self._predicted_delay(s, queued, now)
+        if drain > 0:
+            drain += self._prefill_time(queued, r, ctx)
+        return compute if compute > drain else drain
+
+    cdef bint _tpot_ok(self, int32_t s) noexcept nogil:
+        """The TPOT guard: with s running, a decode step stays within the tightest
+        TPOT target among the running requests and s (always true with nothing running)."""
+        if not self._slo_guard or self._running.empty():
+            return True
+        cdef double target = self._tpot[s]
+        if not self._tpot_running.empty() and (target <= 0 or deref(self._tpot_running.begin()).first < target):
+            target = deref(self._tpot_running.begin()).first
+        if target <= 0:
+            return True
+        # Steps carry others' prefill chunks too: use the recent tokens per step.
+        cdef double tokens = self._running.size() + 1.0
+        if self._ema_step_tokens + 1.0 > tokens:
+            tokens = self._ema_step_tokens + 1.0
+        return self.step_time.c_predict(tokens, self._running_context() + self._tokens(s)) <= target
+
+    cdef inline bint _agent_held(self, int32_t s) noexcept nogil:
+        if not self._agents or self._session[s] < 0:
+            return False
+        return (not self._sessions[self._session[s]].active
+                and self._n_active >= <int64_t>self._window)
+
     cdef int _decide(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil:
+        if self._agent_held(s):
+            return D_HOLD_AGENT
+        cdef int d = self._decide_memory(s, free_blocks, check_blocks)
+        if d == D_ADMIT and not self._tpot_ok(s):
+            return D_HOLD_SLO
+        return d
+
+    cdef int _decide_memory(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil:
         cdef int64_t need_now = cdiv(self._tokens(s), self.block_size) - self._cached[s] // self.block_size
         if check_blocks and need_now > free_blocks:
             return D_HOLD_BLOCKS
@@ -358,6 +468,8 @@ cdef class AdmissionCore:
         self._blocks.push_back(0); self._pred_total.push_back(0)
         self._bypassed.push_back(0); self._preempts.push_back(0); self._run_pos.push_back(-1)
         self._state.push_back(ST_FREE); self._sheddable.push_back(0)
+        self._ttft.push_back(0.0); self._tpot.push_back(0.0); self._arrive_t.push_back(0.0)
+        self._session.push_back(-1)
         return s
 
     cdef int _check_slot(self, int64_t s, int want) except -1:
@@ -372,6 +484,8 @@ cdef class AdmissionCore:
     cdef inline QKey _qkey(self, int32_t s) noexcept nogil:
         cdef QKey k
         k.first = self._priority[s] if self._priority_order else 0
+        if self._deadline_order:   # microseconds; no target: an hour after arrival
+            k.first = <int64_t>((self._arrive_t[s] + (self._ttft[s] if self._ttft[s] > 0 else 3600.0)) * 1e6)
         k.second = self._arrival[s]
         return k
 
@@ -385,10 +499,14 @@ cdef class AdmissionCore:
         self._state[s] = ST_WAITING
         self._waiting[self._qkey(s)] = s
         self._queued_tokens += self._queued_of(s)
+        if self._agents and self._session[s] >= 0:
+            self._sessions[self._session[s]].waiting += 1
 
     cdef void _dequeue(self, int32_t s) noexcept nogil:
         self._waiting.erase(self._qkey(s))
         self._queued_tokens -= self._queued_of(s)
+        if self._agents and self._session[s] >= 0:
+            self._session_leaves(s, True)
         if self._sheddable[s]:
             self._shed_order.erase(self._shed_key(s))
             self._sheddable[s] = 0
@@ -398,6 +516,10 @@ cdef class AdmissionCore:
         self._run_pos[s] = <int32_t>self._running.size()
         self._running.push_back(s)
         self._reserve_sum += self._reserve_blocks(s)
+        if self._tpot[s] > 0:
+            self._tpot_running[self._tpot[s]] += 1
+        if self._agents and self._session[s] >= 0:
+            self._sessions[self._session[s]].running += 1
 
     cdef void _run_remove(self, int32_t s) noexcept nogil:
         cdef int32_t pos = self._run_pos[s]
@@ -408,6 +530,24 @@ cdef class AdmissionCore:
         self._run_pos[s] = -1
         self._reserve_sum -= self._reserve_blocks(s)
         self._dirty()
+        cdef cmap[double, int32_t].iterator it
+        if self._tpot[s] > 0:
+            it = self._tpot_running.find(self._tpot[s])
+            deref(it).second -= 1
+            if deref(it).second == 0:
+                self._tpot_running.erase(it)
+        if self._agents and self._session[s] >= 0:
+            self._session_leaves(s, False)
+
+    cdef void _session_leaves(self, int32_t s, bint from_waiting) noexcept nogil:
+        """s stops waiting (or running); a session left with nothing is idle from now."""
+        cdef AgentSession* a = &self._sessions[self._session[s]]
+        if from_waiting:
+            a.waiting -= 1
+        else:
+            a.running -= 1
+        if a.waiting == 0 and a.running == 0:
+            a.idle_since = self._last_now
 
     cdef void _release(self, int32_t s) noexcept nogil:
         self._state[s] = ST_FREE
@@ -459,16 +599,33 @@ cdef class AdmissionCore:
             wait = max(wait, self._retry_default)
         return min(max(wait, 0.0), self._retry_max)
 
-    cdef double _predicted_delay(self, int64_t queued, double now):
-        """Queueing delay a new arrival would see: the waiting requests (and their
+    cdef void _ahead_of(self, int32_t s, int64_t* reqs, int64_t* tokens) noexcept nogil:
+        """Waiting requests (and their prefill tokens) that the queue order serves
+        before s: all of them in arrival order, else a walk to s's position."""
+        if not self._priority_order and not self._deadline_order:
+            reqs[0] = self._waiting.size()
+            tokens[0] = self._queued_tokens
+            return
+        cdef QKey key = self._qkey(s)
+        cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
+        reqs[0] = tokens[0] = 0
+        while it != self._waiting.end() and deref(it).first < key:
+            reqs[0] += 1
+            tokens[0] += self._queued_of(deref(it).second)
+            inc(it)
+
+    cdef double _predicted_delay(self, int32_t s, int64_t queued, double now):
+        """Queueing delay arrival s would see: the waiting requests (and their
         prefill tokens) ahead of it, plus itself, at the recent admission rate
-        (0 when the queue is empty or no rate is known yet)."""
+        (0 when nothing is ahead or no rate is known yet)."""
         cdef double rr, rt, wait
-        if self._waiting.empty() or not self._drain_rates(now, &rr, &rt):
+        cdef int64_t ahead, ahead_tokens
+        self._ahead_of(s, &ahead, &ahead_tokens)
+        if ahead == 0 or not self._drain_rates(now, &rr, &rt):
             return 0.0
-        wait = (self._waiting.size() + 1) / rr
+        wait = (ahead + 1) / rr
         if rt > 0:
-            wait = max(wait, (self._queued_tokens + queued) / rt)
+            wait = max(wait, (ahead_tokens + queued) / rt)
         return wait
 
     cdef Rejection _reject(self, int code, str message, str limit, object value, object retry):
@@ -478,11 +635,14 @@ cdef class AdmissionCore:
     # ------------------------------------------------------------------
     # Public API: arrivals
     def arrive(self, int64_t prompt_tokens, int64_t max_new_tokens, int64_t priority=0,
-               int64_t cached_tokens=0, double now=0.0):
+               int64_t cached_tokens=0, double now=0.0, double ttft_slo_s=-1.0,
+               double tpot_slo_s=-1.0, int64_t session=-1):
         """A request arrives: queue it (slot) or refuse it (Rejection).
 
+        ``ttft_slo_s`` / ``tpot_slo_s``: its targets (negative: the config's
+        defaults; 0: none). ``session``: its agent/session id (-1: none).
         Bad numbers raise ValueError naming the field; limits of this server
-        (context, KV pool, queue caps) give a Rejection."""
+        (context, KV pool, queue caps, SLO feasibility) give a Rejection."""
         if prompt_tokens < 1:
             raise ValueError(f"prompt_tokens={prompt_tokens}: must be >= 1")
         if max_new_tokens < 1:
@@ -491,7 +651,11 @@ cdef class AdmissionCore:
             raise ValueError(f"cached_tokens={cached_tokens}: must be in [0, prompt_tokens={prompt_tokens}]")
         if not isfinite(now):
             raise ValueError(f"now={now}: must be a finite number of seconds")
+        if not isfinite(ttft_slo_s) or not isfinite(tpot_slo_s):
+            raise ValueError(f"ttft_slo_s={ttft_slo_s}, tpot_slo_s={tpot_slo_s}: must be finite")
         self._note_time(now)
+        if now > self._last_now:
+            self._last_now = now
         self._n_arrived += 1
         cdef int64_t total = prompt_tokens + max_new_tokens
         if self.max_model_len > 0 and total > self.max_model_len:
@@ -515,6 +679,12 @@ cdef class AdmissionCore:
         self._bypassed[s] = 0
         self._preempts[s] = 0
         self._pred_total[s] = 0
+        self._ttft[s] = ttft_slo_s if ttft_slo_s >= 0 else self._def_ttft
+        self._tpot[s] = tpot_slo_s if tpot_slo_s >= 0 else self._def_tpot
+        self._arrive_t[s] = now
+        self._session[s] = session if self._agents else -1
+        if self._agents and session >= 0 and self._sessions.count(session) == 0:
+            self._sessions[session] = AgentSession(0, 0, 0, now, -1)
         self._state[s] = ST_WAITING  # provisional, so helpers may read it
         if not self._fits_capacity(s, True):
             self._release(s)
@@ -534,7 +704,7 @@ cdef class AdmissionCore:
                 f"{self._max_q_tokens}", "max_queued_tokens", self._max_q_tokens, None), [])
         cdef double delay
         if self._max_q_delay > 0:
-            delay = self._predicted_delay(queued, now)
+            delay = self._predicted_delay(s, queued, now)
             if delay > self._max_q_delay:
                 self._release(s)
                 return ArrivalResult(False, -1, self._reject(
@@ -543,6 +713,17 @@ cdef class AdmissionCore:
                     f"{self._queued_tokens} prompt tokens waiting) exceeds max_queue_delay_s="
                     f"{self._max_q_delay:g}", "max_queue_delay_s", self._max_q_delay,
                     min(delay - self._max_q_delay, self._retry_max)), [])
+        cdef double ttft_pred
+        if self._slo_guard and self._ttft[s] > 0:
+            ttft_pred = self._predict_ttft(s, queued, now)
+            if ttft_pred > self._ttft[s]:
+                self._release(s)
+                return ArrivalResult(False, -1, self._reject(
+                    R_SLO,
+                    f"predicted TTFT {ttft_pred:.3g} s ({self._waiting.size()} requests waiting, "
+                    f"{self._running.size()} running) exceeds its target ttft_slo_s="
+                    f"{self._ttft[s]:g}", "ttft_slo_s", self._ttft[s],
+                    min(ttft_pred - self._ttft[s], self._retry_max)), [])
         cdef list shed = []
         cdef int64_t over_reqs = 0, over_tokens = 0
         if self._max_q_reqs > 0:
@@ -623,23 +804,27 @@ cdef class AdmissionCore:
         if self._waiting.empty():
             return -1
         cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
-        cdef int32_t s = deref(it).second
-        cdef int d = self._decide(s, free_blocks, check_blocks)
-        if d == D_ADMIT:
-            return s
-        self._held[d] += 1
-        if not self._bypass or self._bypassed[s] >= self._max_bypass:
-            return -1
+        cdef int32_t s
+        cdef int d
+        cdef bint head = True
         cdef int64_t scanned = 0
-        inc(it)
-        while it != self._waiting.end() and scanned < self._lookahead:
+        while it != self._waiting.end():
             s = deref(it).second
             d = self._decide(s, free_blocks, check_blocks)
             if d == D_ADMIT:
                 return s
-            if self._bypassed[s] >= self._max_bypass:
-                return -1
-            scanned += 1
+            if head:
+                self._held[d] += 1
+            # A request outside the agent window never blocks the queue; any other
+            # held request does, unless bypass lets later ones pass it.
+            if d != D_HOLD_AGENT:
+                if not self._bypass or self._bypassed[s] >= self._max_bypass:
+                    return -1
+                if not head:
+                    scanned += 1
+                    if scanned >= self._lookahead:
+                        return -1
+            head = False
             inc(it)
         return -1
 
@@ -652,10 +837,21 @@ cdef class AdmissionCore:
 
     cdef void _admit(self, int32_t s, double now) noexcept:
         self._note_time(now)
+        if now > self._last_now:
+            self._last_now = now
         cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
         while deref(it).second != s:
-            self._bypassed[deref(it).second] += 1
+            if not self._agent_held(deref(it).second):
+                self._bypassed[deref(it).second] += 1
             inc(it)
+        cdef AgentSession* a
+        if self._agents and self._session[s] >= 0:
+            a = &self._sessions[self._session[s]]
+            if not a.active:
+                a.active = 1
+                a.activated = self._activations
+                self._activations += 1
+                self._n_active += 1
         cdef int64_t queued = self._queued_of(s)
         self._dequeue(s)
         self._admit_seq[s] = self._seq
@@ -811,6 +1007,127 @@ cdef class AdmissionCore:
         self._release(s)
 
     # ------------------------------------------------------------------
+    # Public API: step-time model and agent window
+    def set_step_budget(self, int64_t tokens):
+        """The engine's token budget a step (vLLM max_num_batched_tokens), for TTFT predictions."""
+        if tokens < 0:
+            raise ValueError(f"step budget tokens={tokens}: must be >= 0 (0: unknown)")
+        self._step_budget = tokens
+
+    def observe_step(self, double tokens, double context, double seconds):
+        """An engine step took `seconds` for `tokens` scheduled tokens over `context`
+        tokens of KV: refines the step-time model the SLO guard predicts with."""
+        self.step_time.observe(tokens, context, seconds)
+        self._c_note_step_tokens(tokens)
+
+    cdef void _c_note_step_tokens(self, double tokens) noexcept nogil:
+        self._ema_step_tokens += 0.05 * (tokens - self._ema_step_tokens)
+
+    def predict_ttft(self, int64_t prompt_tokens, double now):
+        """The TTFT the SLO guard predicts for an arrival of `prompt_tokens` at
+        `now` (queued behind everything waiting)."""
+        cdef int32_t s = self._new_slot()      # a probe at the back of the queue
+        self._prompt[s] = prompt_tokens
+        self._generated[s] = self._cached[s] = 0
+        self._arrival[s] = self._seq
+        self._arrive_t[s] = now
+        self._ttft[s] = 0.0
+        self._priority[s] = INT64_MAX // 2
+        cdef double t = self._predict_ttft(s, prompt_tokens, now)
+        self._release(s)
+        return t
+
+    def observe_cache(self, int64_t used_blocks, int64_t hit_tokens, int64_t query_tokens,
+                      double now=0.0):
+        """Once per engine step: KV blocks in use and the step's prefix-cache hit and
+        query tokens. Every agent_interval_steps the agent window follows AIMD."""
+        self._c_observe_cache(used_blocks, hit_tokens, query_tokens, now)
+
+    cdef void _c_observe_cache(self, int64_t used_blocks, int64_t hit_tokens, int64_t query_tokens,
+                               double now) noexcept nogil:
+        if not self._agents:
+            return
+        if now > self._last_now:
+            self._last_now = now
+        self._iv_usage += used_blocks / <double>self.num_blocks
+        self._iv_hit += hit_tokens
+        self._iv_query += query_tokens
+        self._iv_steps += 1
+        if self._iv_steps >= self._a_interval:
+            self._agent_update(self._iv_usage / self._iv_steps,
+                               self._iv_hit / <double>self._iv_query if self._iv_query > 0 else 1.0)
+            self._iv_steps = self._iv_hit = self._iv_query = 0
+            self._iv_usage = 0.0
+        if self._n_active > <int64_t>self._window:
+            self._pause_excess()
+
+    cdef void _agent_update(self, double usage, double hit_rate) noexcept nogil:
+        cdef double w = c_next_agent_window(self._window, usage, hit_rate, self._a_alpha, self._a_beta,
+                                            self._u_low, self._u_high, self._h_thresh,
+                                            self._w_min, self._w_max)
+        if w > self._window and self._cooldown_left > 0:
+            w = self._window            # hysteresis: no regrowth right after a cut
+        if w < self._window:
+            self._cooldown_left = self._a_cooldown
+        elif self._cooldown_left > 0:
+            self._cooldown_left -= 1
+        if w != self._window:
+            self._window_changes += 1
+        self._window = w
+        self._window_history.push_back(w)
+        # Sessions idle for agent_idle_s leave the window (and the table).
+        cdef unordered_map[int64_t, AgentSession].iterator it = self._sessions.begin()
+        while it != self._sessions.end():
+            if (deref(it).second.waiting == 0 and deref(it).second.running == 0
+                    and self._last_now - deref(it).second.idle_since >= self._idle_s):
+                if deref(it).second.active:
+                    self._n_active -= 1
+                it = self._sessions.erase(it)
+            else:
+                inc(it)
+
+    cdef void _pause_excess(self) noexcept nogil:
+        """Pauses the most recently activated sessions between generations (none
+        of their requests running) until at most W are active."""
+        cdef unordered_map[int64_t, AgentSession].iterator it
+        cdef AgentSession* pick
+        while self._n_active > <int64_t>self._window:
+            pick = NULL
+            it = self._sessions.begin()
+            while it != self._sessions.end():
+                if deref(it).second.active and deref(it).second.running == 0 and (
+                        pick == NULL or deref(it).second.activated > pick.activated):
+                    pick = &deref(it).second
+                inc(it)
+            if pick == NULL:
+                return               # the rest are mid-generation: paused when they finish
+            pick.active = 0
+            self._n_active -= 1
+
+    cdef bint _session_active(self, int64_t session) noexcept nogil:
+        if not self._agents or session < 0:
+            return True
+        cdef unordered_map[int64_t, AgentSession].iterator it = self._sessions.find(session)
+        return it != self._sessions.end() and deref(it).second.active
+
+    def session_active(self, int64_t session):
+        """Whether this session is inside the agent window (True without agent_window)."""
+        return self._session_active(session)
+
+    @property
+    def agent_window_size(self):
+        """The current W (the number of sessions that may be active)."""
+        return self._window
+
+    @property
+    def active_sessions(self):
+        return self._n_active
+
+    def window_history(self):
+        """W after each AIMD update, oldest first."""
+        return [w for w in self._window_history]
+
+    # ------------------------------------------------------------------
     # Public API: victims
     cdef VictimKey _victim_key(self, int32_t s) noexcept nogil:
         cdef VictimKey k
@@ -925,11 +1242,15 @@ cdef class AdmissionCore:
             "arrived": self._n_arrived, "admitted": self._n_admitted,
             "preempted": self._n_preempted, "finished": self._n_finished,
             "aborted": self._n_aborted,
-            "held": {DECISIONS[i]: self._held[i] for i in (1, 2)},
-            "rejected": {REJECT_REASONS[i]: self._rejected[i] for i in range(6)},
+            "held": {DECISIONS[i]: self._held[i] for i in (1, 2, 3, 4)},
+            "rejected": {REJECT_REASONS[i]: self._rejected[i] for i in range(7)},
             "waiting": self._waiting.size(), "running": self._running.size(),
             "queued_tokens": self._queued_tokens,
             "new_token_ratio": self._ratio, "quantile": self._quantile,
+            "step_time_fit": dict(zip(("a", "b", "c"), self.step_time.coefficients),
+                                  observations=self.step_time.observations),
+            "agent_window": {"size": self._window, "active_sessions": self._n_active,
+                             "sessions": self._sessions.size(), "changes": self._window_changes},
             "length_predictions": {
                 "finished": self._n_len_obs,
                 "mean_predicted": self._len_pred_sum / self._n_len_obs if self._n_len_obs else 0.0,

@@ -54,7 +54,8 @@ cdef class NativeEngine:
     # requests, by index in arrival order
     cdef vector[double] _arr
     cdef vector[int64_t] _prompt, _out, _maxtok, _prio, _hoff, _hids, _hashed, _parent
-    cdef vector[double] _delay
+    cdef vector[double] _delay, _ttft, _tpot
+    cdef vector[int64_t] _sess
     cdef vector[int64_t] _open          # indexes of requests with a fixed arrival time
     cdef priority_queue[pair[double, int64_t]] _released   # (-time, -index): children due
     cdef vector[int64_t] _computed, _gen, _maxcomp, _sched
@@ -74,7 +75,9 @@ cdef class NativeEngine:
     cdef int64_t _hit_tokens, _query_tokens, _peak_used, _held_blocks, _batch_tokens
     cdef int64_t _n_done, _n_rejected
     cdef vector[double] _tl_t
-    cdef vector[int64_t] _tl_used, _tl_running, _tl_waiting, _tl_preempt
+    cdef vector[int64_t] _tl_used, _tl_running, _tl_waiting, _tl_preempt, _tl_hit, _tl_query
+    cdef vector[double] _tl_window
+    cdef int64_t _step_hit, _step_query
 
     def __init__(self, config, int64_t num_blocks, int64_t block_size, int64_t max_model_len,
                  int64_t max_num_seqs, int64_t max_num_batched_tokens, bint chunked_prefill=True,
@@ -115,10 +118,11 @@ cdef class NativeEngine:
         self._sample_dt = sample_interval_s
         self._hoff.push_back(0)
         self._ran = False
+        self.core.set_step_budget(max_num_batched_tokens)
 
     def add_requests(self, arrival_s, prompt_tokens, output_tokens, max_tokens, priority=None,
                      hash_offsets=None, hash_ids=None, hashed_tokens=None, parent=None,
-                     delay_s=None):
+                     delay_s=None, ttft_slo_s=None, tpot_slo_s=None, session=None):
         """Appends requests (sequences of equal length; fixed arrivals not decreasing).
 
         ``hash_offsets`` (n + 1 entries) and ``hash_ids`` give each request's
@@ -127,7 +131,8 @@ cdef class NativeEngine:
         prompt). A request with ``parent[i] >= 0`` (an earlier index, counted
         over all requests added) is the next turn of a session: it arrives
         ``delay_s[i]`` after its parent finished or was refused; its arrival_s
-        is ignored."""
+        is ignored. ``ttft_slo_s`` / ``tpot_slo_s`` (negative: the config's
+        defaults) and ``session`` (-1: none) go to the core with each arrival."""
         if self._ran:
             raise RuntimeError("add_requests after run")
         cdef Py_ssize_t n = len(arrival_s), i, base = self._arr.size()
@@ -141,7 +146,8 @@ cdef class NativeEngine:
             raise ValueError("hash_offsets and hash_ids go together")
         if hash_offsets is not None and len(hash_offsets) != n + 1:
             raise ValueError(f"hash_offsets: {len(hash_offsets)} entries, expected {n + 1}")
-        for name, seq in (("hashed_tokens", hashed_tokens), ("parent", parent), ("delay_s", delay_s)):
+        for name, seq in (("hashed_tokens", hashed_tokens), ("parent", parent), ("delay_s", delay_s),
+                          ("ttft_slo_s", ttft_slo_s), ("tpot_slo_s", tpot_slo_s), ("session", session)):
             if seq is not None and len(seq) != n:
                 raise ValueError(f"{name}: {len(seq)} entries, expected {n}")
         if (parent is None) != (delay_s is None):
@@ -171,6 +177,9 @@ cdef class NativeEngine:
                 last = t
                 self._open.push_back(base + i)
             self._parent.push_back(par)
+            self._ttft.push_back(ttft_slo_s[i] if ttft_slo_s is not None else -1.0)
+            self._tpot.push_back(tpot_slo_s[i] if tpot_slo_s is not None else -1.0)
+            self._sess.push_back(session[i] if session is not None else -1)
             self._delay.push_back(dl)
             self._hashed.push_back(hashed_tokens[i] if hashed_tokens is not None else p)
             self._arr.push_back(t if par < 0 else -1.0)
@@ -265,8 +274,13 @@ cdef class NativeEngine:
                 break
 
     cdef void _finish(self, int32_t r, double t) noexcept nogil:
-        self._release_blocks(r)
         self.core._finish(self._slot[r])
+        if self.core._session_active(self._sess[r]):
+            self._release_blocks(r)
+        else:
+            # A paused agent's prefix is evicted before active agents' (tail first).
+            self.allocator.c_free_evict_first(self._blocks[r].data(), self._blocks[r].size())
+            self._blocks[r].clear()
         self._slot_req[self._slot[r]] = -1
         self._slot[r] = -1
         self._rstate[r] = RQ_DONE
@@ -322,7 +336,8 @@ cdef class NativeEngine:
         cdef ArrivalResult res
         while self._next_arrival() <= self._clock:
             r = self._pop_arrival()
-            res = self.core.arrive(self._prompt[r], self._maxtok[r], self._prio[r], 0, self._arr[r])
+            res = self.core.arrive(self._prompt[r], self._maxtok[r], self._prio[r], 0, self._arr[r],
+                                   self._ttft[r], self._tpot[r], self._sess[r])
             for slot, rej in res.shed:
                 v = self._slot_req[slot]
                 self._slot_req[slot] = -1
@@ -412,6 +427,8 @@ cdef class NativeEngine:
             self._grow(r, c0 + n)
             self._hit_tokens += c0
             self._query_tokens += tokens
+            self._step_hit += c0
+            self._step_query += tokens
             self._computed[r] = c0
             self.core._admit(s, self._clock)
             self._rstate[r] = RQ_RUNNING
@@ -468,12 +485,20 @@ cdef class NativeEngine:
         self._clock = t_end
         self._steps += 1
         self.core._on_step()
+        self.core.step_time.c_observe(batch, ctx, dt)
+        self.core._c_note_step_tokens(batch)
+        self.core._c_observe_cache(self._nblocks - self.allocator._free._count, self._step_hit,
+                                   self._step_query, t_end)
+        self._step_hit = self._step_query = 0
         while self._clock >= self._next_sample:
             self._tl_t.push_back(self._next_sample)
             self._tl_used.push_back(self._nblocks - self.allocator._free._count)
             self._tl_running.push_back(self._running.size())
             self._tl_waiting.push_back(self.core._waiting.size())
             self._tl_preempt.push_back(self._preemptions)
+            self._tl_hit.push_back(self._hit_tokens)
+            self._tl_query.push_back(self._query_tokens)
+            self._tl_window.push_back(self.core._window)
             self._next_sample += self._sample_dt
         return STEP_RAN
 
@@ -547,7 +572,11 @@ cdef class NativeEngine:
 
     def timeline(self):
         """Samples every sample_interval_s of virtual time: time, used blocks,
-        running, waiting, preemptions so far."""
+        running, waiting, preemptions, prefix hit and query tokens so far, and
+        the agent window."""
         return {"t": [x for x in self._tl_t], "used_blocks": [x for x in self._tl_used],
                 "running": [x for x in self._tl_running], "waiting": [x for x in self._tl_waiting],
-                "preemptions": [x for x in self._tl_preempt]}
+                "preemptions": [x for x in self._tl_preempt],
+                "prefix_hit_tokens": [x for x in self._tl_hit],
+                "prefix_query_tokens": [x for x in self._tl_query],
+                "agent_window": [x for x in self._tl_window]}

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from kvadmit._native import POLICIES, VICTIMS
 
-QUEUE_ORDERS = ("fcfs", "priority")
+QUEUE_ORDERS = ("fcfs", "priority", "deadline")
 HEAD_OF_LINE = ("strict", "bypass")
 
 
@@ -47,7 +47,8 @@ class AdmissionConfig:
     victim: str = field(default="lifo", metadata=_choice(
         VICTIMS, "which running request is preempted first when memory runs out"))
     queue_order: str = field(default="fcfs", metadata=_choice(
-        QUEUE_ORDERS, "waiting order: arrival, or priority (lower value first) then arrival"))
+        QUEUE_ORDERS, "waiting order: arrival; priority (lower value first) then arrival; or "
+        "deadline (arrival + TTFT target, earliest first)"))
     head_of_line: str = field(default="strict", metadata=_choice(
         HEAD_OF_LINE, "strict: stop at the first held request; bypass: later ones may pass it"))
     max_bypass: int = field(default=4, metadata=_int(
@@ -96,6 +97,44 @@ class AdmissionConfig:
         0.0, 86400.0, "ceiling of the Retry-After hint"))
     drain_window_s: float = field(default=30.0, metadata=_float(
         0.0, 86400.0, "window over which the queue's drain rate is measured", lo_open=True))
+    slo_guard: bool = field(default=False, metadata=_bool(
+        "refuse arrivals whose predicted TTFT misses their target (slo_infeasible) and hold "
+        "admissions that would push a running request's step time past its TPOT target"))
+    default_ttft_slo_s: float = field(default=0.0, metadata=_float(
+        0.0, 86400.0, "TTFT target of requests that carry none (0: none)"))
+    default_tpot_slo_s: float = field(default=0.0, metadata=_float(
+        0.0, 3600.0, "TPOT target of requests that carry none (0: none)"))
+    step_time_a: float = field(default=0.008, metadata=_float(
+        0.0, 10.0, "initial step-time model: seconds a step (refined online from observed steps)"))
+    step_time_b: float = field(default=3.25e-5, metadata=_float(
+        0.0, 1.0, "initial step-time model: seconds per scheduled token"))
+    step_time_c: float = field(default=4.9e-8, metadata=_float(
+        0.0, 1.0, "initial step-time model: seconds per context token of the batch"))
+    step_time_forgetting: float = field(default=0.995, metadata=_float(
+        0.5, 1.0, "forgetting factor of the online (RLS) step-time fit"))
+    agent_window: bool = field(default=False, metadata=_bool(
+        "admit requests of at most W active sessions (agents); W follows KV usage and prefix "
+        "hits (AIMD)"))
+    agent_window_init: float = field(default=8.0, metadata=_float(
+        1.0, 1e9, "agent window: initial W"))
+    agent_window_min: float = field(default=1.0, metadata=_float(1.0, 1e9, "agent window: floor of W"))
+    agent_window_max: float = field(default=4096.0, metadata=_float(
+        1.0, 1e9, "agent window: ceiling of W"))
+    agent_alpha: float = field(default=2.0, metadata=_float(
+        0.0, 1e6, "agent window: additive increase while KV usage < agent_usage_low"))
+    agent_beta: float = field(default=0.5, metadata=_float(
+        0.0, 1.0, "agent window: multiplicative decrease when usage > agent_usage_high and hits "
+        "< agent_hit_threshold", lo_open=True))
+    agent_usage_low: float = field(default=0.2, metadata=_float(0.0, 1.0, "agent window: U_low"))
+    agent_usage_high: float = field(default=0.5, metadata=_float(0.0, 1.0, "agent window: U_high"))
+    agent_hit_threshold: float = field(default=0.2, metadata=_float(
+        0.0, 1.0, "agent window: H_thresh (prefix hit rate)"))
+    agent_interval_steps: int = field(default=50, metadata=_int(
+        1, 1_000_000, "agent window: engine steps per AIMD update (signals are averaged over it)"))
+    agent_cooldown_intervals: int = field(default=2, metadata=_int(
+        0, 1_000_000, "agent window: intervals after a decrease during which W does not grow"))
+    agent_idle_s: float = field(default=60.0, metadata=_float(
+        0.0, 86400.0, "agent window: a session with nothing queued or running this long leaves it"))
     native_allocator: bool = field(default=False, metadata=_bool(
         "vLLM: replace BlockPool's free-block queue with the native one"))
 
@@ -106,6 +145,14 @@ class AdmissionConfig:
             raise ConfigError(
                 f"kvadmit config: adaptive_max_quantile={self.adaptive_max_quantile} must be >= "
                 f"adaptive_quantile={self.adaptive_quantile}")
+        if self.agent_usage_low >= self.agent_usage_high:
+            raise ConfigError(
+                f"kvadmit config: agent_usage_low={self.agent_usage_low} must be < "
+                f"agent_usage_high={self.agent_usage_high}")
+        if self.agent_window_min > self.agent_window_max:
+            raise ConfigError(
+                f"kvadmit config: agent_window_min={self.agent_window_min} must be <= "
+                f"agent_window_max={self.agent_window_max}")
         if self.retry_after_max_s < self.retry_after_default_s:
             raise ConfigError(
                 f"kvadmit config: retry_after_max_s={self.retry_after_max_s} must be >= "

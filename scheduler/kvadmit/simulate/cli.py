@@ -20,7 +20,7 @@ from kvadmit.simulate.metrics import Slo
 from kvadmit.simulate.policies import BUILTIN, DEFAULT_POLICIES, parse_policy
 from kvadmit.simulate.run import at_load, capacity_rps, compare, offered_rps
 from kvadmit.simulate.steptime import PRESETS, StepTimeModel, get_preset
-from kvadmit.simulate.workload import agent_sessions, from_trace, synthetic
+from kvadmit.simulate.workload import agent_sessions, from_trace, mixed, synthetic
 
 
 def add_parser(sub) -> None:
@@ -28,8 +28,9 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="Azure .csv or Mooncake .jsonl trace")
-    src.add_argument("--synthetic", choices=("poisson", "gamma", "agents"),
-                     help="generated workload (gamma: bursty arrivals, cv --burst-cv)")
+    src.add_argument("--synthetic", choices=("poisson", "gamma", "agents", "mixed"),
+                     help="generated workload (gamma: bursty arrivals, cv --burst-cv; mixed: "
+                     "interactive + batch requests with their own SLOs)")
     p.add_argument("--requests", type=int, help="trace: first N requests; synthetic: N requests "
                    "(agents: N sessions); default: whole trace / 2000")
     p.add_argument("--repeat", type=int, default=1, help="trace: replay it back to back N times")
@@ -40,6 +41,9 @@ def add_parser(sub) -> None:
     p.add_argument("--sweep", type=float, nargs="+", metavar="LOAD",
                    help="run every policy at each of these loads (multiples of capacity)")
     p.add_argument("--burst-cv", type=float, default=3.0, help="gamma: inter-arrival CV")
+    p.add_argument("--interactive-share", type=float, default=0.7, help="mixed: interactive share")
+    p.add_argument("--turns", type=float, default=8.0, help="agents: mean turns a session")
+    p.add_argument("--tool-wait", type=float, default=2.0, help="agents: mean tool wait, seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens-rule", choices=("cap", "context"), default="context",
                    help="traces: max_tokens = the cap, or min(cap, context left)")
@@ -80,31 +84,37 @@ def build_workload(args, max_model_len: int):
     rate = args.rate or 10.0
     if args.synthetic == "agents":
         return agent_sessions(n, rate, seed=args.seed, max_tokens_cap=args.max_tokens,
-                              max_model_len=max_model_len, block_tokens=args.block_size_eff)
+                              max_model_len=max_model_len, block_tokens=args.block_size_eff,
+                              turns_mean=args.turns, tool_wait_mean_s=args.tool_wait)
+    if args.synthetic == "mixed":
+        return mixed(n, rate, seed=args.seed, interactive_share=args.interactive_share,
+                     max_tokens_cap=args.max_tokens, max_model_len=max_model_len)
     return synthetic(n, rate, seed=args.seed, burst_cv=1.0 if args.synthetic == "poisson" else args.burst_cv,
                      max_tokens_cap=args.max_tokens, max_model_len=max_model_len)
 
 
-def _fmt_row(r: dict) -> str:
+def _fmt_row(r: dict, width: int = 16) -> str:
     rej = sum(r["rejected"].values())
-    return (f"{r['policy']:16} {r['goodput'] * 100:7.1f}% {r['throughput_tok_s']:9.0f} "
+    return (f"{r['policy']:{width}} {r['goodput'] * 100:7.1f}% {r['throughput_tok_s']:9.0f} "
             f"{r['ttft_p50_s']:8.2f} {r['ttft_p99_s']:8.2f} {r['tpot_p50_s'] * 1e3:7.1f} "
             f"{r['tpot_p99_s'] * 1e3:7.1f} {r['preemptions']:8d} {r['recomputed_tokens']:10d} "
             f"{rej:7d} {r['kv_util_mean'] * 100:5.1f}% {r['kv_util_peak'] * 100:5.1f}% "
             f"{r['prefix_hit_rate'] * 100:5.1f}% {r['wall_s']:6.1f}")
 
 
-HEADER = (f"{'policy':16} {'goodput':>8} {'tok/s':>9} {'TTFTp50':>8} {'TTFTp99':>8} "
-          f"{'TPOTp50':>7} {'TPOTp99':>7} {'preempt':>8} {'recompute':>10} {'reject':>7} "
-          f"{'KVmean':>6} {'KVpeak':>6} {'hit':>6} {'wall':>6}\n"
-          f"{'':16} {'':>8} {'':>9} {'s':>8} {'s':>8} {'ms':>7} {'ms':>7}")
+def _header(width: int) -> str:
+    return (f"{'policy':{width}} {'goodput':>8} {'tok/s':>9} {'TTFTp50':>8} {'TTFTp99':>8} "
+            f"{'TPOTp50':>7} {'TPOTp99':>7} {'preempt':>8} {'recompute':>10} {'reject':>7} "
+            f"{'KVmean':>6} {'KVpeak':>6} {'hit':>6} {'wall':>6}\n"
+            f"{'':{width}} {'':>8} {'':>9} {'s':>8} {'s':>8} {'ms':>7} {'ms':>7}")
 
 
 def print_table(title: str, rows: list[dict]) -> None:
+    width = max([16] + [len(r["policy"]) for r in rows])
     print(title)
-    print(HEADER)
+    print(_header(width))
     for r in rows:
-        print(_fmt_row(r))
+        print(_fmt_row(r, width))
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -136,8 +146,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
           f"{shape.max_model_len}; max_num_seqs {shape.max_num_seqs}; token budget "
           f"{shape.max_num_batched_tokens}{'' if shape.chunked_prefill else ', no chunked prefill'}"
           f"{', prefix caching' if shape.prefix_caching else ''}")
-    print(f"SLO: TTFT <= {slo.ttft_s:g} s and TPOT <= {slo.tpot_s * 1e3:g} ms; "
-          f"goodput = share of all requests meeting both")
+    if workload.ttft_slo_s is not None:
+        print("SLO: each request's own TTFT and TPOT targets; goodput = share of all requests "
+              "meeting both")
+    else:
+        print(f"SLO: TTFT <= {slo.ttft_s:g} s and TPOT <= {slo.tpot_s * 1e3:g} ms (also the targets "
+              f"kvadmit's slo_guard sees); goodput = share of all requests meeting both")
     cap = None
     if args.load or args.sweep:
         cap = capacity_rps(workload, shape, step)
@@ -182,7 +196,11 @@ def plot(out: dict, series, path: str) -> None:
               file=sys.stderr)
         return
     sweep = len(out["runs"]) > 1
-    fig, axes = plt.subplots(1, 3 if sweep else 2, figsize=(17 if sweep else 12, 4.5))
+    load, timelines, nblocks = series
+    hits = any(tl.get("prefix_query_tokens") and tl["prefix_query_tokens"][-1] > 0
+               for tl in timelines.values())
+    n = 2 + sweep + hits
+    fig, axes = plt.subplots(1, n, figsize=(5.8 * n, 4.5))
     ax = list(axes)
     if sweep:
         a = ax.pop(0)
@@ -196,12 +214,17 @@ def plot(out: dict, series, path: str) -> None:
         a.set_ylabel("goodput (% of requests meeting the SLO)")
         a.set_title("goodput vs load")
         a.legend(fontsize=8)
-    load, timelines, nblocks = series
     for name, tl in timelines.items():
         t0 = tl["t"][0] if tl["t"] else 0.0
         ts = [t - t0 for t in tl["t"]]
         ax[0].plot(ts, [u / nblocks * 100 for u in tl["used_blocks"]], label=name, lw=0.8)
         ax[1].plot(ts, tl["preemptions"], label=name, lw=0.8)
+        if hits:
+            # hit rate over a sliding window of 10 samples
+            h, q = tl["prefix_hit_tokens"], tl["prefix_query_tokens"]
+            rate = [(h[i] - h[max(0, i - 10)]) / (q[i] - q[max(0, i - 10)]) * 100
+                    if q[i] > q[max(0, i - 10)] else float("nan") for i in range(len(q))]
+            ax[2].plot(ts, rate, label=name, lw=0.8)
     lab = f" (load {load:g}x)" if load == load else ""
     ax[0].set_title("KV utilization" + lab)
     ax[0].set_xlabel("virtual time (s)")
@@ -209,6 +232,10 @@ def plot(out: dict, series, path: str) -> None:
     ax[1].set_title("preemptions so far" + lab)
     ax[1].set_xlabel("virtual time (s)")
     ax[1].legend(fontsize=8)
+    if hits:
+        ax[2].set_title("prefix hit rate" + lab)
+        ax[2].set_xlabel("virtual time (s)")
+        ax[2].set_ylabel("% of prompt tokens from cache")
     fig.suptitle(out["workload"], fontsize=9)
     fig.tight_layout()
     pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)

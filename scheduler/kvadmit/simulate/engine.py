@@ -71,7 +71,8 @@ def run_native(workload: Workload, config: AdmissionConfig, shape: EngineShape,
                      workload.max_tokens, workload.priority,
                      workload.hash_offsets if shape.prefix_caching else None,
                      workload.hash_ids if shape.prefix_caching else None,
-                     workload.hashed_tokens, workload.parent, workload.delay_s)
+                     workload.hashed_tokens, workload.parent, workload.delay_s,
+                     workload.ttft_slo_s, workload.tpot_slo_s, workload.session)
     eng.run(progress=progress)
     wall = time.perf_counter() - t0
     return RawRun("native", eng.results(), eng.totals(), eng.timeline(), wall,

@@ -2,8 +2,9 @@
 
 TTFT = first token - arrival; TPOT = (finish - first token) / (output tokens - 1)
 (0 for one-token outputs). A request meets the SLO if it was served, its TTFT
-<= slo_ttft_s and its TPOT <= slo_tpot_s; goodput is the share of all requests
-(refused ones included) that meet it.
+<= its TTFT target and its TPOT <= its TPOT target (the workload's per-request
+targets where it has them, else the run's `Slo`); goodput is the share of all
+requests (refused ones included) that meet it.
 """
 from __future__ import annotations
 
@@ -44,10 +45,16 @@ def request_latencies(per_request: dict) -> tuple[list[float], list[float], list
     return ttft, tpot, served
 
 
-def summarize(per_request: dict, totals: dict, slo: Slo) -> dict:
+def summarize(per_request: dict, totals: dict, slo: Slo, ttft_slo_s: list[float] | None = None,
+              tpot_slo_s: list[float] | None = None) -> dict:
     n = len(per_request["arrival_s"])
     ttft, tpot, served = request_latencies(per_request)
-    good = sum(1 for t, p in zip(ttft, tpot) if t <= slo.ttft_s and p <= slo.tpot_s)
+    served_idx = [i for i, ok in enumerate(served) if ok]
+    good = 0
+    for t, p, i in zip(ttft, tpot, served_idx):
+        t_max = ttft_slo_s[i] if ttft_slo_s is not None and ttft_slo_s[i] > 0 else slo.ttft_s
+        p_max = tpot_slo_s[i] if tpot_slo_s is not None and tpot_slo_s[i] > 0 else slo.tpot_s
+        good += t <= t_max and p <= p_max
     rejected: dict[str, int] = {}
     for r in per_request["rejected"]:
         if r is not None:

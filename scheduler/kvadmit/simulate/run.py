@@ -48,6 +48,9 @@ def compare(workload: Workload, policies: list[PolicySpec], engine: str, shape: 
             step: StepTimeModel, base: AdmissionConfig, slo: Slo, model_dir: str | None = None,
             show_progress: bool = True) -> tuple[list[dict], dict[str, RawRun]]:
     rows, raws = [], {}
+    if workload.ttft_slo_s is None:   # requests carry the SLO they are measured against
+        workload = Workload(**{**workload.__dict__, "ttft_slo_s": [slo.ttft_s] * len(workload),
+                               "tpot_slo_s": [slo.tpot_s] * len(workload)})
     for spec in policies:
         prog = progress_line(spec.name) if show_progress else None
         raw = run_policy(workload, spec, engine, shape, step, base, model_dir, prog)
@@ -55,7 +58,8 @@ def compare(workload: Workload, policies: list[PolicySpec], engine: str, shape: 
             prog(None, None)
         raws[spec.name] = raw
         rows.append({"policy": spec.name, "engine": engine, "wall_s": raw.wall_s,
-                     **summarize(raw.per_request, raw.totals, slo)})
+                     **summarize(raw.per_request, raw.totals, slo, workload.ttft_slo_s,
+                                 workload.tpot_slo_s)})
     return rows, raws
 
 

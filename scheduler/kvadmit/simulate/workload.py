@@ -31,13 +31,15 @@ class Workload:
     parent: list[int] | None = None            # previous turn of the session, or -1
     delay_s: list[float] | None = None         # wait after the parent is done
     session: list[int] | None = None
+    ttft_slo_s: list[float] | None = None      # per-request targets (None: the run's --slo-*)
+    tpot_slo_s: list[float] | None = None
     description: str = ""
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.arrival_s)
         for name in ("prompt_tokens", "output_tokens", "max_tokens", "priority", "hashed_tokens",
-                     "parent", "delay_s", "session"):
+                     "parent", "delay_s", "session", "ttft_slo_s", "tpot_slo_s"):
             col = getattr(self, name)
             if col is not None and len(col) != n:
                 raise ValueError(f"workload {self.name}: {name} has {len(col)} entries, expected {n}")
@@ -207,4 +209,41 @@ def agent_sessions(sessions: int, rate: float, seed: int = 0, turns_mean: float 
                      f"mean {turns_mean:g} turns, {system_tokens}-token shared system prompt, tool wait "
                      f"mean {tool_wait_mean_s:g} s, seed {seed}")
     w.meta = {"seed": seed, "rate": rate, "sessions": sessions}
+    return w
+
+
+def mixed(n: int, rate: float, seed: int = 0, interactive_share: float = 0.7,
+          interactive_slo: tuple[float, float] = (1.0, 0.1),
+          batch_slo: tuple[float, float] = (30.0, 0.3),
+          max_tokens_cap: int = 2048, max_model_len: int = 8192) -> Workload:
+    """Interactive and batch requests mixed, Poisson arrivals, each with its own SLO:
+    interactive (share ``interactive_share``): prompts mean 600, outputs mean 150, SLO
+    ``interactive_slo`` (TTFT s, TPOT s); batch: prompts mean 3000, outputs mean 500, SLO
+    ``batch_slo``. Lognormal lengths; max_tokens = min(cap, context left)."""
+    if n < 1:
+        raise ValueError(f"requests={n}: must be >= 1")
+    if not 0.0 <= interactive_share <= 1.0:
+        raise ValueError(f"interactive_share={interactive_share}: must be in [0, 1]")
+    rng = random.Random(seed)
+    arr = _arrivals(rng, n, rate, 1.0)
+    w = Workload(name="mixed", arrival_s=[], prompt_tokens=[], output_tokens=[], max_tokens=[],
+                 priority=[], ttft_slo_s=[], tpot_slo_s=[])
+    w.arrival_s = arr
+    for _ in range(n):
+        inter = rng.random() < interactive_share
+        p = _lognormal_int(rng, 600.0 if inter else 3000.0, 0.8, 1, max_model_len - 1)
+        cap = max(1, min(max_tokens_cap, max_model_len - p))
+        o = _lognormal_int(rng, 150.0 if inter else 500.0, 0.9, 1, cap)
+        ttft, tpot = interactive_slo if inter else batch_slo
+        w.prompt_tokens.append(p)
+        w.output_tokens.append(o)
+        w.max_tokens.append(cap)
+        w.priority.append(0 if inter else 1)
+        w.ttft_slo_s.append(ttft)
+        w.tpot_slo_s.append(tpot)
+    w.description = (f"mixed: {n} requests, Poisson at {rate:g} req/s, {interactive_share:.0%} "
+                     f"interactive (SLO TTFT {interactive_slo[0]:g} s / TPOT "
+                     f"{interactive_slo[1] * 1e3:g} ms), the rest batch (TTFT {batch_slo[0]:g} s / "
+                     f"TPOT {batch_slo[1] * 1e3:g} ms), seed {seed}")
+    w.meta = {"seed": seed, "rate": rate, "interactive_share": interactive_share}
     return w

@@ -1,0 +1,101 @@
+# SLO and agent-window building blocks: an online step-time model and the
+# AIMD rule for the active-agent window. Both are small, pure and exact so the
+# core (and the tests) can drive them with injected numbers.
+
+cdef double[3] _FEATURE_SCALE = [1.0, 1.0 / 1024.0, 1.0 / 65536.0]
+
+
+cdef class StepTimeFit:
+    """T = a + b * tokens + c * context, fitted online by recursive least squares
+    with forgetting. Starts from given (a, b, c); ``prior_std_s`` (seconds per
+    normalised feature: 1, tokens / 1024, context / 65536) sets how much that
+    start weighs: at 1.0 about one observed step, so real steps take over at once
+    and the preset only answers until they arrive."""
+    cdef double _theta[3]
+    cdef double _p[3][3]
+    cdef readonly double forgetting
+    cdef readonly int64_t observations
+
+    def __init__(self, double a, double b, double c, double forgetting=0.995,
+                 double prior_std_s=1.0):
+        for name, v in (("a", a), ("b", b), ("c", c)):
+            if not (isfinite(v) and v >= 0.0):
+                raise ValueError(f"step time {name}={v}: must be a finite number >= 0")
+        if not (0.5 <= forgetting <= 1.0):
+            raise ValueError(f"forgetting={forgetting}: must be in [0.5, 1]")
+        if not (isfinite(prior_std_s) and prior_std_s > 0):
+            raise ValueError(f"prior_std_s={prior_std_s}: must be > 0")
+        self._theta[0] = a / _FEATURE_SCALE[0]
+        self._theta[1] = b / _FEATURE_SCALE[1]
+        self._theta[2] = c / _FEATURE_SCALE[2]
+        cdef int i, j
+        for i in range(3):
+            for j in range(3):
+                self._p[i][j] = prior_std_s * prior_std_s if i == j else 0.0
+        self.forgetting = forgetting
+        self.observations = 0
+
+    cdef double c_predict(self, double tokens, double context) noexcept nogil:
+        cdef double t = (self._theta[0] * _FEATURE_SCALE[0] + self._theta[1] * _FEATURE_SCALE[1] * tokens
+                         + self._theta[2] * _FEATURE_SCALE[2] * context)
+        return t if t > 0.0 else 0.0
+
+    cdef void c_observe(self, double tokens, double context, double seconds) noexcept nogil:
+        cdef double x[3]
+        cdef double px[3]
+        cdef double denom, err
+        cdef int i, j
+        x[0] = 1.0
+        x[1] = tokens * _FEATURE_SCALE[1]
+        x[2] = context * _FEATURE_SCALE[2]
+        for i in range(3):
+            px[i] = self._p[i][0] * x[0] + self._p[i][1] * x[1] + self._p[i][2] * x[2]
+        denom = self.forgetting + x[0] * px[0] + x[1] * px[1] + x[2] * px[2]
+        err = seconds - (self._theta[0] * x[0] + self._theta[1] * x[1] + self._theta[2] * x[2])
+        for i in range(3):
+            self._theta[i] += px[i] / denom * err
+        for i in range(3):
+            for j in range(3):
+                self._p[i][j] = (self._p[i][j] - px[i] * px[j] / denom) / self.forgetting
+        self.observations += 1
+
+    def observe(self, double tokens, double context, double seconds):
+        """One engine step: its scheduled tokens, its context and how long it took."""
+        if not (isfinite(seconds) and seconds >= 0.0):
+            raise ValueError(f"seconds={seconds}: must be a finite number >= 0")
+        if tokens < 0 or context < 0:
+            raise ValueError(f"tokens={tokens}, context={context}: must be >= 0")
+        self.c_observe(tokens, context, seconds)
+
+    def predict(self, double tokens, double context):
+        return self.c_predict(tokens, context)
+
+    @property
+    def coefficients(self):
+        """(a, b, c) in seconds, seconds per token, seconds per context token."""
+        return (self._theta[0] * _FEATURE_SCALE[0], self._theta[1] * _FEATURE_SCALE[1],
+                self._theta[2] * _FEATURE_SCALE[2])
+
+
+cdef double c_next_agent_window(double window, double usage, double hit_rate, double alpha,
+                                double beta, double u_low, double u_high, double h_thresh,
+                                double w_min, double w_max) noexcept nogil:
+    if usage < u_low:
+        window = window + alpha
+    elif usage > u_high and hit_rate < h_thresh:
+        window = window * beta
+    if window < w_min:
+        window = w_min
+    if window > w_max:
+        window = w_max
+    return window
+
+
+def next_agent_window(double window, double usage, double hit_rate, double alpha=2.0,
+                      double beta=0.5, double u_low=0.2, double u_high=0.5, double h_thresh=0.2,
+                      double w_min=1.0, double w_max=1e9):
+    """CONCUR's AIMD rule: grow the active-agent window by ``alpha`` while KV usage
+    is below ``u_low``; multiply it by ``beta`` when usage is above ``u_high`` and
+    the prefix hit rate is below ``h_thresh`` (thrashing); otherwise hold."""
+    return c_next_agent_window(window, usage, hit_rate, alpha, beta, u_low, u_high, h_thresh,
+                               w_min, w_max)

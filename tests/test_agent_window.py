@@ -1,0 +1,92 @@
+"""Agent-level admission (CONCUR): the AIMD rule, exact window sequences, holds
+that never block other sessions, pausing between generations, idle expiry."""
+import pytest
+
+from helpers import make_core
+from kvadmit._native import next_agent_window
+
+
+@pytest.mark.parametrize("w, usage, hits, want", [
+    (4, 0.1, 0.0, 6),          # usage below U_low: +alpha
+    (4, 0.3, 0.0, 4),          # between the thresholds: hold
+    (4, 0.6, 0.1, 2),          # usage high and hits low (thrashing): *beta
+    (4, 0.6, 0.5, 4),          # usage high but the cache works: hold
+    (1, 0.9, 0.0, 1),          # never below the floor
+    (9, 0.0, 0.0, 10),         # never above the ceiling
+])
+def test_aimd_rule(w, usage, hits, want):
+    assert next_agent_window(w, usage, hits, 2.0, 0.5, 0.2, 0.5, 0.2, 1.0, 10.0) == want
+
+
+def agent_core(**cfg):
+    settings = dict(agent_window=True, agent_window_init=4, agent_interval_steps=1,
+                    agent_cooldown_intervals=1, agent_idle_s=60.0)
+    settings.update(cfg)
+    return make_core("overcommit", num_blocks=100, **settings)
+
+
+def test_exact_window_sequence_with_cooldown():
+    core = agent_core()
+    # (used blocks of 100, hit tokens, query tokens) per step, one update per step
+    for used, hit, query in [(10, 0, 0), (60, 0, 100), (10, 0, 0), (10, 0, 0), (60, 50, 100),
+                             (30, 0, 100)]:
+        core.observe_cache(used, hit, query)
+    # grow; thrash -> halve; cooldown holds one update; grow; hits high -> hold; in band -> hold
+    assert core.window_history() == [6, 3, 3, 5, 5, 5]
+    assert core.agent_window_size == 5
+
+
+def test_signals_are_averaged_over_the_interval():
+    core = agent_core(agent_interval_steps=2)
+    core.observe_cache(10, 0, 0)
+    core.observe_cache(50, 0, 0)          # mean usage 0.3: hold
+    core.observe_cache(5, 0, 0)
+    core.observe_cache(15, 0, 0)          # mean 0.1: grow
+    assert core.window_history() == [4, 6]
+
+
+def test_session_outside_the_window_waits_without_blocking_others():
+    core = agent_core(agent_window_init=1, agent_window_max=1)
+    a1 = core.arrive(10, 5, session=7, now=0.0).slot
+    assert core.next_admissible(100) == a1
+    core.admit(a1, 0.0)
+    b1 = core.arrive(10, 5, session=8, now=1.0).slot
+    a2 = core.arrive(10, 5, session=7, now=2.0).slot        # behind b1 in arrival order
+    assert core.decide(b1, 100) == "hold_agent"
+    assert core.next_admissible(100) == a2                   # b1 does not block session 7
+    core.admit(a2, 2.0)
+    assert core.info(b1)["bypassed"] == 0                    # a window hold is not a bypass
+    assert core.session_active(7) and not core.session_active(8)
+    assert core.stats()["held"]["hold_agent"] >= 1
+    core.finish(a1, 3.0)
+    core.finish(a2, 4.0)
+    # Session 7 is idle but keeps its place for agent_idle_s (tool calls, thinking).
+    core.observe_cache(0, 0, 0, now=30.0)
+    assert core.next_admissible(100) == -1
+    core.observe_cache(0, 0, 0, now=64.0)                     # idle 60 s: it leaves
+    assert not core.session_active(7)
+    assert core.next_admissible(100) == b1
+
+
+def test_shrinking_window_pauses_latest_sessions_between_generations():
+    core = agent_core(agent_window_init=3, agent_cooldown_intervals=0)
+    slots = {}
+    for sess in (1, 2, 3):                                   # activated in this order
+        s = core.arrive(10, 5, session=sess).slot
+        core.admit(s)
+        slots[sess] = s
+    core.finish(slots[1])
+    core.finish(slots[3])                                    # 1 and 3 are between turns
+    assert core.active_sessions == 3
+    core.observe_cache(90, 0, 100)                           # thrashing: W 3 -> 1.5
+    # Paused latest first, never mid-generation: 3 goes, 2 (running) stays, then 1 goes.
+    assert not core.session_active(3) and core.session_active(2) and not core.session_active(1)
+    assert core.active_sessions == 1
+    s3 = core.arrive(10, 5, session=3).slot
+    assert core.decide(s3, 100) == "hold_agent"
+
+
+def test_without_agent_window_sessions_are_ignored():
+    core = make_core("overcommit", num_blocks=100)
+    s = core.arrive(10, 5, session=5).slot
+    assert core.decide(s, 100) == "admit" and core.session_active(5)
