@@ -5,10 +5,12 @@ finish_reason "abort" and stop_reason "kvadmit:<reason>". Through `vllm serve`
 that would be a 200 response with finish_reason "abort". This patch wraps
 `AsyncLLM.generate` so that such an output raises a `GracefulHTTPError` instead,
 which vLLM's OpenAI server turns into an error response: 503 Service
-Unavailable for overload (queue_full, queued_tokens_full, queue_delay, shed), 400 Bad
-Request for a request this server can never run (context_length, kv_capacity,
-invalid). Non-streaming responses get the status code; a streaming response has
-already started, so its client gets vLLM's error event in the stream instead.
+Unavailable for overload (queue_full, queued_tokens_full, queue_delay, shed,
+slo_infeasible), 400 Bad Request for a request this server can never run
+(context_length, kv_capacity, invalid). Non-streaming responses get the status
+code; a streaming response has already started, so its client gets vLLM's error
+event in the stream instead. An `invalid` refusal caused by a malformed kvadmit
+request field (vllm_xargs kvadmit_*) gets a message naming the field.
 
 Applied in every vLLM process by the `vllm.general_plugins` entry point
 `kvadmit` (kvadmit.vllm.plugin); outputs without a kvadmit stop_reason pass
@@ -21,15 +23,17 @@ from http import HTTPStatus
 TARGET = "vllm.v1.engine.async_llm.AsyncLLM.generate"
 VERSIONS = ("0.32.0",)
 PREFIX = "kvadmit:"
-OVERLOAD = ("queue_full", "queued_tokens_full", "queue_delay", "shed")
+OVERLOAD = ("queue_full", "queued_tokens_full", "queue_delay", "shed", "slo_infeasible")
 MESSAGES = {
     "queue_full": "the engine's waiting queue is full (kvadmit max_queued_requests); retry later",
     "queued_tokens_full": "the engine's prefill backlog is full (kvadmit max_queued_tokens); retry later",
     "queue_delay": "the predicted wait in the engine's queue exceeds kvadmit max_queue_delay_s; retry later",
     "shed": "the request was shed for a higher-priority request; retry later",
+    "slo_infeasible": "the predicted time to first token exceeds the request's TTFT target "
+                      "(ttft_slo_s / deadline_s, or the server's default); retry later or relax it",
     "context_length": "prompt tokens + max_tokens exceed the model's context length",
     "kv_capacity": "the request needs more KV cache than this server's whole pool holds",
-    "invalid": "the request's token counts are invalid",
+    "invalid": "the request's token counts or kvadmit fields are invalid",
 }
 
 
@@ -43,11 +47,24 @@ def rejection_reason(output) -> str | None:
     return None
 
 
-def error_for(reason: str):
+def field_error(sampling_params) -> str | None:
+    """What is wrong with the request's kvadmit fields (extra_args), if anything:
+    the engine refuses such a request as `invalid`; the message names the field."""
+    from kvadmit.request_fields import FieldError, from_extra_args
+
+    try:
+        from_extra_args(getattr(sampling_params, "extra_args", None))
+    except FieldError as e:
+        return str(e)
+    return None
+
+
+def error_for(reason: str, detail: str | None = None):
     from vllm.exceptions import GracefulHTTPError
 
     status = HTTPStatus.SERVICE_UNAVAILABLE if reason in OVERLOAD else HTTPStatus.BAD_REQUEST
-    return GracefulHTTPError(f"{PREFIX}{reason}: {MESSAGES.get(reason, 'refused by kvadmit')}", status)
+    message = detail or MESSAGES.get(reason, "refused by kvadmit")
+    return GracefulHTTPError(f"{PREFIX}{reason}: {message}", status)
 
 
 def apply() -> bool:
@@ -65,7 +82,11 @@ def apply() -> bool:
         async for output in original(self, *args, **kwargs):
             reason = rejection_reason(output)
             if reason is not None:
-                raise error_for(reason)
+                detail = None
+                if reason == "invalid":   # generate(prompt, sampling_params, request_id, ...)
+                    sp = kwargs.get("sampling_params", args[1] if len(args) > 1 else None)
+                    detail = field_error(sp)
+                raise error_for(reason, detail)
             yield output
 
     generate.__kvadmit_patch__ = True

@@ -242,3 +242,128 @@ def test_bad_config_stops_start_up(model_dir):
         engine(model_dir, {"policy": "fast"})
     with pytest.raises(ConfigError, match="unknown key 'polic'"):
         engine(model_dir, {"polic": "peak"})
+
+
+# -- per-request SLO fields, the step-time fit and the agent window ------------------------
+
+def test_slo_guard_refuses_an_infeasible_ttft_and_runs_a_feasible_one(model_dir):
+    import time
+    eng = engine(model_dir, {"slo_guard": True})
+    now = time.time()
+    hopeless = eng.add([9] * 40, 8, extra_args={"kvadmit": {"ttft_slo_s": 1e-6}})
+    passed = eng.add([9] * 40, 8, extra_args={"kvadmit_deadline_s": now - 10})   # flat shape
+    fine = eng.add([9] * 40, 8, extra_args={"kvadmit": {"ttft_slo_s": 60, "tpot_slo_s": 5}})
+    due = eng.add([9] * 40, 8, extra_args={"kvadmit_deadline_s": now + 60})
+    none = eng.add([9] * 40, 8)
+    eng.run()
+    assert eng.log.stop_reasons[hopeless] == eng.log.stop_reasons[passed] == "kvadmit:slo_infeasible"
+    assert eng.log.outputs[hopeless] == eng.log.outputs[passed] == []
+    assert all(len(eng.log.outputs[r]) == 8 for r in (fine, due, none))
+    assert eng.scheduler.kvadmit_core.stats()["rejected"]["slo_infeasible"] == 2
+
+
+def test_deadline_order_follows_the_request_fields(model_dir):
+    import time
+    eng = engine(model_dir, {"queue_order": "deadline"})
+    late = eng.add([9] * 40, 8, extra_args={"kvadmit": {"ttft_slo_s": 60}})
+    soon = eng.add([9] * 40, 8, extra_args={"kvadmit_ttft_slo_s": 5})
+    sooner = eng.add([9] * 40, 8, extra_args={"kvadmit_deadline_s": time.time() + 1})
+    plain = eng.add([9] * 40, 8)   # no target: an hour after arrival
+    s = eng.scheduler
+    assert [r.request_id for r in s.waiting] == [sooner, soon, late, plain]
+
+
+def test_tpot_guard_holds_an_admission_until_the_tight_request_finishes(model_dir):
+    eng = engine(model_dir, {"slo_guard": True})
+    tight = eng.add([9] * 40, 4, extra_args={"kvadmit": {"tpot_slo_s": 1e-6}})
+    eng.step()                                    # alone: admitted
+    other = eng.add([8] * 40, 4)
+    while tight not in eng.log.finished:
+        assert other not in eng.step().num_scheduled_tokens
+    assert other in eng.step().num_scheduled_tokens
+    assert eng.scheduler.kvadmit_core.stats()["held"]["hold_slo"] >= 1
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"kvadmit": {"ttft_slo_s": "soon"}}, "kvadmit.ttft_slo_s"),
+    ({"kvadmit_tpot_slo_s": -1}, "kvadmit_tpot_slo_s"),
+    ({"kvadmit_deadline_s": 30}, "kvadmit_deadline_s"),            # relative, not a UNIX time
+    ({"kvadmit": {"session": 1.5}}, "kvadmit.session"),
+    ({"kvadmit": {"ttft_slo": 1}}, "kvadmit.ttft_slo"),             # unknown field
+    ({"kvadmit": '{"ttft_slo_s": 1}'}, "extra_args['kvadmit']"),    # not an object
+    ({"kvadmit_deadline_s": 1e13}, "kvadmit_deadline_s"),          # milliseconds
+])
+def test_a_bad_field_is_refused_as_invalid_naming_it(model_dir, caplog, extra, field):
+    from kvadmit_patches.vllm_http_status import error_for, field_error
+    from vllm.sampling_params import SamplingParams
+    eng = engine(model_dir, {})
+    with caplog.at_level("WARNING", logger="kvadmit.vllm"):
+        bad = eng.add([9] * 40, 8, extra_args=extra)
+    ok = eng.add([9] * 40, 8)
+    eng.run()
+    assert eng.log.stop_reasons[bad] == "kvadmit:invalid" and eng.log.outputs[bad] == []
+    assert len(eng.log.outputs[ok]) == 8
+    assert any(field in r.getMessage() for r in caplog.records), caplog.text
+    # Through `vllm serve` the 400 names the field as well.
+    err = error_for("invalid", field_error(SamplingParams(max_tokens=8, extra_args=extra)))
+    assert err.http_status == 400 and field in err.message
+
+
+def test_agent_window_holds_other_sessions_without_blocking_the_queue(model_dir):
+    """W = 1: session A holds the window while it has work; B's request, although it
+    arrived before A's second one, does not block it, and starts once A is idle."""
+    from kvadmit.request_fields import session_int
+    from prometheus_client import REGISTRY
+    eng = engine(model_dir, {"agent_window": True, "agent_window_init": 1, "agent_window_max": 1,
+                             "agent_interval_steps": 1, "agent_idle_s": 0})
+    s = eng.scheduler
+    core = s.kvadmit_core
+    a1 = eng.add([3] * 40, 6, extra_args={"kvadmit": {"session": "A"}})
+    b1 = eng.add([4] * 40, 6, extra_args={"kvadmit_session": "B"})
+    started = {}
+    for step in range(1, 20):
+        if step == 2:
+            a2 = eng.add([5] * 40, 6, session_id="A")   # vLLM's own session id: same session
+        for rid in eng.step().num_scheduled_tokens:
+            started.setdefault(rid, step)
+        if b1 in eng.log.finished:
+            break
+    # a1: prefill at step 1, 5 decodes, done at step 6; a2: steps 2-7; B gets the window
+    # at step 8, when A (idle since step 7, agent_idle_s 0) leaves it.
+    assert started == {a1: 1, a2: 2, b1: 8}
+    assert not core.session_active(session_int("A")) and core.session_active(session_int("B"))
+    st = core.stats()
+    assert st["held"]["hold_agent"] >= 1
+    assert st["agent_window"]["size"] == 1 and st["agent_window"]["active_sessions"] == 1
+    assert REGISTRY.get_sample_value("kvadmit_agent_window") == 1
+    assert REGISTRY.get_sample_value("kvadmit_held_total", {"reason": "hold_agent"}) is not None
+
+
+def test_prefix_hits_fed_to_the_agent_window_match_vllms_counters(model_dir):
+    eng = engine(model_dir, {"agent_window": True}, enable_prefix_caching=True)
+    shared = list(range(100, 164))                 # two full blocks
+    for i in range(3):
+        eng.add(shared + [7 + i] * 20, 4, extra_args={"kvadmit_session": i})
+        eng.run()
+    s = eng.scheduler
+    assert eng.log.prefix_hit_tokens == 128 and eng.log.prefix_query_tokens == 3 * 84
+    assert (s.kvadmit_prefix_hit_tokens, s.kvadmit_prefix_query_tokens) == (128, 3 * 84)
+
+
+def test_every_busy_step_feeds_the_step_time_fit(model_dir):
+    from prometheus_client import REGISTRY
+    eng = engine(model_dir, {}, max_num_batched_tokens=64)
+    eng.add([9] * 100, 5)
+    eng.add([8] * 30, 5)
+    eng.run()
+    core = eng.scheduler.kvadmit_core
+    steps = eng.log.steps
+    assert steps >= 6 and core.step_time.observations == steps - 1   # the last step is unobserved
+    eng.add([7] * 30, 3)          # after an idle gap: that gap is not a step time
+    eng.step()
+    assert core.step_time.observations == steps - 1
+    eng.run()
+    assert core.step_time.observations == eng.log.steps - 2
+    a, b, c = core.step_time.coefficients
+    assert a != 0.008             # moved off the prior by the observed (fast, fake) steps
+    assert REGISTRY.get_sample_value("kvadmit_step_time_base_seconds") == a

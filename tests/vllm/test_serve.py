@@ -48,7 +48,8 @@ def server(model_dir, tmp_path_factory):
     prom = tmp_path_factory.mktemp("prom")
     log = tmp_path_factory.mktemp("log") / "serve.log"
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(prom))
-    cfg = {"kvadmit": {"policy": "peak", "max_queued_requests": 2}}
+    # slo_guard only acts on requests with a target (the defaults are none).
+    cfg = {"kvadmit": {"policy": "peak", "max_queued_requests": 2, "slo_guard": True}}
     cmd = [sys.executable, "-c", LAUNCH_VLLM_SERVE, "serve", model_dir,
            "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
            "--dtype", "float32", "--block-size", "32", "--num-gpu-blocks-override", "24",
@@ -82,10 +83,13 @@ def client(base):
     return openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
 
 
-def complete(base, model, prompt_len, max_tokens, seed):
+def complete(base, model, prompt_len, max_tokens, seed, xargs=None):
     prompt = [(seed * 7919 + i) % 997 + 3 for i in range(prompt_len)]
+    body = {"ignore_eos": True}
+    if xargs is not None:
+        body["vllm_xargs"] = xargs
     return client(base).completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
-                                           temperature=0, extra_body={"ignore_eos": True})
+                                           temperature=0, extra_body=body)
 
 
 def test_normal_request_succeeds(server):
@@ -122,4 +126,25 @@ def test_metrics_show_kvadmit_counters(server):
              if ln.startswith("kvadmit_") and " " in ln}
     assert lines.get("kvadmit_admitted_total", 0) >= 1
     assert lines.get('kvadmit_rejected_total{reason="queue_full"}', 0) >= 1
+    # Every reason and hold has its series; the step-time fit and agent window are gauges.
+    for key in ('kvadmit_rejected_total{reason="slo_infeasible"}', 'kvadmit_held_total{reason="hold_slo"}',
+                'kvadmit_held_total{reason="hold_agent"}', "kvadmit_agent_window"):
+        assert key in lines, key
+    fit = [v for k, v in lines.items() if k.startswith("kvadmit_step_time_per_token_seconds{")]
+    assert fit and all(v > 0 for v in fit), fit
     assert "vllm:num_preemptions_total" in text
+
+
+def test_request_fields_through_vllm_xargs(server):
+    """kvadmit's per-request fields ride on vllm_xargs as flat kvadmit_* keys: a
+    feasible target runs, an infeasible one is 503 slo_infeasible, a malformed one
+    400 naming the field."""
+    base, model, _ = server
+    r = complete(base, model, 40, 4, 1, {"kvadmit_ttft_slo_s": 60, "kvadmit_session": "agent-1"})
+    assert r.usage.completion_tokens == 4
+    with pytest.raises(openai.APIStatusError) as e:
+        complete(base, model, 40, 4, 2, {"kvadmit_ttft_slo_s": 1e-6})
+    assert e.value.status_code == 503 and "kvadmit:slo_infeasible" in str(e.value)
+    with pytest.raises(openai.APIStatusError) as e:
+        complete(base, model, 40, 4, 3, {"kvadmit_ttft_slo_s": "soon"})
+    assert e.value.status_code == 400 and "kvadmit_ttft_slo_s" in str(e.value), str(e.value)

@@ -243,8 +243,16 @@ def run_vllm(workload: Workload, config: AdmissionConfig | None, shape: EngineSh
             prompt_ids, out_ids = tokens_of(i)
             state[i] = _IN_ENGINE
             vt.t = t
+            fields = {}
+            if workload.ttft_slo_s is not None:
+                fields["ttft_slo_s"] = workload.ttft_slo_s[i]
+            if workload.tpot_slo_s is not None:
+                fields["tpot_slo_s"] = workload.tpot_slo_s[i]
+            if workload.session is not None:
+                fields["session"] = workload.session[i]
             eng.add(prompt_ids, m, priority=prio[i], request_id=str(i),
-                    output_tokens=workload.output_tokens[i], output_token_ids=out_ids)
+                    output_tokens=workload.output_tokens[i], output_token_ids=out_ids,
+                    extra_args={"kvadmit": fields} if fields else None)
             if pending_rejections:
                 take_rejections()
 

@@ -31,6 +31,18 @@ class KvadmitMetrics:
         self.actual = Counter("kvadmit_actual_output_tokens",
                               "Output tokens actually generated, for finished requests")
         self.waiting = Gauge("kvadmit_waiting_requests", "Requests waiting", multiprocess_mode="livesum")
+        # The online step-time fit T = a + b * tokens + c * context, per engine process.
+        self.step_a = Gauge("kvadmit_step_time_base_seconds",
+                            "Step-time fit: seconds a step (a)", multiprocess_mode="liveall")
+        self.step_b = Gauge("kvadmit_step_time_per_token_seconds",
+                            "Step-time fit: seconds per scheduled token (b)", multiprocess_mode="liveall")
+        self.step_c = Gauge("kvadmit_step_time_per_context_token_seconds",
+                            "Step-time fit: seconds per context token (c)", multiprocess_mode="liveall")
+        self.agent_window = Gauge("kvadmit_agent_window",
+                                  "Active-agent window W (sessions that may be active)",
+                                  multiprocess_mode="livesum")
+        self.active_sessions = Gauge("kvadmit_active_sessions", "Sessions inside the agent window",
+                                     multiprocess_mode="livesum")
         self.last: dict = {}
 
     def update(self, stats: dict) -> None:
@@ -55,6 +67,15 @@ class KvadmitMetrics:
         self.predicted.inc(max(lp["mean_predicted"] * n - lp0.get("mean_predicted", 0) * n0, 0))
         self.actual.inc(max(lp["mean_actual"] * n - lp0.get("mean_actual", 0) * n0, 0))
         self.waiting.set(stats["waiting"])
+        fit = stats.get("step_time_fit")
+        if fit is not None:
+            self.step_a.set(fit["a"])
+            self.step_b.set(fit["b"])
+            self.step_c.set(fit["c"])
+        window = stats.get("agent_window")
+        if window is not None:
+            self.agent_window.set(window["size"])
+            self.active_sessions.set(window["active_sessions"])
 
 
 def process_metrics() -> KvadmitMetrics | None:

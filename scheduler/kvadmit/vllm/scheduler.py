@@ -14,6 +14,14 @@ translates vLLM's objects to the core's numbers and back:
 - which arrivals are refused: `add_request` asks `AdmissionCore.arrive`; a refused
   request never enters the scheduler and its client gets a finished output with
   `finish_reason=abort` and `stop_reason="kvadmit:<reason>"`.
+
+Per-request SLO targets and agent sessions come from `SamplingParams.extra_args`
+(kvadmit.request_fields; vLLM's own `session_id` is the session when kvadmit's
+is not given). Every `schedule()` feeds the core the engine's measurements: the
+previous step's duration (`observe_step`: the wall time between two schedule()
+calls, which spans that step's forward pass) and, with `agent_window`, the KV
+blocks in use and the prefix-cache hits of the requests started in the previous
+step (`observe_cache`).
 """
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from kvadmit._native import AdmissionCore, BlockObjectQueue
 from kvadmit.config import AdmissionConfig, ConfigError
+from kvadmit.request_fields import from_extra_args, session_int, ttft_target
 from kvadmit.vllm.metrics import process_metrics
 
 logger = logging.getLogger("kvadmit.vllm")
@@ -86,7 +95,14 @@ class GatedWaitingQueue(RequestQueue):
         slot = self._sched.kvadmit_slot[req.request_id]
         del self._by_slot[slot]
         self._sched.kvadmit_core.admit(slot, time.monotonic())
+        popped = self._sched._kvadmit_popped
+        if popped is not None:
+            popped.append(req)
         return req
+
+    def invalidate(self) -> None:
+        """Forgets the chosen candidate: the next look asks the core again."""
+        self._candidate = None
 
     # -- plain queue operations -------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -152,6 +168,25 @@ class _KvadmitMixin:
                                           self.vllm_config.model_config.max_model_len)
         self.kvadmit_slot = {}
         self._kvadmit_rejections: list[tuple[int, EngineCoreOutput]] = []
+        # The SLO guard predicts prefill time from the engine's token budget a step.
+        self.kvadmit_core.set_step_budget(sched_cfg.max_num_batched_tokens)
+        # The previous step, for observe_step: its scheduled tokens (0: none, or the
+        # engine was idle since), its context and when its schedule() started.
+        self._kvadmit_step_tokens = 0
+        self._kvadmit_step_context = 0
+        self._kvadmit_step_start = 0.0
+        # Agent window: the requests the gate started this step (for their prefix-cache
+        # hits) and the hits/queries of the previous step, for observe_cache. Prefix
+        # hits count only with prefix caching (without it the core sees 0/0: no signal).
+        # kvadmit decides which sessions may run; which cached blocks are evicted stays
+        # vLLM's LRU (BlockPool's free-block queue): kvadmit cannot keep a paused
+        # session's prefix warm without patching vLLM's eviction, and does not.
+        self._kvadmit_agents = cfg.agent_window
+        self._kvadmit_pool_blocks = pool.num_gpu_blocks - 1
+        self._kvadmit_popped: list[Request] | None = (
+            [] if cfg.agent_window and self.kv_cache_manager.enable_caching else None)
+        self._kvadmit_hits = self._kvadmit_queries = 0
+        self.kvadmit_prefix_hit_tokens = self.kvadmit_prefix_query_tokens = 0   # totals
         self.waiting = GatedWaitingQueue(self)
         self._kvadmit_metrics = process_metrics()
         logger.info("kvadmit: policy=%s victim=%s on %d blocks of %d tokens", cfg.policy,
@@ -172,9 +207,19 @@ class _KvadmitMixin:
         if request.request_id in self.requests:   # streaming input for a live request
             return super().add_request(request)
         core = self.kvadmit_core
+        if not self.requests:
+            # The engine was idle: the time since the last step's schedule() is no step time.
+            self._kvadmit_step_tokens = 0
         try:
+            sp = request.sampling_params
+            fields = from_extra_args(sp.extra_args if sp is not None else None)
+            session = fields.session
+            if session < 0 and request.session_id:   # vLLM's session_id (X-Session-ID)
+                session = session_int(request.session_id, "session_id")
+            ttft = ttft_target(fields, self.kvadmit_config.default_ttft_slo_s)
             res = core.arrive(request.num_prompt_tokens, request.max_tokens,
-                              priority=request.priority, now=time.monotonic())
+                              priority=request.priority, now=time.monotonic(),
+                              ttft_slo_s=ttft, tpot_slo_s=fields.tpot_slo_s, session=session)
         except ValueError as e:   # add_request must not raise into the engine loop
             logger.warning("kvadmit: refused %s: %s", request.request_id, e)
             self._kvadmit_rejections.append((request.client_index, EngineCoreOutput(
@@ -205,6 +250,19 @@ class _KvadmitMixin:
     # -- every step ------------------------------------------------------------
     def schedule(self, *args, **kwargs):
         core = self.kvadmit_core
+        now = time.monotonic()
+        if self._kvadmit_step_tokens and now >= self._kvadmit_step_start:
+            # From the previous schedule() to this one: that step's scheduling, forward
+            # pass and output processing (with async scheduling, the pipeline's period).
+            core.observe_step(self._kvadmit_step_tokens, self._kvadmit_step_context,
+                              now - self._kvadmit_step_start)
+        if self._kvadmit_agents:
+            used = self._kvadmit_pool_blocks - self.kv_cache_manager.block_pool.get_num_free_blocks()
+            core.observe_cache(used, self._kvadmit_hits, self._kvadmit_queries, now)
+            self._kvadmit_hits = self._kvadmit_queries = 0
+        # The window, the running set and the step-time fit may have changed since the
+        # gate last chose: choose again.
+        self.waiting.invalidate()
         slots, computed, generated, by_slot = [], [], [], {}
         for req in self.running:
             slot = self.kvadmit_slot.get(req.request_id)
@@ -226,6 +284,31 @@ class _KvadmitMixin:
         if len(order) == len(self.running):
             self.running = order
         out = super().schedule(*args, **kwargs)
+        tokens = out.total_num_scheduled_tokens
+        self._kvadmit_step_tokens = tokens
+        self._kvadmit_step_start = now
+        if tokens:
+            reqs = self.requests
+            scheduled = out.num_scheduled_tokens
+            # schedule() has advanced num_computed_tokens by the step's tokens.
+            self._kvadmit_step_context = sum([reqs[r].num_computed_tokens for r in scheduled])
+            popped = self._kvadmit_popped
+            if popped:
+                # Started this step: the tokens computed before it are prefix-cache hits
+                # (local, or a KV connector's), out of its num_tokens (vLLM's query).
+                lookup = self.kv_cache_manager.prefix_cache_lookup_enabled
+                hits = queries = 0
+                for req in popped:
+                    n = scheduled.get(req.request_id)
+                    if n is not None and lookup(req):
+                        hits += req.num_computed_tokens - n
+                        queries += req.num_tokens
+                self._kvadmit_hits += hits
+                self._kvadmit_queries += queries
+                self.kvadmit_prefix_hit_tokens += hits
+                self.kvadmit_prefix_query_tokens += queries
+        if self._kvadmit_popped:
+            self._kvadmit_popped.clear()
         core.on_step(time.monotonic())
         if self._kvadmit_metrics is not None:
             self._kvadmit_metrics.update(core.stats())
