@@ -184,6 +184,7 @@ cdef class AdmissionCore:
     # agent window
     cdef bint _agents
     cdef vector[int64_t] _session
+    cdef vector[char] _activated_by     # this slot's admission activated its session
     cdef unordered_map[int64_t, AgentSession] _sessions
     cdef double _window, _w_min, _w_max, _a_alpha, _a_beta, _u_low, _u_high, _h_thresh, _idle_s
     cdef int64_t _a_interval, _a_cooldown, _cooldown_left, _n_active, _activations
@@ -469,7 +470,7 @@ cdef class AdmissionCore:
         self._bypassed.push_back(0); self._preempts.push_back(0); self._run_pos.push_back(-1)
         self._state.push_back(ST_FREE); self._sheddable.push_back(0)
         self._ttft.push_back(0.0); self._tpot.push_back(0.0); self._arrive_t.push_back(0.0)
-        self._session.push_back(-1)
+        self._session.push_back(-1); self._activated_by.push_back(0)
         return s
 
     cdef int _check_slot(self, int64_t s, int want) except -1:
@@ -847,6 +848,7 @@ cdef class AdmissionCore:
         cdef AgentSession* a
         if self._agents and self._session[s] >= 0:
             a = &self._sessions[self._session[s]]
+            self._activated_by[s] = not a.active
             if not a.active:
                 a.active = 1
                 a.activated = self._activations
@@ -877,6 +879,13 @@ cdef class AdmissionCore:
         self._run_remove(s)
         self._enqueue(s)
         self._n_admitted -= 1
+        cdef AgentSession* a
+        if self._agents and self._session[s] >= 0 and self._activated_by[s]:
+            a = &self._sessions[self._session[s]]
+            if a.active and a.running == 0:       # the admission that activated it is undone
+                a.active = 0
+                self._n_active -= 1
+        self._activated_by[s] = 0
 
     cdef void _maybe_adapt(self) noexcept:
         if self._policy != P_ADAPTIVE or self._win_admits < self._aq_interval:

@@ -90,3 +90,14 @@ def test_without_agent_window_sessions_are_ignored():
     core = make_core("overcommit", num_blocks=100)
     s = core.arrive(10, 5, session=5).slot
     assert core.decide(s, 100) == "admit" and core.session_active(5)
+
+
+def test_cancelled_admission_undoes_the_activation():
+    core = agent_core(agent_window_init=1, agent_window_max=1)
+    a = core.arrive(10, 5, session=1).slot
+    b = core.arrive(10, 5, session=2).slot
+    core.admit(a)
+    core.cancel_admit(a)                  # the engine did not run it after all
+    assert not core.session_active(1) and core.active_sessions == 0
+    assert core.next_admissible(100) == a  # the head again; session 2 still waits behind it
+    assert core.decide(b, 100) == "admit"
