@@ -66,10 +66,13 @@ class Outbox:
 
 
 def make_req(rid: str, prompt_len: int, max_new: int, *, out_len: Optional[int] = None,
-             priority=None, ignore_eos: bool = False, seed: int = 0) -> Req:
-    """A real SGLang Req; the fake model ends it with EOS after ``out_len`` tokens."""
+             priority=None, ignore_eos: bool = False, seed: int = 0,
+             custom_params: Optional[dict] = None) -> Req:
+    """A real SGLang Req; the fake model ends it with EOS after ``out_len`` tokens.
+    ``custom_params``: SamplingParams.custom_params (kvadmit reads its "kvadmit" key)."""
     rng = random.Random(hash((rid, seed)) & 0xFFFFFFFF)
-    params = SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos)
+    params = SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos,
+                            custom_params=custom_params)
     params.normalize(None)
     req = Req(rid, "", array("q", [rng.randint(1, 900) for _ in range(prompt_len)]), params,
               eos_token_ids={EOS}, vocab_size=VOCAB, priority=priority)
@@ -90,7 +93,12 @@ class Harness:
                  max_running: int = 64, max_prefill_tokens: int = 16384,
                  max_context: int = 4096, max_queued_requests: Optional[int] = None,
                  enable_priority_scheduling: bool = False,
-                 low_priority_values_first: bool = False):
+                 low_priority_values_first: bool = False,
+                 step_model: Optional[tuple] = None, clock_skew: float = 0.0):
+        """``step_model``: (a, b, c) of a virtual clock that advances by
+        a + b * tokens + c * context seconds per forward (tokens: scheduled,
+        context: the batch's sequence lengths); the adapter reads it (plus
+        ``clock_skew``, as another rank's clock would). None: wall time."""
         self.allocator = TokenToKVPoolAllocator(pool_tokens, torch.float16, "cpu", None, False)
         self.req_to_token_pool = ReqToTokenPool(max_running + 8, max_context, "cpu", False)
         params = CacheInitParams(disable=False, req_to_token_pool=self.req_to_token_pool,
@@ -127,10 +135,15 @@ class Harness:
         s._kvadmit = None
         self.sched = s
         self.adapter: Optional[SGLangAdmission] = None
+        self.step_model = step_model
+        self.t = 1.8e9  # virtual clock (step_model): UNIX time, as deadline_s needs
         if config is not None:
             self.adapter = SGLangAdmission(config, num_tokens=pool_tokens, page_size=1,
                                            max_model_len=max_context,
-                                           low_priority_values_first=low_priority_values_first)
+                                           low_priority_values_first=low_priority_values_first,
+                                           step_budget=max_prefill_tokens)
+            if step_model is not None:
+                self.adapter.clock = lambda: self.t + clock_skew
             s._kvadmit = self.adapter
         self.log = StepLog()
         self.finished: list = []
@@ -217,8 +230,20 @@ class Harness:
         return batch
 
     # ------------------------------------------------------------------
+    @staticmethod
+    def batch_shape(batch):
+        """(scheduled tokens, context tokens) of a batch, as the virtual clock charges it."""
+        context = int(batch.seq_lens.sum())
+        if batch.forward_mode.is_extend():
+            return sum(batch.extend_lens), context
+        return len(batch.reqs), context
+
     def _forward(self, batch) -> None:
         """Fake model + SGLang's result processing for one batch."""
+        if self.step_model is not None:
+            a, b, c = self.step_model
+            tokens, context = self.batch_shape(batch)
+            self.t += a + b * tokens + c * context
         for req in batch.reqs:
             if req.finished():
                 continue

@@ -64,3 +64,39 @@ def test_no_exporter_without_sglang_metrics(kvadmit_hooks):
     off = SimpleNamespace(metrics_reporter=SimpleNamespace(enable_metrics=False,
                                                            metrics_collector=None))
     assert exporter_for_scheduler(off) is None
+
+
+def test_slo_and_agent_series(kvadmit_hooks):
+    """New reasons and decisions appear (at 0 from the first step on), and the
+    step-time fit and the agent window are gauges."""
+    from sglang_harness import Harness, make_req
+
+    registry = prometheus_client.CollectorRegistry()
+    labels = {"model_name": "m", "engine_type": "unified"}
+    h = Harness(AdmissionConfig.from_dict({
+        "slo_guard": True, "agent_window": True, "agent_window_init": 1, "agent_window_max": 1,
+        "agent_interval_steps": 1, "agent_idle_s": 0.0}), step_model=(0.01, 1e-4, 1e-6))
+    h.adapter.exporter = PrometheusExport(labels, registry=registry)
+    h.step()
+    get = registry.get_sample_value
+    for reason in ("queue_full", "slo_infeasible", "invalid"):
+        assert get("kvadmit:rejected_total", {**labels, "reason": reason}) == 0
+    for decision in ("hold_slo", "hold_agent"):
+        assert get("kvadmit:held_total", {**labels, "decision": decision}) == 0
+
+    assert not h.submit(make_req("tight", 100, 4, custom_params={"kvadmit": {"ttft_slo_s": 0.001}}))
+    assert not h.submit(make_req("typo", 100, 4, custom_params={"kvadmit": {"ttft": 1}}))
+    assert h.submit(make_req("a", 50, 4, custom_params={"kvadmit": {"session": "A"}}))
+    assert h.submit(make_req("b", 50, 4, custom_params={"kvadmit": {"session": "B"}}))
+    h.run()
+    stats = h.adapter.stats()
+    assert get("kvadmit:rejected_total", {**labels, "reason": "slo_infeasible"}) == 1
+    assert get("kvadmit:rejected_total", {**labels, "reason": "invalid"}) == 1
+    assert get("kvadmit:held_total", {**labels, "decision": "hold_agent"}) == \
+        stats["held"]["hold_agent"] > 0
+    fit = stats["step_time_fit"]
+    assert get("kvadmit:step_time_a_seconds", labels) == pytest.approx(fit["a"])
+    assert get("kvadmit:step_time_c_seconds", labels) == pytest.approx(fit["c"])
+    assert get("kvadmit:step_time_observations", labels) == fit["observations"] > 0
+    assert get("kvadmit:agent_window_size", labels) == 1.0
+    assert get("kvadmit:agent_active_sessions", labels) == stats["agent_window"]["active_sessions"]

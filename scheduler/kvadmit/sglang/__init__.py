@@ -4,11 +4,21 @@ Entry point: group ``sglang.srt.plugins``, name ``kvadmit``, value
 ``kvadmit.sglang:register``. Configure with ``--kvadmit-config '<JSON>'`` on
 ``sglang serve`` / ``python -m sglang.launch_server``, or ``KVADMIT_CONFIG``
 (same JSON) in the environment. Without either, SGLang behaves as if kvadmit
-were not installed. See `kvadmit.sglang.plugin` for the hooks.
+were not installed. See `kvadmit.sglang.plugin` for the hooks. Per-request
+settings (SLO targets, deadline, agent session) ride SGLang's
+``custom_params`` under ``"kvadmit"`` (`parse_request_params`; the fields
+are `kvadmit.request_fields`, as for vLLM).
 
 Importing this package does not import SGLang.
 """
-from kvadmit.sglang.adapter import ENV_VAR, SGLangAdmission, rejection_finish_reason
+from kvadmit.sglang.adapter import (
+    ENV_VAR,
+    PARAMS_KEY,
+    ClockTick,
+    SGLangAdmission,
+    parse_request_params,
+    rejection_finish_reason,
+)
 from kvadmit.sglang.plugin import (
     CLI_FLAG,
     SUPPORTED_SGLANG,
@@ -21,7 +31,7 @@ from kvadmit.sglang.plugin import (
 )
 
 __all__ = [
-    "CLI_FLAG", "ENV_VAR", "KvadmitStartupError", "SGLangAdmission", "SUPPORTED_SGLANG",
-    "cli_hooks", "engine_hooks", "install_engine_hooks", "register", "rejection_finish_reason",
-    "verify",
+    "CLI_FLAG", "ENV_VAR", "PARAMS_KEY", "ClockTick", "KvadmitStartupError", "SGLangAdmission",
+    "SUPPORTED_SGLANG", "cli_hooks", "engine_hooks", "install_engine_hooks",
+    "parse_request_params", "register", "rejection_finish_reason", "verify",
 ]

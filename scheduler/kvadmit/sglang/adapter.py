@@ -4,9 +4,15 @@ numbers and the core's answers back into SGLang's actions.
 Policy lives in the compiled core (`kvadmit.AdmissionCore`); this module only
 keeps a map from SGLang request ids (``Req.rid``) to core slots and reports
 progress. Everything here is a pure function of scheduler state (the waiting
-queue, the running batch, the allocator's free tokens), so every
-tensor-parallel rank takes the same decisions. Wall time is passed to the
-core only for its Retry-After hint and drain rate, never for a decision.
+queue, the running batch, the allocator's free tokens) and of the adapter's
+clock, so every tensor-parallel rank takes the same decisions. The clock feeds
+decisions only with ``slo_guard``, ``agent_window`` or ``max_queue_delay_s``
+(step times, deadlines, idle sessions, drain rate); on a server with several
+ranks per waiting queue the adapter then takes rank 0's clock, which rides
+SGLang's per-iteration request broadcast (`ClockTick`), instead of its own.
+
+Per-request settings (`kvadmit.request_fields`, as for vLLM) come from
+SGLang's ``custom_params`` under the key ``"kvadmit"`` (`parse_request_params`).
 
 SGLang classes are imported lazily: ``import kvadmit.sglang`` works without
 SGLang installed.
@@ -20,9 +26,9 @@ import os
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
-from kvadmit import AdmissionConfig, AdmissionCore, Rejection
+from kvadmit import AdmissionConfig, AdmissionCore, Rejection, request_fields
 
 logger = logging.getLogger("kvadmit.sglang")
 
@@ -31,6 +37,10 @@ ENV_VAR = "KVADMIT_CONFIG"
 # Priorities are clamped so that negating them (SGLang's "higher value first"
 # default) stays inside int64; SGLang itself uses +/-sys.maxsize as sentinels.
 _PRIORITY_LIMIT = 1 << 62
+
+# Per-request settings: SamplingParams.custom_params["kvadmit"] (the /generate
+# body's sampling_params.custom_params, or the OpenAI body's custom_params).
+PARAMS_KEY = request_fields.KEY
 
 
 def config_text_from_env() -> Optional[str]:
@@ -94,6 +104,76 @@ def rejection_finish_reason(rejection: Rejection) -> dict:
     if seconds is not None:
         reason["retry_after"] = seconds
     return reason
+
+
+def parse_request_params(custom_params, now_unix: float,
+                         default_session=None) -> request_fields.RequestFields:
+    """The kvadmit fields of a request: ``custom_params["kvadmit"]`` (an object
+    of `kvadmit.request_fields` fields, validated there; ``deadline_s`` is
+    checked against ``now_unix``). ``default_session``: SGLang's own session
+    id of the request, the session when the fields name none.
+    Raises `kvadmit.request_fields.FieldError` naming a malformed field."""
+    raw = custom_params.get(PARAMS_KEY) if isinstance(custom_params, dict) else None
+    fields = request_fields.NONE
+    if raw is not None:
+        if not isinstance(raw, Mapping):
+            raise request_fields.FieldError(
+                f"custom_params.{PARAMS_KEY}={raw!r}: must be an object of kvadmit fields "
+                f"({', '.join(request_fields.FIELDS)})")
+        if raw:
+            names = {k: f"custom_params.{PARAMS_KEY}.{k}" for k in raw}
+            fields = request_fields.parse(raw, now_unix, names)
+    if fields.session < 0 and default_session is not None:
+        try:
+            fields = fields._replace(
+                session=request_fields.session_int(default_session, "session_id"))
+        except request_fields.FieldError:
+            pass  # not a usable id (e.g. empty): no session
+    return fields
+
+
+def _sglang_session(req):
+    """SGLang's own session id of a request (radix-native or session_params), or None."""
+    sid = getattr(req, "session_id", None)
+    if sid is None:
+        sid = getattr(getattr(req, "session", None), "session_id", None)
+    return sid if isinstance(sid, (str, int)) and not isinstance(sid, bool) else None
+
+
+class ClockTick:
+    """Rank 0's clock for one scheduler iteration. Appended on rank 0 to the
+    requests SGLang broadcasts to every rank of the waiting queue (the same
+    channel as SGLang's own timeout aborts), and taken out before SGLang
+    dispatches them, so each rank feeds its core the same times."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: float):
+        self.t = t
+
+    def __reduce__(self):
+        return (ClockTick, (self.t,))
+
+    def __repr__(self):
+        return f"ClockTick({self.t!r})"
+
+
+def _batch_shape(batch):
+    """(scheduled tokens, KV context tokens) of an SGLang batch, or None (none or idle)."""
+    if batch is None:
+        return None
+    mode = getattr(batch, "forward_mode", None)
+    if mode is None or mode.is_idle():
+        return None
+    lens = getattr(batch, "seq_lens_cpu", None)  # seq_lens_sum is None after prepare_for_decode
+    context = int(lens.sum()) if lens is not None else (getattr(batch, "seq_lens_sum", None) or 0)
+    if mode.is_extend():  # extend and mixed: new prompt (and decode) tokens
+        tokens = getattr(batch, "extend_num_tokens", None) or 0
+    else:
+        tokens = len(batch.reqs)
+    if tokens <= 0:
+        return None
+    return float(tokens), float(context)
 
 
 class _NoReqStates(list):
@@ -174,15 +254,24 @@ def _sglang_classes():
             with self._lock_node(req.last_node):
                 free_tokens = int(self.memory_budget.remaining_current)
             adapter.prepare_decision(slot, req)
-            nxt = adapter.core.next_admissible(max(free_tokens, 0) // adapter.page_size)
+            free_blocks = max(free_tokens, 0) // adapter.page_size
+            nxt = adapter.core.next_admissible(free_blocks)
             if nxt != slot:
-                if nxt < 0:
-                    return AddReqResult.NO_TOKEN
-                return AddReqResult.CONTINUE  # bypass: a later request goes first
+                if nxt >= 0:
+                    # bypass, or this one's session is outside the agent window:
+                    # a later request goes first
+                    return AddReqResult.CONTINUE
+                if adapter.core.decide(slot, free_blocks) in ("hold_blocks", "hold_capacity"):
+                    return AddReqResult.NO_TOKEN  # memory: the batch is full for now
+                # Held by the TPOT guard or the agent window: stop this step without
+                # marking the batch full (a finishing request is not the only thing
+                # that lifts these holds: the step-time fit and the window move too).
+                return AddReqResult.OTHER
             before = len(self.can_run_list)
+            prefix = int(req.prefix_len)
             res = super().add_one_req(req, has_chunked_req, truncation_align_size)
             if len(self.can_run_list) > before and self.can_run_list[-1] is req:
-                adapter.on_admitted(slot)
+                adapter.on_admitted(slot, req, prefix)
             return res
 
         def add_one_req_ignore_eos(self, req):
@@ -223,7 +312,8 @@ class SGLangAdmission:
 
     def __init__(self, config: AdmissionConfig, *, num_tokens: int, page_size: int = 1,
                  max_model_len: int = 0, low_priority_values_first: bool = False,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, step_budget: int = 0,
+                 synced_clock: bool = False):
         if page_size < 1:
             raise ValueError(f"page_size={page_size}: must be >= 1")
         self.config = config
@@ -231,12 +321,24 @@ class SGLangAdmission:
         self.num_tokens = num_tokens
         self.low_priority_values_first = low_priority_values_first
         self.clock = clock
+        # Several ranks share the waiting queue and time feeds decisions: every
+        # rank uses rank 0's clock (ClockTick) instead of its own.
+        self.synced_clock = synced_clock
         self.core = AdmissionCore(config, max(num_tokens // page_size, 1), page_size, max_model_len)
+        self.step_budget = max(int(step_budget), 0)
+        self.core.set_step_budget(self.step_budget)
         self._slot: dict = {}     # rid -> core slot
         self._rid_of: dict = {}   # core slot -> rid
         self._req: dict = {}      # rid -> Req (strong ref while tracked)
         self.counters = {"rejected_sent": 0, "shed_sent": 0, "requeued": 0, "adopted": 0,
-                         "untracked": 0, "steps": 0}
+                         "untracked": 0, "steps": 0, "observed_steps": 0, "ticks": 0}
+        self._rejected_here = {"invalid": 0}   # refused before the core (malformed fields)
+        self._tick_t: Optional[float] = None   # rank 0's clock, latest tick
+        self._step_t: Optional[float] = None   # clock at the start of the last step
+        self._step_tick = 0                    # ticks seen at the start of the last step
+        self._last_shape = None                # (tokens, context) of the last step's batch
+        self._hit_tokens = 0                   # prefix-cache hits of this step's admissions
+        self._query_tokens = 0
         self.adder_class = type("KvadmitPrefillAdder", (_sglang_classes()["adder"],),
                                 {"kvadmit": self})
         self.exporter = None
@@ -262,6 +364,8 @@ class SGLangAdmission:
             page_size=int(scheduler.page_size),
             max_model_len=int(getattr(scheduler, "max_req_len", 0) or 0),
             low_priority_values_first=bool(scheduler.schedule_low_priority_values_first),
+            step_budget=step_budget_of(scheduler),
+            synced_clock=clock_decides(config) and _ranks_per_queue(scheduler) > 1,
         )
         if getattr(scheduler, "enable_priority_preemption", False):
             logger.warning("kvadmit: SGLang's priority preemption is off while kvadmit "
@@ -270,9 +374,29 @@ class SGLangAdmission:
         from kvadmit.sglang.metrics import exporter_for_scheduler
         adapter.exporter = exporter_for_scheduler(scheduler)
         logger.info("kvadmit: policy=%s victim=%s queue_order=%s on %d tokens (page %d), "
-                    "max_model_len=%d", config.policy, config.victim, config.queue_order,
-                    adapter.num_tokens, adapter.page_size, adapter.core.max_model_len)
+                    "max_model_len=%d, step budget %d tokens, clock %s", config.policy,
+                    config.victim, config.queue_order, adapter.num_tokens, adapter.page_size,
+                    adapter.core.max_model_len, adapter.step_budget,
+                    "rank 0's (synced)" if adapter.synced_clock else "local")
         return adapter
+
+    # ------------------------------------------------------------------
+    # Clock
+    def now(self) -> float:
+        """The time decisions use: rank 0's (the latest tick) on a synced
+        server, this process's clock otherwise."""
+        if self.synced_clock and self._tick_t is not None:
+            return self._tick_t
+        return self.clock()
+
+    def make_tick(self) -> Optional[ClockTick]:
+        """On rank 0, once per iteration: the tick to broadcast (None when not synced)."""
+        return ClockTick(self.clock()) if self.synced_clock else None
+
+    def on_tick(self, tick: ClockTick) -> None:
+        """Every rank: rank 0's clock for this iteration arrived."""
+        self._tick_t = float(tick.t)
+        self.counters["ticks"] += 1
 
     # ------------------------------------------------------------------
     # Request numbers
@@ -310,7 +434,7 @@ class SGLangAdmission:
     def on_enqueue(self, req, now: Optional[float] = None) -> EnqueueOutcome:
         """A request enters SGLang's waiting queue: a new arrival (caps, maybe
         shedding) or a running request coming back (retraction, preemption)."""
-        now = self.clock() if now is None else now
+        now = self.now() if now is None else now
         slot = self._slot.get(req.rid)
         if slot is not None:
             self._req[req.rid] = req
@@ -320,8 +444,19 @@ class SGLangAdmission:
                 self.counters["requeued"] += 1
                 return EnqueueOutcome(requeued=True)
             return EnqueueOutcome()
+        try:
+            fields = parse_request_params(req.sampling_params.custom_params, now,
+                                          _sglang_session(req))
+        except request_fields.FieldError as e:
+            # Retrying the same request cannot help: a client error (HTTP 400).
+            self._rejected_here["invalid"] += 1
+            self.counters["rejected_sent"] += 1
+            return EnqueueOutcome(rejection=Rejection(
+                "invalid", str(e), f"custom_params.{PARAMS_KEY}", None, None))
         res = self.core.arrive(len(req.origin_input_ids), self._max_new(req),
-                               priority=self._priority(req), cached_tokens=0, now=now)
+                               priority=self._priority(req), cached_tokens=0, now=now,
+                               ttft_slo_s=self._ttft_target(fields, now),
+                               tpot_slo_s=fields.tpot_slo_s, session=fields.session)
         if not res.accepted:
             self.counters["rejected_sent"] += 1
             return EnqueueOutcome(rejection=res.rejection)
@@ -334,6 +469,12 @@ class SGLangAdmission:
         self._track(req, res.slot)
         return EnqueueOutcome(shed=shed)
 
+    def _ttft_target(self, fields, now: float) -> float:
+        """ttft_slo_s, tightened by deadline_s - now (the adapter's clock, UNIX
+        time; rank 0's on a synced server). A passed deadline is a target no
+        request meets: with slo_guard the core refuses it as slo_infeasible."""
+        return request_fields.ttft_target(fields, self.config.default_ttft_slo_s, now)
+
     def forget(self, req) -> None:
         """SGLang dropped a request kvadmit had accepted (e.g. its own queue cap)."""
         slot = self._slot.get(req.rid)
@@ -344,8 +485,15 @@ class SGLangAdmission:
     def _adopt(self, req, now: float) -> Optional[int]:
         """A request reached the queue or batch by a path kvadmit did not see.
         The core has no cap-free arrival, so one refused here stays untracked."""
+        try:  # no refusal here: a malformed field falls back to the defaults
+            fields = parse_request_params(req.sampling_params.custom_params, now,
+                                          _sglang_session(req))
+        except request_fields.FieldError:
+            fields = request_fields.NONE
         res = self.core.arrive(len(req.origin_input_ids), self._max_new(req),
-                               priority=self._priority(req), now=now)
+                               priority=self._priority(req), now=now,
+                               ttft_slo_s=self._ttft_target(fields, now),
+                               tpot_slo_s=fields.tpot_slo_s, session=fields.session)
         if not res.accepted or res.shed:
             for victim_slot, _ in res.shed:  # cannot happen without shedding config
                 self._untrack(victim_slot)
@@ -390,8 +538,35 @@ class SGLangAdmission:
         cached = min(int(req.prefix_len), info["prompt_tokens"] + generated)
         self.core.set_cached(slot, max(cached, 0))
 
-    def on_admitted(self, slot: int) -> None:
-        self.core.admit(slot, self.clock())
+    def on_admitted(self, slot: int, req=None, prefix_tokens: int = 0) -> None:
+        """The adder took the request: the core commits; its prefix-cache hit
+        (tokens SGLang's radix cache matched) counts toward this step's hit rate."""
+        self.core.admit(slot, self.now())
+        if req is not None:
+            self._hit_tokens += max(int(prefix_tokens), 0)
+            self._query_tokens += len(req.origin_input_ids) + len(req.output_ids)
+
+    # ------------------------------------------------------------------
+    # Step timing: the interval between consecutive scheduler iterations
+    def start_step(self) -> float:
+        """At the top of every scheduler iteration (get_next_batch_to_run): the
+        time since the previous one is how long the batch it scheduled took;
+        it feeds the core's step-time fit. Returns the step's clock.
+
+        Not observed: the first iteration, an iteration after one without a
+        batch (idle time is not step time), and on a synced server an interval
+        that did not see exactly one tick (an iteration SGLang skipped)."""
+        now = self.now()
+        fresh = (not self.synced_clock
+                 or (self._tick_t is not None and self.counters["ticks"] == self._step_tick + 1))
+        shape = self._last_shape
+        if shape is not None and fresh and self._step_t is not None and now >= self._step_t:
+            self.core.observe_step(shape[0], shape[1], now - self._step_t)
+            self.counters["observed_steps"] += 1
+        self._step_t = now
+        self._step_tick = self.counters["ticks"]
+        self._last_shape = None
+        return now
 
     # ------------------------------------------------------------------
     # Once per scheduler step: Scheduler.get_next_batch_to_run
@@ -399,7 +574,7 @@ class SGLangAdmission:
                    now: Optional[float] = None) -> None:
         """Brings the ledger in line with SGLang before the step decides anything:
         progress of every request holding KV, finished / aborted ones leave."""
-        now = self.clock() if now is None else now
+        now = self.now() if now is None else now
         core = self.core
         waiting_rids = {r.rid for r in waiting_queue}
         live = {}
@@ -447,8 +622,23 @@ class SGLangAdmission:
             self._untrack(slot)
             self.core.abort(slot)
 
-    def end_step(self, now: Optional[float] = None) -> None:
-        now = self.clock() if now is None else now
+    def observe_kv(self, free_tokens: int, now: Optional[float] = None) -> None:
+        """Once per step, after `begin_step` and before admission (the agent
+        window): KV in use (the pool less SGLang's free and evictable tokens, in
+        the core's blocks) and the prefix-cache hits of the requests admitted
+        since the last call (tokens SGLang's radix cache matched / their
+        prompt + output tokens)."""
+        now = self.now() if now is None else now
+        used = self.num_tokens - max(int(free_tokens), 0)
+        used_blocks = min(max(used // self.page_size, 0), self.core.num_blocks)
+        self.core.observe_cache(used_blocks, self._hit_tokens, self._query_tokens, now)
+        self._hit_tokens = self._query_tokens = 0
+
+    def end_step(self, now: Optional[float] = None, batch=None) -> None:
+        """After the scheduler chose ``batch``: remembers its shape (the step
+        timing charges the next interval to it) and steps the core."""
+        now = self.now() if now is None else now
+        self._last_shape = _batch_shape(batch)
         self.core.on_step(now)
         self.counters["steps"] += 1
         if self.exporter is not None:
@@ -474,10 +664,43 @@ class SGLangAdmission:
     # ------------------------------------------------------------------
     def stats(self) -> dict:
         out = self.core.stats()
+        rejected = out["rejected"]
+        for reason, n in self._rejected_here.items():
+            rejected[reason] = rejected.get(reason, 0) + n
         out.update(self.counters)
         out.update(policy=self.config.policy, victim=self.config.victim,
-                   num_blocks=self.core.num_blocks, block_size=self.core.block_size)
+                   num_blocks=self.core.num_blocks, block_size=self.core.block_size,
+                   step_budget=self.step_budget,
+                   clock="synced" if self.synced_clock else "local")
         return out
+
+
+def clock_decides(config: AdmissionConfig) -> bool:
+    """Whether wall time feeds the core's decisions under this configuration."""
+    return config.slo_guard or config.agent_window or config.max_queue_delay_s > 0
+
+
+def step_budget_of(scheduler) -> int:
+    """Prompt tokens SGLang prefills in one step at most: the chunked prefill
+    size, capped by --max-prefill-tokens (0: unknown)."""
+    sizes = [int(v) for v in (getattr(scheduler, "chunked_prefill_size", None),
+                              getattr(scheduler, "max_prefill_tokens", None))
+             if isinstance(v, int) and v > 0]
+    return min(sizes) if sizes else 0
+
+
+def _ranks_per_queue(scheduler) -> int:
+    """Scheduler processes that run one waiting queue in lockstep (TP x PP;
+    with DP attention each DP group has its own queue, but tp_size still
+    bounds it from above, which only costs an unneeded tick)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        par = get_parallel()
+        tp, pp = par.tp_size, par.pp_size
+    except Exception:  # parallel context not published: the scheduler's own numbers
+        tp, pp = getattr(scheduler, "tp_size", 1), getattr(scheduler, "pp_size", 1)
+    return max(int(tp or 1), 1) * max(int(pp or 1), 1)
 
 
 def unsupported_reasons(scheduler) -> list:

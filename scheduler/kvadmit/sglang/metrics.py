@@ -29,6 +29,17 @@ GAUGES = {
     "new_token_ratio": "predict policy's new_token_ratio",
     "quantile": "adaptive policy's output-length quantile",
 }
+# Gauges from stats()'s nested dicts: (dict, key) -> (metric suffix, documentation).
+NESTED_GAUGES = {
+    ("step_time_fit", "a"): ("step_time_a_seconds", "step-time fit: seconds a step"),
+    ("step_time_fit", "b"): ("step_time_b_seconds", "step-time fit: seconds per scheduled token"),
+    ("step_time_fit", "c"): ("step_time_c_seconds", "step-time fit: seconds per context token"),
+    ("step_time_fit", "observations"): ("step_time_observations",
+                                        "engine steps the step-time fit has seen"),
+    ("agent_window", "size"): ("agent_window_size", "agent window W (sessions that may be active)"),
+    ("agent_window", "active_sessions"): ("agent_active_sessions",
+                                          "sessions inside the agent window"),
+}
 
 
 class PrometheusExport:
@@ -54,8 +65,15 @@ class PrometheusExport:
                        multiprocess_mode="mostrecent")
             for key, doc in GAUGES.items()
         }
+        self.nested_gauges = {
+            path: Gauge(f"kvadmit:{name}", doc, labelnames=names, registry=registry,
+                        multiprocess_mode="mostrecent")
+            for path, (name, doc) in NESTED_GAUGES.items()
+        }
 
     def _grow(self, metric, key, value, **extra) -> None:
+        if key not in self._last:  # the series exists (at 0) from the first publish on
+            metric.labels(**self.labels, **extra)
         delta = value - self._last.get(key, 0)
         if delta > 0:
             metric.labels(**self.labels, **extra).inc(delta)
@@ -70,6 +88,8 @@ class PrometheusExport:
             self._grow(self.held, ("held", decision), n, decision=decision)
         for key, metric in self.gauges.items():
             metric.labels(**self.labels).set(stats.get(key, 0))
+        for (group, key), metric in self.nested_gauges.items():
+            metric.labels(**self.labels).set(stats.get(group, {}).get(key, 0))
 
 
 _EXPORTERS: dict = {}

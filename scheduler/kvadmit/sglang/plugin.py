@@ -40,6 +40,8 @@ T_SCHED_INIT = f"{_SCHED}.__init__"
 T_ADDER_CLASS = f"{_SCHED}.get_prefill_adder_class"
 T_QUEUE_LIMIT = f"{_SCHED}._abort_on_queued_limit"
 T_STEP = f"{_SCHED}.get_next_batch_to_run"
+T_POLL_LOCAL = f"{_SCHED}._poll_timeout_aborts"
+T_PROCESS_INPUT = f"{_SCHED}.process_input_requests"
 T_INTERNAL_STATE = f"{_SCHED}.get_internal_state"
 T_RETRACT_ORDER = "sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order"
 
@@ -138,9 +140,11 @@ def around_get_prefill_adder_class(original, self, *args, **kwargs):
 
 
 def around_abort_on_queued_limit(original, self, recv_req, *args, **kwargs):
-    """AROUND Scheduler._abort_on_queued_limit: the core's caps (and priority
-    shedding) first, then SGLang's own --max-queued-requests. Returns True when
-    the incoming request is aborted, as the original does."""
+    """AROUND Scheduler._abort_on_queued_limit: the request's kvadmit fields
+    (custom_params["kvadmit"]; a malformed one refuses it), the core's caps,
+    SLO feasibility and priority shedding first, then SGLang's own
+    --max-queued-requests. Returns True when the incoming request is aborted,
+    as the original does."""
     adapter = getattr(self, "_kvadmit", None)
     if adapter is None:
         return original(self, recv_req, *args, **kwargs)
@@ -175,17 +179,52 @@ def send_rejection(scheduler, req, rejection) -> None:
 
 def around_get_next_batch_to_run(original, self, *args, **kwargs):
     """AROUND Scheduler.get_next_batch_to_run (once per scheduler step): the
-    ledger is brought up to date before the step, the core steps after it
-    (after its retractions)."""
+    time since the previous call is the previous batch's step time (the
+    core's step-time fit); the ledger is brought up to date and, with the
+    agent window, the core sees the KV pool and recent prefix hits before the
+    step; after it (after its retractions) the core notes the batch and steps."""
     adapter = getattr(self, "_kvadmit", None)
     if adapter is None:
         return original(self, *args, **kwargs)
+    now = adapter.start_step()
     bound = _bind(original, self, args, kwargs)
     adapter.begin_step(bound.get("running_batch"), bound.get("last_batch"),
-                       getattr(self, "chunked_req", None), self.waiting_queue)
+                       getattr(self, "chunked_req", None), self.waiting_queue, now=now)
+    if adapter.config.agent_window:
+        adapter.observe_kv(self.token_to_kv_pool_allocator.available_size()
+                           + self.tree_cache.evictable_size(), now)
     plan = original(self, *args, **kwargs)
-    adapter.end_step()
+    adapter.end_step(now, batch=getattr(plan, "batch_to_run", None))
     return plan
+
+
+def after_poll_timeout_aborts(result, self, *args, **kwargs):
+    """AFTER Scheduler._poll_timeout_aborts (rank 0 of a waiting queue, once per
+    iteration): when every rank must use rank 0's clock, a `ClockTick` joins the
+    aborts SGLang broadcasts to the queue's ranks."""
+    adapter = getattr(self, "_kvadmit", None)
+    tick = adapter.make_tick() if adapter is not None else None
+    if tick is None:
+        return result
+    return [*(result or ()), tick]
+
+
+def around_process_input_requests(original, self, recv_reqs, *args, **kwargs):
+    """AROUND Scheduler.process_input_requests (every rank): clock ticks are
+    taken out (and applied first, so this iteration's arrivals see them)
+    before SGLang dispatches the requests. The caller's list is left as is
+    (pipeline stages relay it onward)."""
+    if not recv_reqs or not any(isinstance(r, _adapter.ClockTick) for r in recv_reqs):
+        return original(self, recv_reqs, *args, **kwargs)
+    adapter = getattr(self, "_kvadmit", None)
+    rest = []
+    for r in recv_reqs:
+        if isinstance(r, _adapter.ClockTick):
+            if adapter is not None:
+                adapter.on_tick(r)
+        else:
+            rest.append(r)
+    return original(self, rest, *args, **kwargs)
 
 
 def around_retraction_order(original, reqs, *args, **kwargs):
@@ -235,6 +274,8 @@ def engine_hooks() -> dict:
         T_ADDER_CLASS: (around_get_prefill_adder_class, H.AROUND),
         T_QUEUE_LIMIT: (around_abort_on_queued_limit, H.AROUND),
         T_STEP: (around_get_next_batch_to_run, H.AROUND),
+        T_POLL_LOCAL: (after_poll_timeout_aborts, H.AFTER),
+        T_PROCESS_INPUT: (around_process_input_requests, H.AROUND),
         T_RETRACT_ORDER: (around_retraction_order, H.AROUND),
         T_INTERNAL_STATE: (after_get_internal_state, H.AFTER),
     }
