@@ -1,0 +1,52 @@
+"""Issue 3's goal on `kvadmit bench vllm`'s workload, explored in the simulator.
+
+The native engine model replays the benchmark's workload (first 256 Azure
+conversation requests scaled to a 1024-token context, all queued at once, 32
+usable blocks of 32 tokens, the cpu-tiny step model) and reproduces the real CPU
+engine's schedule (1300 steps / 51 preemptions for vLLM's rule, 1472 / 5 for
+`adaptive`). Here it maps steps against preemptions for `adaptive` settings and for
+the oracle (peak with true lengths): the goal is <= 5 preemptions and <= 1300 steps.
+Needs vLLM installed (the workload builder lives in kvadmit.vllm.bench).
+
+    python bench/bench_adaptive_frontier.py
+"""
+from __future__ import annotations
+
+from _common import save
+
+from kvadmit.config import AdmissionConfig
+from kvadmit.simulate import EngineShape, Workload, get_preset, run_native
+from kvadmit.vllm.bench import azure_workload
+
+BYPASS = dict(head_of_line="bypass", max_bypass=1000, bypass_lookahead=256)
+
+
+def main() -> None:
+    reqs = azure_workload("../shared/traces/azure2023_conv.csv", 256, 1024, 2048)
+    w = Workload(name="bench-azure", arrival_s=[0.0] * len(reqs),
+                 prompt_tokens=[len(r.prompt_token_ids) for r in reqs],
+                 output_tokens=[r.output_tokens for r in reqs], max_tokens=[r.max_tokens for r in reqs])
+    shape = EngineShape(num_blocks=32, block_size=32, max_model_len=1024, max_num_seqs=64,
+                        max_num_batched_tokens=2048)
+    step = get_preset("cpu-tiny")
+    runs = [("vllm rule", w, dict(policy="overcommit")),
+            ("oracle", w.with_oracle_caps(), dict(policy="peak")),
+            ("oracle bypass", w.with_oracle_caps(), dict(policy="peak", **BYPASS))]
+    for q in (0.3, 0.5, 0.7, 0.9):
+        for ms in (1, 8):
+            runs.append((f"adaptive q={q} min_samples={ms}", w,
+                         dict(policy="adaptive", adaptive_quantile=q, adaptive_min_samples=ms)))
+            runs.append((f"adaptive q={q} min_samples={ms} bypass", w,
+                         dict(policy="adaptive", adaptive_quantile=q, adaptive_min_samples=ms, **BYPASS)))
+    rows = []
+    print(f"{'config':42} {'steps':>6} {'preempt':>8} {'recomputed':>10}")
+    for name, wl, cfg in runs:
+        t = run_native(wl, AdmissionConfig(**cfg), shape, step).totals
+        rows.append({"config": name, "settings": cfg, "steps": t["steps"],
+                     "preemptions": t["preemptions"], "recomputed_tokens": t["recomputed_tokens"]})
+        print(f"{name:42} {t['steps']:6d} {t['preemptions']:8d} {t['recomputed_tokens']:10d}")
+    print(f"saved {save('adaptive_frontier', {'rows': rows})}")
+
+
+if __name__ == "__main__":
+    main()
