@@ -18,6 +18,7 @@ through untouched, so it changes nothing unless kvadmit refused the request.
 """
 from __future__ import annotations
 
+import math
 from http import HTTPStatus
 
 TARGET = "vllm.v1.engine.async_llm.AsyncLLM.generate"
@@ -59,11 +60,25 @@ def field_error(sampling_params) -> str | None:
     return None
 
 
-def error_for(reason: str, detail: str | None = None):
+RETRY_AFTER_KEY = "kvadmit_retry_after_s"   # kvadmit.vllm.scheduler puts it in kv_transfer_params
+
+
+def retry_after_s(output) -> int | None:
+    """The engine's Retry-After hint for a refused output, whole seconds (at least 1)."""
+    params = getattr(output, "kv_transfer_params", None)
+    if not isinstance(params, dict) or params.get(RETRY_AFTER_KEY) is None:
+        return None
+    return max(1, math.ceil(float(params[RETRY_AFTER_KEY])))
+
+
+def error_for(reason: str, detail: str | None = None, retry_after: int | None = None):
     from vllm.exceptions import GracefulHTTPError
 
     status = HTTPStatus.SERVICE_UNAVAILABLE if reason in OVERLOAD else HTTPStatus.BAD_REQUEST
     message = detail or MESSAGES.get(reason, "refused by kvadmit")
+    if retry_after is not None and status == HTTPStatus.SERVICE_UNAVAILABLE:
+        # patches/vllm_retry_after.py turns this into the Retry-After header.
+        message += f" (retry after {retry_after} s)"
     return GracefulHTTPError(f"{PREFIX}{reason}: {message}", status)
 
 
@@ -86,7 +101,7 @@ def apply() -> bool:
                 if reason == "invalid":   # generate(prompt, sampling_params, request_id, ...)
                     sp = kwargs.get("sampling_params", args[1] if len(args) > 1 else None)
                     detail = field_error(sp)
-                raise error_for(reason, detail)
+                raise error_for(reason, detail, retry_after_s(output))
             yield output
 
     generate.__kvadmit_patch__ = True

@@ -105,18 +105,21 @@ def test_overload_burst_gets_503_naming_the_reason(server):
     def one(i):
         try:
             r = complete(base, model, 60, 120, i)
-            return ("ok", r.usage.completion_tokens)
+            return ("ok", r.usage.completion_tokens, None)
         except openai.APIStatusError as e:
-            return (e.status_code, str(e))
+            return (e.status_code, str(e), e.response.headers.get("retry-after"))
 
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(one, range(16)))
     ok = [r for r in results if r[0] == "ok"]
     refused = [r for r in results if r[0] != "ok"]
-    assert ok and all(n == 120 for _, n in ok)
+    assert ok and all(n == 120 for _, n, _ in ok)
     assert refused, results
-    for status, msg in refused:
+    for status, msg, retry_after in refused:
         assert status == 503 and "kvadmit:queue_full" in msg, (status, msg)
+        # the core's hint, from the drain rate, as a header (patches/vllm_retry_after.py)
+        assert retry_after is not None and int(retry_after) >= 1, (msg, retry_after)
+        assert f"(retry after {retry_after} s)" in msg
 
 
 def test_metrics_show_kvadmit_counters(server):

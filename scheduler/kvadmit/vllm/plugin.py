@@ -12,7 +12,7 @@ logger = logging.getLogger("kvadmit.vllm")
 
 
 def register() -> None:
-    from kvadmit_patches import vllm_http_status
+    from kvadmit_patches import vllm_http_status, vllm_retry_after
 
     from kvadmit.vllm.metrics import register_bridge
 
@@ -22,3 +22,7 @@ def register() -> None:
         logger.warning("kvadmit: no HTTP status patch for vLLM %s (written for %s): refused "
                        "requests answer 200 with finish_reason 'abort'", vllm.__version__,
                        ", ".join(vllm_http_status.VERSIONS))
+    elif not vllm_retry_after.apply():
+        import vllm
+        logger.warning("kvadmit: no Retry-After patch for vLLM %s (written for %s)",
+                       vllm.__version__, ", ".join(vllm_retry_after.VERSIONS))

@@ -45,6 +45,7 @@ logger = logging.getLogger("kvadmit.vllm")
 
 CONFIG_KEY = "kvadmit"
 STOP_REASON_PREFIX = "kvadmit:"
+RETRY_AFTER_KEY = "kvadmit_retry_after_s"   # in a refused output's kv_transfer_params
 
 
 def config_from_vllm(vllm_config) -> AdmissionConfig:
@@ -236,9 +237,13 @@ class _KvadmitMixin:
 
     def _kvadmit_reject(self, request: Request, rejection) -> None:
         logger.info("kvadmit: refused %s: %s", request.request_id, rejection.message)
+        # The Retry-After hint rides in kv_transfer_params, the one free-form field of an
+        # engine output that reaches the API server (patches/vllm_http_status.py reads it).
+        retry = ({RETRY_AFTER_KEY: rejection.retry_after_s}
+                 if rejection.retry_after_s is not None else None)
         self._kvadmit_rejections.append((request.client_index, EngineCoreOutput(
             request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
-            stop_reason=STOP_REASON_PREFIX + rejection.reason)))
+            stop_reason=STOP_REASON_PREFIX + rejection.reason, kv_transfer_params=retry)))
 
     def _kvadmit_shed(self, slot: int, rejection) -> None:
         rid = next(r for r, s in self.kvadmit_slot.items() if s == slot)

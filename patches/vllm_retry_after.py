@@ -1,0 +1,71 @@
+"""vLLM 0.32: a `Retry-After` header on kvadmit's 503 answers.
+
+vLLM's error responses carry no headers (GracefulHTTPError has a message and a
+status only). kvadmit's HTTP patch (vllm_http_status.py) writes the engine's
+hint into the message as "(retry after N s)"; this patch adds an ASGI middleware,
+installed with vLLM's own ones when the API server app is built, that copies N
+into a `Retry-After: N` header on 503 responses whose body is a kvadmit refusal.
+Every other response passes through untouched (the body is not buffered beyond
+the first chunk of a 503).
+
+Applied in every vLLM process by the `vllm.general_plugins` entry point; the API
+server loads it before it builds its app (the engine client comes first).
+"""
+from __future__ import annotations
+
+import re
+
+TARGET = "vllm.entrypoints.launchers.app.init_entrypoints_middleware"
+VERSIONS = ("0.32.0",)
+HINT = re.compile(rb"kvadmit:[a-z_]+:[^\"]*?\(retry after (\d+) s\)")
+
+
+class RetryAfterMiddleware:
+    """Adds `Retry-After` to 503 responses that carry a kvadmit retry hint."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        held = None
+
+        async def send_with_header(message):
+            nonlocal held
+            if message["type"] == "http.response.start" and message["status"] == 503:
+                held = message                      # wait for the body to read the hint
+                return
+            if held is not None and message["type"] == "http.response.body":
+                start, held = held, None
+                match = HINT.search(message.get("body", b""))
+                if match:
+                    start = {**start, "headers": list(start.get("headers", []))
+                             + [(b"retry-after", match.group(1))]}
+                await send(start)
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
+def apply() -> bool:
+    """Installs the middleware hook once; False (nothing done) on other versions."""
+    import vllm
+
+    if vllm.__version__ not in VERSIONS:
+        return False
+    import vllm.entrypoints.launchers.app as app_module
+
+    original = app_module.init_entrypoints_middleware
+    if getattr(original, "__kvadmit_patch__", False):
+        return True
+
+    def init_entrypoints_middleware(args, app, *rest, **kwargs):
+        result = original(args, app, *rest, **kwargs)
+        app.add_middleware(RetryAfterMiddleware)
+        return result
+
+    init_entrypoints_middleware.__kvadmit_patch__ = True
+    init_entrypoints_middleware.__wrapped__ = original
+    app_module.init_entrypoints_middleware = init_entrypoints_middleware
+    return True
