@@ -6,7 +6,7 @@ benchmarks all drive this one module."""
 from cpython.long cimport PyLong_AsLongLong, PyLong_CheckExact
 from cpython.object cimport PyObject, Py_TYPE
 from cython.operator cimport dereference as deref, preincrement as inc
-from libc.math cimport ceil, isfinite, INFINITY
+from libc.math cimport ceil, isfinite, sqrt, INFINITY
 from libc.stdlib cimport llabs
 from libc.stdint cimport int32_t, int64_t, uint64_t, INT64_MAX
 from libcpp.algorithm cimport sort

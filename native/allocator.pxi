@@ -92,21 +92,15 @@ cdef class BlockAllocator:
         self._cached[h] = b
         return b
 
-    cdef int c_free_evict_first(self, const int32_t* ids, int64_t n) noexcept nogil:
-        """`c_free`, but cached blocks go to the head of the queue: still reusable,
-        evicted before every other cached block (a paused agent's prefix)."""
-        cdef int64_t i
-        cdef int32_t b
-        for i in range(n):
-            b = ids[i]
-            if b < 0 or b >= self._n or self._ref[b] <= 0:
-                return -1
-            self._ref[b] -= 1
-            if self._ref[b] == 0:
-                if self._has_hash[b]:
-                    self._num_cached_free += 1
-                self._free.c_prepend(b)
-        return 0
+    cdef bint c_demote(self, int32_t b, uint64_t h) noexcept nogil:
+        """A cached-free block still holding hash h moves to the head of the free
+        queue: still reusable, but taken (evicted) next (a paused agent's prefix).
+        False if b was reused meanwhile."""
+        if b < 0 or b >= self._n or self._ref[b] != 0 or not self._has_hash[b] or self._hash[b] != h:
+            return False
+        self._free.c_remove(b)
+        self._free.c_prepend(b)
+        return True
 
     cdef inline int32_t c_lookup(self, uint64_t h) noexcept nogil:
         cdef unordered_map[uint64_t, int32_t].iterator it = self._cached.find(h)
@@ -209,6 +203,13 @@ cdef class BlockAllocator:
         self._has_hash[block] = 1
         self._cached[block_hash] = <int32_t>block
         return block
+
+    def demote(self, int64_t block, uint64_t block_hash):
+        """Moves a cached-free block still holding `block_hash` to the head of the
+        free queue (taken next); False if it was reused meanwhile."""
+        if block < 0 or block >= self._n:
+            raise ValueError(f"demote: block id {block} out of range [0, {self._n})")
+        return self.c_demote(<int32_t>block, block_hash)
 
     def lookup(self, uint64_t block_hash):
         """Block id cached under this hash, or -1."""

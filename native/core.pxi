@@ -191,6 +191,7 @@ cdef class AdmissionCore:
     cdef int64_t _iv_steps, _iv_hit, _iv_query, _window_changes
     cdef double _iv_usage, _last_now, _ema_step_tokens
     cdef vector[double] _window_history
+    cdef vector[int64_t] _paused_log       # sessions paused or expired, for the engine's cache
     cdef int64_t _n_len_obs
     cdef double _len_abs_err, _len_pred_sum, _len_actual_sum
 
@@ -556,7 +557,7 @@ cdef class AdmissionCore:
 
     # ------------------------------------------------------------------
     # Drain rate and Retry-After
-    cdef void _note_time(self, double now):
+    cdef void _note_time(self, double now) noexcept nogil:
         """Advances the backlog clock: seconds during which requests were waiting.
         Admissions are counted against it, so the drain rate is the engine's pace
         at taking queued work, not the arrival rate of a lightly loaded server."""
@@ -602,8 +603,9 @@ cdef class AdmissionCore:
 
     cdef void _ahead_of(self, int32_t s, int64_t* reqs, int64_t* tokens) noexcept nogil:
         """Waiting requests (and their prefill tokens) that the queue order serves
-        before s: all of them in arrival order, else a walk to s's position."""
-        if not self._priority_order and not self._deadline_order:
+        before s: all of them in arrival order, else a walk to s's position
+        (skipping requests held outside the agent window: they do not block s)."""
+        if not self._priority_order and not self._deadline_order and not self._agents:
             reqs[0] = self._waiting.size()
             tokens[0] = self._queued_tokens
             return
@@ -611,8 +613,9 @@ cdef class AdmissionCore:
         cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
         reqs[0] = tokens[0] = 0
         while it != self._waiting.end() and deref(it).first < key:
-            reqs[0] += 1
-            tokens[0] += self._queued_of(deref(it).second)
+            if not self._agent_held(deref(it).second):   # held ones do not block it
+                reqs[0] += 1
+                tokens[0] += self._queued_of(deref(it).second)
             inc(it)
 
     cdef double _predicted_delay(self, int32_t s, int64_t queued, double now):
@@ -871,14 +874,19 @@ cdef class AdmissionCore:
         self._drain.push_back(pair[double, int64_t](self._backlog_s, queued))
         self._maybe_adapt()
 
-    def cancel_admit(self, int64_t slot):
+    def cancel_admit(self, int64_t slot, double now=0.0):
         """Undoes an admission the engine did not carry out (it put the request
         back before running it): running -> waiting, not counted as a preemption."""
         self._check_slot(slot, ST_RUNNING)
         cdef int32_t s = <int32_t>slot
+        self._note_time(now)
         self._run_remove(s)
         self._enqueue(s)
         self._n_admitted -= 1
+        if self._win_admits > 0:
+            self._win_admits -= 1
+        if not self._drain.empty():
+            self._drain.pop_back()      # its admission entry (the latest, as a rule)
         cdef AgentSession* a
         if self._agents and self._session[s] >= 0 and self._activated_by[s]:
             a = &self._sessions[self._session[s]]
@@ -954,6 +962,8 @@ cdef class AdmissionCore:
 
     def on_step(self, double now=0.0):
         """Once per engine step, after its preemptions: advances the predict ratio."""
+        if now > self._last_now:
+            self._last_now = now
         self._on_step()
 
     cdef void _on_step(self) noexcept nogil:
@@ -969,6 +979,7 @@ cdef class AdmissionCore:
         """Commits: a running request gives its memory back and waits again
         (recompute: its KV is gone, its output so far is kept)."""
         self._check_slot(slot, ST_RUNNING)
+        self._note_time(now)
         self._preempt(<int32_t>slot)
 
     cdef void _preempt(self, int32_t s) noexcept nogil:
@@ -992,6 +1003,9 @@ cdef class AdmissionCore:
     def finish(self, int64_t slot, double now=0.0):
         """A running request is done; its output length feeds the length model."""
         self._check_slot(slot, ST_RUNNING)
+        self._note_time(now)
+        if now > self._last_now:
+            self._last_now = now
         self._finish(<int32_t>slot)
 
     cdef void _finish(self, int32_t s) noexcept nogil:
@@ -1004,9 +1018,10 @@ cdef class AdmissionCore:
         self._n_finished += 1
         self._release(s)
 
-    def abort(self, int64_t slot):
+    def abort(self, int64_t slot, double now=0.0):
         """The request is gone (client cancelled, engine error): forget it."""
         self._check_slot(slot, ST_FREE)
+        self._note_time(now)
         cdef int32_t s = <int32_t>slot
         if self._state[s] == ST_RUNNING:
             self._run_remove(s)
@@ -1069,6 +1084,8 @@ cdef class AdmissionCore:
             self._iv_usage = 0.0
         if self._n_active > <int64_t>self._window:
             self._pause_excess()
+        elif self._n_active >= <int64_t>self._window:
+            self._expire_idle()    # a full window: an idle session must not hold a place
 
     cdef void _agent_update(self, double usage, double hit_rate) noexcept nogil:
         cdef double w = c_next_agent_window(self._window, usage, hit_rate, self._a_alpha, self._a_beta,
@@ -1084,16 +1101,54 @@ cdef class AdmissionCore:
             self._window_changes += 1
         self._window = w
         self._window_history.push_back(w)
-        # Sessions idle for agent_idle_s leave the window (and the table).
+        self._expire_idle()
+
+    cdef void _expire_idle(self) noexcept nogil:
+        """Sessions with nothing queued or running for agent_idle_s leave the window
+        (and the table)."""
         cdef unordered_map[int64_t, AgentSession].iterator it = self._sessions.begin()
         while it != self._sessions.end():
+            # (a relative tolerance: `_next_expiry` + idle_s must expire exactly)
             if (deref(it).second.waiting == 0 and deref(it).second.running == 0
-                    and self._last_now - deref(it).second.idle_since >= self._idle_s):
+                    and self._last_now - deref(it).second.idle_since
+                    >= self._idle_s * (1.0 - 1e-12) - 1e-12):
                 if deref(it).second.active:
                     self._n_active -= 1
+                    self._paused_log.push_back(deref(it).first)
                 it = self._sessions.erase(it)
             else:
                 inc(it)
+
+    cdef double _next_expiry(self) noexcept nogil:
+        """When the first active idle session will leave the window (INFINITY: none)."""
+        cdef double t = INFINITY
+        cdef unordered_map[int64_t, AgentSession].iterator it = self._sessions.begin()
+        while it != self._sessions.end():
+            if (deref(it).second.active and deref(it).second.waiting == 0
+                    and deref(it).second.running == 0
+                    and deref(it).second.idle_since + self._idle_s < t):
+                t = deref(it).second.idle_since + self._idle_s
+            inc(it)
+        return t
+
+    def next_session_expiry(self):
+        """When the first active idle session leaves the agent window (inf: none).
+        An engine with only window-held requests waiting can sleep until then."""
+        return self._next_expiry()
+
+    def expire_sessions(self, double now):
+        """Lets idle sessions leave the window as of `now` (engines call it when idle;
+        observe_cache does it every step while the window is full)."""
+        if now > self._last_now:
+            self._last_now = now
+        self._expire_idle()
+
+    def take_paused_sessions(self):
+        """Sessions paused or expired since the last call (an engine can demote
+        their cached prefixes)."""
+        cdef list out = [x for x in self._paused_log]
+        self._paused_log.clear()
+        return out
 
     cdef void _pause_excess(self) noexcept nogil:
         """Pauses the most recently activated sessions between generations (none
@@ -1112,6 +1167,15 @@ cdef class AdmissionCore:
                 return               # the rest are mid-generation: paused when they finish
             pick.active = 0
             self._n_active -= 1
+            self._paused_log.push_back(self._session_of(pick))
+
+    cdef int64_t _session_of(self, AgentSession* a) noexcept nogil:
+        cdef unordered_map[int64_t, AgentSession].iterator it = self._sessions.begin()
+        while it != self._sessions.end():
+            if &deref(it).second == a:
+                return deref(it).first
+            inc(it)
+        return -1
 
     cdef bint _session_active(self, int64_t session) noexcept nogil:
         if not self._agents or session < 0:

@@ -66,6 +66,7 @@ cdef class NativeEngine:
     cdef vector[vector[int32_t]] _blocks
     cdef vector[vector[uint64_t]] _hashes
     cdef vector[vector[int64_t]] _children
+    cdef unordered_map[int64_t, vector[pair[int32_t, uint64_t]]] _sess_blocks
     cdef vector[int32_t] _slot_req, _running, _scheduled
     cdef int64_t _next                  # position in _open
     cdef bint _ran
@@ -257,12 +258,30 @@ cdef class NativeEngine:
         self.allocator.c_allocate(need, self._blocks[r].data() + old)
         return True
 
+    cdef void _demote_paused(self) noexcept nogil:
+        """The prefixes of sessions the agent window paused go to the front of the
+        free queue: still reusable, evicted before active sessions' (CONCUR)."""
+        cdef size_t i, j
+        cdef unordered_map[int64_t, vector[pair[int32_t, uint64_t]]].iterator it
+        for i in range(self.core._paused_log.size()):
+            it = self._sess_blocks.find(self.core._paused_log[i])
+            if it == self._sess_blocks.end():
+                continue
+            # tail first, so the session's first block ends up taken last
+            j = deref(it).second.size()
+            while j > 0:
+                j -= 1
+                self.allocator.c_demote(deref(it).second[j].first, deref(it).second[j].second)
+            self._sess_blocks.erase(it)
+        self.core._paused_log.clear()
+
     cdef void _preempt(self, int32_t v, int64_t* budget) noexcept nogil:
         cdef size_t i
         if self._sched[v] > 0:
             budget[0] += self._sched[v]
             self._sched[v] = 0
         self._release_blocks(v)
+        self.core._note_time(self._clock)
         self.core._preempt(self._slot[v])
         self._computed[v] = 0
         self._npre[v] += 1
@@ -274,13 +293,19 @@ cdef class NativeEngine:
                 break
 
     cdef void _finish(self, int32_t r, double t) noexcept nogil:
+        self.core._note_time(t)
         self.core._finish(self._slot[r])
-        if self.core._session_active(self._sess[r]):
-            self._release_blocks(r)
-        else:
-            # A paused agent's prefix is evicted before active agents' (tail first).
-            self.allocator.c_free_evict_first(self._blocks[r].data(), self._blocks[r].size())
-            self._blocks[r].clear()
+        cdef size_t i
+        cdef int32_t b
+        if self._prefix and self._sess[r] >= 0 and self.core._agents:
+            # The session's context so far, for demotion if it is paused later.
+            self._sess_blocks[self._sess[r]].clear()
+            for i in range(self._blocks[r].size()):
+                b = self._blocks[r][i]
+                if self.allocator._has_hash[b]:
+                    self._sess_blocks[self._sess[r]].push_back(
+                        pair[int32_t, uint64_t](b, self.allocator._hash[b]))
+        self._release_blocks(r)
         self._slot_req[self._slot[r]] = -1
         self._slot[r] = -1
         self._rstate[r] = RQ_DONE
@@ -490,6 +515,7 @@ cdef class NativeEngine:
         self.core._c_observe_cache(self._nblocks - self.allocator._free._count, self._step_hit,
                                    self._step_query, t_end)
         self._step_hit = self._step_query = 0
+        self._demote_paused()
         while self._clock >= self._next_sample:
             self._tl_t.push_back(self._next_sample)
             self._tl_used.push_back(self._nblocks - self.allocator._free._count)
@@ -517,6 +543,7 @@ cdef class NativeEngine:
         self._next_sample = self._t0
         cdef int64_t since = 0
         cdef int st
+        cdef double t
         while True:
             self._arrivals()
             st = self._step()
@@ -528,6 +555,17 @@ cdef class NativeEngine:
                     since = 0
                     progress(self._n_done + self._n_rejected, total)
                 continue
+            # Only requests of sessions outside a full agent window wait: sleep until
+            # an idle session leaves it (or the next arrival, if sooner).
+            if self._running.empty() and not self.core._waiting.empty():
+                t = self.core._next_expiry()
+                if t < INFINITY and t <= self._next_arrival():
+                    self._clock = max(self._clock, t)
+                    before = self.core._n_active
+                    self.core.expire_sessions(self._clock)
+                    self._demote_paused()
+                    if self.core._n_active < before:
+                        continue
             if self._next_arrival() < INFINITY:
                 self._clock = max(self._clock, self._next_arrival())
                 continue

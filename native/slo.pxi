@@ -14,6 +14,7 @@ cdef class StepTimeFit:
     cdef double _theta[3]
     cdef double _p[3][3]
     cdef readonly double forgetting
+    cdef double _p_max
     cdef readonly int64_t observations
 
     def __init__(self, double a, double b, double c, double forgetting=0.995,
@@ -33,6 +34,7 @@ cdef class StepTimeFit:
             for j in range(3):
                 self._p[i][j] = prior_std_s * prior_std_s if i == j else 0.0
         self.forgetting = forgetting
+        self._p_max = prior_std_s * prior_std_s
         self.observations = 0
 
     cdef double c_predict(self, double tokens, double context) noexcept nogil:
@@ -57,6 +59,16 @@ cdef class StepTimeFit:
         for i in range(3):
             for j in range(3):
                 self._p[i][j] = (self._p[i][j] - px[i] * px[j] / denom) / self.forgetting
+        # Forgetting inflates P along directions the steps do not vary in (one
+        # request decoding: tokens == 1 forever) until it overflows; cap each
+        # variance at the prior's, scaling its row and column (P stays PSD).
+        cdef double scale
+        for i in range(3):
+            if self._p[i][i] > self._p_max:
+                scale = sqrt(self._p_max / self._p[i][i])
+                for j in range(3):
+                    self._p[i][j] *= scale
+                    self._p[j][i] *= scale
         self.observations += 1
 
     def observe(self, double tokens, double context, double seconds):

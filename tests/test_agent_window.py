@@ -101,3 +101,59 @@ def test_cancelled_admission_undoes_the_activation():
     assert not core.session_active(1) and core.active_sessions == 0
     assert core.next_admissible(100) == a  # the head again; session 2 still waits behind it
     assert core.decide(b, 100) == "admit"
+
+
+def test_full_window_of_idle_sessions_does_not_stall_the_engine():
+    """Session 1 is done but holds the only place; the engine sleeps until it expires
+    (agent_idle_s) instead of stopping, and session 2 then runs."""
+    from kvadmit import AdmissionConfig
+    from kvadmit._native import NativeEngine
+    cfg = AdmissionConfig(agent_window=True, agent_window_init=1, agent_window_max=1,
+                          agent_idle_s=5.0)
+    e = NativeEngine(cfg, 1000, 16, 4096, 64, 2048, step_a=0.01, step_b=1e-5)
+    e.add_requests([0.0, 0.001], [100, 100], [5, 5], [10, 10], session=[1, 2])
+    e.run()
+    r = e.results()
+    assert r["rejected"] == [None, None]
+    assert r["finish_s"][1] > r["finish_s"][0] + 5.0            # waited for the expiry
+    assert e.totals()["free_blocks_at_end"] == 1000
+
+
+def test_agent_workload_with_a_small_window_finishes():
+    from kvadmit import AdmissionConfig
+    from kvadmit.simulate import EngineShape, agent_sessions, get_preset, run_native
+    w = agent_sessions(60, 2.0, seed=1, turns_mean=4, tool_wait_mean_s=1.0)
+    raw = run_native(w, AdmissionConfig(policy="overcommit", agent_window=True, agent_window_init=4),
+                     EngineShape(num_blocks=1200, prefix_caching=True), get_preset("h100-8b"))
+    assert raw.totals["finished"] + raw.totals["rejected"] == len(w)
+    assert raw.totals["finished"] > len(w) // 2
+    assert set(raw.per_request["rejected"]) <= {None, "context_length"}   # turns past 8192
+
+
+def test_held_requests_are_not_counted_ahead_of_an_arrival():
+    from kvadmit import AdmissionConfig, AdmissionCore
+    core = AdmissionCore(AdmissionConfig(
+        policy="overcommit", agent_window=True, agent_window_init=1, agent_window_max=1,
+        slo_guard=True, step_time_a=0.01, step_time_b=0.001, step_time_c=0.0,
+        step_time_forgetting=1.0), 100_000, 4)
+    core.set_step_budget(1000)
+    core.admit(core.arrive(10, 5, session=1).slot)
+    for sess in range(2, 12):                                  # ten held 30k-token prompts
+        assert core.arrive(30_000, 5, session=sess, ttft_slo_s=0.0).accepted
+    # a session-less request is served next: only its own prefill is predicted
+    res = core.arrive(100, 5, ttft_slo_s=1.0)
+    assert res.accepted, res
+    assert core.predict_ttft(100, 0.0) < 1.0
+
+
+def test_demoted_block_is_taken_next():
+    from kvadmit._native import BlockAllocator
+    a = BlockAllocator(8)
+    b = a.allocate(1)[0]
+    a.cache(b, 42)
+    a.free([b])
+    assert a.free_order()[-1] == b                             # cached: evicted last
+    assert a.demote(b, 42) and a.free_order()[0] == b          # paused: evicted first
+    assert a.lookup(42) == b                                   # still reusable
+    assert not a.demote(b, 43)                                 # another hash: untouched
+    a.check_invariants()

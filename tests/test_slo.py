@@ -145,3 +145,25 @@ def test_no_accept_all_reject_all_oscillation_under_a_steady_overload():
     shares = [1 - sum(rejected[i:i + 200]) / 200 for i in range(1000, len(w) - 200, 200)]
     assert 0.05 < sum(rejected) / len(w) < 0.6
     assert min(shares) > 0.05 and max(shares) < 0.99 and max(shares) - min(shares) < 0.3, shares
+
+
+def test_rls_fit_stays_finite_when_a_feature_never_varies():
+    import math
+    fit = StepTimeFit(0.008, 3.25e-5, 4.9e-8)
+    for n in range(150_000):                     # one request decoding: tokens == 1
+        ctx = 1000 + n % 8000
+        fit.observe(1, ctx, 0.008 + 3.25e-5 + 4.9e-8 * ctx)
+    assert all(math.isfinite(c) for c in fit.coefficients)
+    assert fit.predict(1, 5000) == pytest.approx(0.008 + 3.25e-5 + 4.9e-8 * 5000, rel=1e-3)
+
+
+def test_backlog_clock_does_not_count_a_quiet_period_before_a_preemption():
+    core = make_core("overcommit", num_blocks=1000, max_queue_delay_s=2.0, drain_window_s=1000)
+    a = core.arrive(10, 5, now=0.0).slot
+    b = core.arrive(10, 5, now=0.0).slot
+    core.admit(a, 0.0)
+    core.admit(b, 0.0)
+    core.preempt(b, now=100.0)                   # the queue was empty for those 100 s
+    core.admit(b, 100.01)
+    assert core.arrive(10, 5, now=100.02).accepted
+    assert core.arrive(10, 5, now=100.02).accepted

@@ -198,3 +198,20 @@ def test_matches_the_native_engine(model_dir, config, rate, full_input):
         if a["rejected"][i] != "context_length":
             assert (a["first_token_s"][i], a["finish_s"][i], a["preemptions"][i]) == \
                 pytest.approx((b["first_token_s"][i], b["finish_s"][i], b["preemptions"][i])), i
+
+
+def test_full_agent_window_sleeps_until_a_session_expires(model_dir):
+    """Session 1 is done but holds the only place in the window: both engines wait
+    until it expires (agent_idle_s), then run session 2."""
+    from kvadmit.simulate.engine import run_native
+    w = Workload(name="two-sessions", arrival_s=[0.0, 0.001], prompt_tokens=[100, 100],
+                 output_tokens=[5, 5], max_tokens=[10, 10], session=[1, 2])
+    cfg = AdmissionConfig(agent_window=True, agent_window_init=1, agent_window_max=1,
+                          agent_idle_s=5.0)
+    ours = run_vllm(w, cfg, AZURE_SHAPE, CPU_TINY, model_dir)
+    native = run_native(w, cfg, AZURE_SHAPE, CPU_TINY)
+    for run in (ours, native):
+        pr = run.per_request
+        assert pr["rejected"] == [None, None]
+        assert pr["first_token_s"][1] > pr["finish_s"][0] + 5.0
+    assert ours.per_request["finish_s"][1] == pytest.approx(native.per_request["finish_s"][1], rel=0.01)

@@ -8,6 +8,7 @@ requests (refused ones included) that meet it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -52,8 +53,9 @@ def summarize(per_request: dict, totals: dict, slo: Slo, ttft_slo_s: list[float]
     served_idx = [i for i, ok in enumerate(served) if ok]
     good = 0
     for t, p, i in zip(ttft, tpot, served_idx):
-        t_max = ttft_slo_s[i] if ttft_slo_s is not None and ttft_slo_s[i] > 0 else slo.ttft_s
-        p_max = tpot_slo_s[i] if tpot_slo_s is not None and tpot_slo_s[i] > 0 else slo.tpot_s
+        # a per-request target of 0 is "none" (as in the core), not the run's SLO
+        t_max = slo.ttft_s if ttft_slo_s is None else (ttft_slo_s[i] or math.inf)
+        p_max = slo.tpot_s if tpot_slo_s is None else (tpot_slo_s[i] or math.inf)
         good += t <= t_max and p <= p_max
     rejected: dict[str, int] = {}
     for r in per_request["rejected"]:

@@ -337,6 +337,13 @@ def run_vllm(workload: Workload, config: AdmissionConfig | None, shape: EngineSh
                 if preempted or eng.last_outputs:
                     stalls = 0
                     continue              # preemptions or flushed outputs, no time passed
+            # Only requests held outside a full agent window wait: sleep until an idle
+            # session leaves it (the adapter expires it at the next schedule()).
+            core = getattr(sched, "kvadmit_core", None)
+            expiry = core.next_session_expiry() if core is not None else math.inf
+            if expiry < math.inf and (not heap or expiry <= heap[0][0]) and expiry > clock:
+                clock = expiry
+                continue
             if heap:
                 clock = max(clock, heap[0][0])
                 continue
