@@ -168,6 +168,7 @@ cdef class AdmissionCore:
     cdef int64_t _win_admits, _win_preempts
     # drain rate (Retry-After)
     cdef deque[pair[double, int64_t]] _drain   # (backlog clock, prefill tokens) per admission
+    cdef int64_t _drain_tokens                 # sum of the prefill tokens in _drain
     cdef double _t_last, _backlog_s
     cdef bint _seen_time
     # counters
@@ -394,17 +395,17 @@ cdef class AdmissionCore:
         cdef double chunk = q / n
         return n * self.step_time.c_predict(r + chunk, ctx + chunk)
 
-    cdef double _predict_ttft(self, int32_t s, int64_t queued, double now) noexcept:
-        """The TTFT of a request arriving now, predicted for when it would run
-        (Mooncake): the later of (a) prefilling everything queued ahead and itself
-        under the step-time model and (b) the queue draining at the recent
-        admission pace (which includes waits for KV), plus its own prefill."""
+    cdef double _predict_ttft(self, int64_t ahead, int64_t ahead_tokens, int64_t queued,
+                              double now) noexcept:
+        """The TTFT of a request arriving now behind `ahead` waiting requests
+        (`ahead_tokens` of prefill), predicted for when it would run (Mooncake):
+        the later of (a) prefilling all of it and itself under the step-time model
+        and (b) the queue draining at the recent admission pace (which includes
+        waits for KV), plus its own prefill."""
         cdef double r = self._running.size()
         cdef double ctx = self._running_context()
-        cdef int64_t ahead, ahead_tokens
-        self._ahead_of(s, &ahead, &ahead_tokens)
         cdef double compute = self._prefill_time(ahead_tokens + queued, r, ctx)
-        cdef double drain = self._predicted_delay(s, queued, now)
+        cdef double drain = self._predicted_delay(ahead, ahead_tokens, queued, now)
         if drain > 0:
             drain += self._prefill_time(queued, r, ctx)
         return compute if compute > drain else drain
@@ -575,16 +576,13 @@ cdef class AdmissionCore:
         self._note_time(now)
         cdef double horizon = self._backlog_s - self._drain_window
         while not self._drain.empty() and self._drain.front().first < horizon:
+            self._drain_tokens -= self._drain.front().second
             self._drain.pop_front()
         cdef double span = min(self._backlog_s, self._drain_window)
-        cdef double toks = 0.0
-        cdef size_t i
-        for i in range(self._drain.size()):
-            toks += self._drain[i].second
         if span <= 0.0 or self._drain.empty():
             return False
         reqs_per_s[0] = self._drain.size() / span
-        tokens_per_s[0] = toks / span
+        tokens_per_s[0] = self._drain_tokens / span
         return True
 
     cdef object _retry_after(self, double excess_reqs, double excess_tokens, double now):
@@ -618,13 +616,12 @@ cdef class AdmissionCore:
                 tokens[0] += self._queued_of(deref(it).second)
             inc(it)
 
-    cdef double _predicted_delay(self, int32_t s, int64_t queued, double now):
-        """Queueing delay arrival s would see: the waiting requests (and their
-        prefill tokens) ahead of it, plus itself, at the recent admission rate
+    cdef double _predicted_delay(self, int64_t ahead, int64_t ahead_tokens, int64_t queued,
+                                 double now):
+        """Queueing delay of an arrival behind `ahead` waiting requests (and their
+        `ahead_tokens` of prefill), plus itself, at the recent admission rate
         (0 when nothing is ahead or no rate is known yet)."""
         cdef double rr, rt, wait
-        cdef int64_t ahead, ahead_tokens
-        self._ahead_of(s, &ahead, &ahead_tokens)
         if ahead == 0 or not self._drain_rates(now, &rr, &rt):
             return 0.0
         wait = (ahead + 1) / rr
@@ -707,8 +704,11 @@ cdef class AdmissionCore:
                 f"prompt needs {queued} tokens of prefill, more than max_queued_tokens="
                 f"{self._max_q_tokens}", "max_queued_tokens", self._max_q_tokens, None), [])
         cdef double delay
+        cdef int64_t ahead = 0, ahead_tokens = 0
+        if self._max_q_delay > 0 or (self._slo_guard and self._ttft[s] > 0):
+            self._ahead_of(s, &ahead, &ahead_tokens)
         if self._max_q_delay > 0:
-            delay = self._predicted_delay(s, queued, now)
+            delay = self._predicted_delay(ahead, ahead_tokens, queued, now)
             if delay > self._max_q_delay:
                 self._release(s)
                 return ArrivalResult(False, -1, self._reject(
@@ -719,7 +719,7 @@ cdef class AdmissionCore:
                     min(delay - self._max_q_delay, self._retry_max)), [])
         cdef double ttft_pred
         if self._slo_guard and self._ttft[s] > 0:
-            ttft_pred = self._predict_ttft(s, queued, now)
+            ttft_pred = self._predict_ttft(ahead, ahead_tokens, queued, now)
             if ttft_pred > self._ttft[s]:
                 self._release(s)
                 return ArrivalResult(False, -1, self._reject(
@@ -872,6 +872,7 @@ cdef class AdmissionCore:
         self._n_admitted += 1
         self._win_admits += 1
         self._drain.push_back(pair[double, int64_t](self._backlog_s, queued))
+        self._drain_tokens += queued
         self._maybe_adapt()
 
     def cancel_admit(self, int64_t slot, double now=0.0):
@@ -886,6 +887,7 @@ cdef class AdmissionCore:
         if self._win_admits > 0:
             self._win_admits -= 1
         if not self._drain.empty():
+            self._drain_tokens -= self._drain.back().second
             self._drain.pop_back()      # its admission entry (the latest, as a rule)
         cdef AgentSession* a
         if self._agents and self._session[s] >= 0 and self._activated_by[s]:
@@ -1057,8 +1059,10 @@ cdef class AdmissionCore:
         self._arrive_t[s] = now
         self._ttft[s] = 0.0
         self._priority[s] = INT64_MAX // 2
-        cdef double t = self._predict_ttft(s, prompt_tokens, now)
+        cdef int64_t ahead, ahead_tokens
+        self._ahead_of(s, &ahead, &ahead_tokens)
         self._release(s)
+        cdef double t = self._predict_ttft(ahead, ahead_tokens, prompt_tokens, now)
         return t
 
     def observe_cache(self, int64_t used_blocks, int64_t hit_tokens, int64_t query_tokens,
@@ -1155,6 +1159,7 @@ cdef class AdmissionCore:
         of their requests running) until at most W are active."""
         cdef unordered_map[int64_t, AgentSession].iterator it
         cdef AgentSession* pick
+        cdef int64_t picked
         while self._n_active > <int64_t>self._window:
             pick = NULL
             it = self._sessions.begin()
@@ -1162,20 +1167,13 @@ cdef class AdmissionCore:
                 if deref(it).second.active and deref(it).second.running == 0 and (
                         pick == NULL or deref(it).second.activated > pick.activated):
                     pick = &deref(it).second
+                    picked = deref(it).first
                 inc(it)
             if pick == NULL:
                 return               # the rest are mid-generation: paused when they finish
             pick.active = 0
             self._n_active -= 1
-            self._paused_log.push_back(self._session_of(pick))
-
-    cdef int64_t _session_of(self, AgentSession* a) noexcept nogil:
-        cdef unordered_map[int64_t, AgentSession].iterator it = self._sessions.begin()
-        while it != self._sessions.end():
-            if &deref(it).second == a:
-                return deref(it).first
-            inc(it)
-        return -1
+            self._paused_log.push_back(picked)
 
     cdef bint _session_active(self, int64_t session) noexcept nogil:
         if not self._agents or session < 0:
