@@ -71,19 +71,16 @@ _PENDING, _IN_ENGINE, _DONE, _REJECTED = 0, 1, 2, 3
 
 
 class _VirtualTime:
-    """Stands in for the `time` module inside kvadmit's vLLM scheduler during a run,
-    so the core's clock (drain rate, max_queue_delay_s, Retry-After) is the virtual
-    one: arrivals at their arrival time, admissions at the step's start, as the
-    native engine passes them."""
+    """The clock kvadmit's vLLM scheduler runs on during a replay (its
+    `kvadmit_clock`), so the core's time (drain rate, max_queue_delay_s, step
+    times, sessions) is the virtual one: arrivals at their arrival time,
+    admissions at the step's start, as the native engine passes them."""
 
     def __init__(self, t: float = 0.0):
         self.t = t
 
-    def monotonic(self) -> float:
+    def now(self) -> float:
         return self.t
-
-    def __getattr__(self, name):
-        return getattr(time, name)
 
 
 @functools.lru_cache(maxsize=8192)
@@ -260,103 +257,99 @@ def run_vllm(workload: Workload, config: AdmissionConfig | None, shape: EngineSh
     since = 0
     stalls = 0
     vt = _VirtualTime(clock)
-    real_time = kvadmit_sched.time
     if config is not None:
-        kvadmit_sched.time = vt
-    try:
-        while True:
-            arrivals()
-            if sched.has_requests():
-                vt.t = clock
-                out = eng.step()
-                rej_seen = 0
-                tokens = out.total_num_scheduled_tokens
-                preempted = out.preempted_req_ids or ()
-                for rid in preempted:
-                    npre[int(rid)] += 1
-                preemptions += len(preempted)
-                t_end = clock
-                if tokens > 0:
-                    computed = eng.last_computed
-                    dt = step.step_s(tokens, sum(computed.values()))
-                    t_end = clock + dt
-                    used = nb - eng.last_free_blocks
-                    if used > peak_used:
-                        peak_used = used
-                    kv_block_s += used * dt
-                    busy_s += dt
-                    batch_tokens += tokens
-                    for rid, k in out.num_scheduled_tokens.items():
-                        i = int(rid)
-                        c1 = computed[rid]
-                        c0 = c1 - k
-                        if c0 < maxcomp[i]:
-                            recomputed += min(c1, maxcomp[i]) - c0
-                        if c1 > maxcomp[i]:
-                            maxcomp[i] = c1
-                        p = workload.prompt_tokens[i]
-                        if c0 < p:
-                            prefill_tokens += min(c1, p) - c0
-                for o in eng.last_outputs:
-                    i = int(o.request_id)
-                    if state[i] != _IN_ENGINE:
-                        continue          # refused at add_request: already recorded
-                    if o.new_token_ids:
-                        gen[i] += len(o.new_token_ids)
-                        out_tokens += len(o.new_token_ids)
-                        if t_first[i] < 0:
-                            t_first[i] = t_end
-                    if o.finish_reason is not None:
-                        sr = o.stop_reason
-                        if isinstance(sr, str) and sr.startswith(STOP_REASON_PREFIX):
-                            reject(i, sr[len(STOP_REASON_PREFIX):], clock)
-                        else:
-                            state[i] = _DONE
-                            t_done[i] = t_end
-                            n_done += 1
-                            release_children(i, t_end)
-                if tokens > 0:
-                    clock = t_end
-                    steps += 1
-                    stalls = 0
-                    if clock >= next_sample:
-                        used_now = nb - pool.get_num_free_blocks()
-                        running, waiting = sched.get_request_counts()
-                        while clock >= next_sample:
-                            tl["t"].append(next_sample)
-                            tl["used_blocks"].append(used_now)
-                            tl["running"].append(running)
-                            tl["waiting"].append(waiting)
-                            tl["preemptions"].append(preemptions)
-                            next_sample += sample_interval_s
-                    since += 1
-                    if progress is not None and since >= PROGRESS_EVERY:
-                        since = 0
-                        progress(n_done + n_rejected, n)
-                    continue
-                if preempted or eng.last_outputs:
-                    stalls = 0
-                    continue              # preemptions or flushed outputs, no time passed
-            # Only requests held outside a full agent window wait: sleep until an idle
-            # session leaves it (the adapter expires it at the next schedule()).
-            core = getattr(sched, "kvadmit_core", None)
-            expiry = core.next_session_expiry() if core is not None else math.inf
-            if expiry < math.inf and (not heap or expiry <= heap[0][0]) and expiry > clock:
-                clock = expiry
+        sched.kvadmit_clock = vt.now
+    while True:
+        arrivals()
+        if sched.has_requests():
+            vt.t = clock
+            out = eng.step()
+            rej_seen = 0
+            tokens = out.total_num_scheduled_tokens
+            preempted = out.preempted_req_ids or ()
+            for rid in preempted:
+                npre[int(rid)] += 1
+            preemptions += len(preempted)
+            t_end = clock
+            if tokens > 0:
+                computed = eng.last_computed
+                dt = step.step_s(tokens, sum(computed.values()))
+                t_end = clock + dt
+                used = nb - eng.last_free_blocks
+                if used > peak_used:
+                    peak_used = used
+                kv_block_s += used * dt
+                busy_s += dt
+                batch_tokens += tokens
+                for rid, k in out.num_scheduled_tokens.items():
+                    i = int(rid)
+                    c1 = computed[rid]
+                    c0 = c1 - k
+                    if c0 < maxcomp[i]:
+                        recomputed += min(c1, maxcomp[i]) - c0
+                    if c1 > maxcomp[i]:
+                        maxcomp[i] = c1
+                    p = workload.prompt_tokens[i]
+                    if c0 < p:
+                        prefill_tokens += min(c1, p) - c0
+            for o in eng.last_outputs:
+                i = int(o.request_id)
+                if state[i] != _IN_ENGINE:
+                    continue          # refused at add_request: already recorded
+                if o.new_token_ids:
+                    gen[i] += len(o.new_token_ids)
+                    out_tokens += len(o.new_token_ids)
+                    if t_first[i] < 0:
+                        t_first[i] = t_end
+                if o.finish_reason is not None:
+                    sr = o.stop_reason
+                    if isinstance(sr, str) and sr.startswith(STOP_REASON_PREFIX):
+                        reject(i, sr[len(STOP_REASON_PREFIX):], clock)
+                    else:
+                        state[i] = _DONE
+                        t_done[i] = t_end
+                        n_done += 1
+                        release_children(i, t_end)
+            if tokens > 0:
+                clock = t_end
+                steps += 1
+                stalls = 0
+                if clock >= next_sample:
+                    used_now = nb - pool.get_num_free_blocks()
+                    running, waiting = sched.get_request_counts()
+                    while clock >= next_sample:
+                        tl["t"].append(next_sample)
+                        tl["used_blocks"].append(used_now)
+                        tl["running"].append(running)
+                        tl["waiting"].append(waiting)
+                        tl["preemptions"].append(preemptions)
+                        next_sample += sample_interval_s
+                since += 1
+                if progress is not None and since >= PROGRESS_EVERY:
+                    since = 0
+                    progress(n_done + n_rejected, n)
                 continue
-            if heap:
-                clock = max(clock, heap[0][0])
-                continue
-            if not sched.has_requests():
-                break
-            stalls += 1
-            if stalls > 3:
-                running, waiting = sched.get_request_counts()
-                raise RuntimeError(
-                    f"vLLM engine stuck at t={clock:.3f}s: {waiting} waiting, {running} running, "
-                    f"{pool.get_num_free_blocks()} free blocks, nothing schedulable")
-    finally:
-        kvadmit_sched.time = real_time
+            if preempted or eng.last_outputs:
+                stalls = 0
+                continue              # preemptions or flushed outputs, no time passed
+        # Only requests held outside a full agent window wait: sleep until an idle
+        # session leaves it (the adapter expires it at the next schedule()).
+        core = getattr(sched, "kvadmit_core", None)
+        expiry = core.next_session_expiry() if core is not None else math.inf
+        if expiry < math.inf and (not heap or expiry <= heap[0][0]) and expiry > clock:
+            clock = expiry
+            continue
+        if heap:
+            clock = max(clock, heap[0][0])
+            continue
+        if not sched.has_requests():
+            break
+        stalls += 1
+        if stalls > 3:
+            running, waiting = sched.get_request_counts()
+            raise RuntimeError(
+                f"vLLM engine stuck at t={clock:.3f}s: {waiting} waiting, {running} running, "
+                f"{pool.get_num_free_blocks()} free blocks, nothing schedulable")
     wall = time.perf_counter() - wall0
     if progress is not None:
         progress(n_done + n_rejected, n)

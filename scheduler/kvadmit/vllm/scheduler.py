@@ -95,7 +95,7 @@ class GatedWaitingQueue(RequestQueue):
         self._candidate = None
         slot = self._sched.kvadmit_slot[req.request_id]
         del self._by_slot[slot]
-        self._sched.kvadmit_core.admit(slot, time.monotonic())
+        self._sched.kvadmit_core.admit(slot, self._sched.kvadmit_clock())
         popped = self._sched._kvadmit_popped
         if popped is not None:
             popped.append(req)
@@ -161,6 +161,9 @@ class _KvadmitMixin:
                                "priority value, latest arrival); kvadmit victim=%r is not used",
                                cfg.victim)
         self.kvadmit_config = cfg
+        # The core's clock (drain rate, queue delay, step times, sessions): injectable,
+        # so the simulator (kvadmit.simulate.vllm_engine) can run it on virtual time.
+        self.kvadmit_clock = time.monotonic
         pool = self.kv_cache_manager.block_pool
         if cfg.native_allocator:
             self._kvadmit_install_native_queue(pool)
@@ -219,7 +222,7 @@ class _KvadmitMixin:
                 session = session_int(request.session_id, "session_id")
             ttft = ttft_target(fields, self.kvadmit_config.default_ttft_slo_s)
             res = core.arrive(request.num_prompt_tokens, request.max_tokens,
-                              priority=request.priority, now=time.monotonic(),
+                              priority=request.priority, now=self.kvadmit_clock(),
                               ttft_slo_s=ttft, tpot_slo_s=fields.tpot_slo_s, session=session)
         except ValueError as e:   # add_request must not raise into the engine loop
             logger.warning("kvadmit: refused %s: %s", request.request_id, e)
@@ -255,7 +258,7 @@ class _KvadmitMixin:
     # -- every step ------------------------------------------------------------
     def schedule(self, *args, **kwargs):
         core = self.kvadmit_core
-        now = time.monotonic()
+        now = self.kvadmit_clock()
         if self._kvadmit_step_tokens and now >= self._kvadmit_step_start:
             # From the previous schedule() to this one: that step's scheduling, forward
             # pass and output processing (with async scheduling, the pipeline's period).
@@ -282,7 +285,7 @@ class _KvadmitMixin:
         if core.num_running < len(slots):   # started outside the gate (KV-holding queue)
             for slot in slots:
                 if core.state(slot) == "waiting":
-                    core.admit(slot, time.monotonic())
+                    core.admit(slot, now)
         core.update_many(slots, computed, generated)
         # vLLM preempts running[-1] first: put the core's victim order in place.
         order = [by_slot[s] for s in core.victim_order() if s in by_slot]
@@ -314,7 +317,7 @@ class _KvadmitMixin:
                 self.kvadmit_prefix_query_tokens += queries
         if self._kvadmit_popped:
             self._kvadmit_popped.clear()
-        core.on_step(time.monotonic())
+        core.on_step(self.kvadmit_clock())
         if self._kvadmit_metrics is not None:
             self._kvadmit_metrics.update(core.stats())
         return out
@@ -322,7 +325,7 @@ class _KvadmitMixin:
     def _preempt_request(self, request: Request, timestamp: float, *args, **kwargs) -> None:
         slot = self.kvadmit_slot.get(request.request_id)
         if slot is not None:
-            self.kvadmit_core.preempt(slot, time.monotonic())
+            self.kvadmit_core.preempt(slot, self.kvadmit_clock())
         return super()._preempt_request(request, timestamp, *args, **kwargs)
 
     def _free_request(self, request: Request, *args, **kwargs):
@@ -335,7 +338,7 @@ class _KvadmitMixin:
                 prompt = request.num_prompt_tokens
                 gen = request.num_tokens - prompt
                 core.update(slot, min(request.num_computed_tokens, prompt + gen), gen)
-                core.finish(slot, time.monotonic())
+                core.finish(slot, self.kvadmit_clock())
             else:
                 core.abort(slot)
         return super()._free_request(request, *args, **kwargs)
