@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from http import HTTPStatus
 
+from kvadmit_patches import wrap
+
 TARGET = "vllm.v1.engine.async_llm.AsyncLLM.generate"
 VERSIONS = ("0.32.0",)
 PREFIX = "kvadmit:"
@@ -89,23 +91,19 @@ def apply() -> bool:
 
     if vllm.__version__ not in VERSIONS:
         return False
-    original = AsyncLLM.generate
-    if getattr(original, "__kvadmit_patch__", False):
-        return True
 
-    async def generate(self, *args, **kwargs):
-        async for output in original(self, *args, **kwargs):
-            reason = rejection_reason(output)
-            if reason is not None:
-                detail = None
-                if reason == "invalid":   # generate(prompt, sampling_params, request_id, ...)
-                    sp = kwargs.get("sampling_params", args[1] if len(args) > 1 else None)
-                    detail = field_error(sp)
-                raise error_for(reason, detail, retry_after_s(output))
-            yield output
+    def make(original):
+        async def generate(self, *args, **kwargs):
+            async for output in original(self, *args, **kwargs):
+                reason = rejection_reason(output)
+                if reason is not None:
+                    detail = None
+                    if reason == "invalid":   # generate(prompt, sampling_params, request_id, ...)
+                        sp = kwargs.get("sampling_params", args[1] if len(args) > 1 else None)
+                        detail = field_error(sp)
+                    raise error_for(reason, detail, retry_after_s(output))
+                yield output
+        return generate
 
-    generate.__kvadmit_patch__ = True
-    generate.__wrapped__ = original
-    generate.__doc__ = original.__doc__
-    AsyncLLM.generate = generate
+    wrap(AsyncLLM, "generate", make)
     return True

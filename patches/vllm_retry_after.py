@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import re
 
+from kvadmit_patches import wrap
+
 TARGET = "vllm.entrypoints.launchers.app.init_entrypoints_middleware"
 VERSIONS = ("0.32.0",)
 HINT = re.compile(rb"kvadmit:[a-z_]+:[^\"]*?\(retry after (\d+) s\)")
@@ -56,16 +58,12 @@ def apply() -> bool:
         return False
     import vllm.entrypoints.launchers.app as app_module
 
-    original = app_module.init_entrypoints_middleware
-    if getattr(original, "__kvadmit_patch__", False):
-        return True
+    def make(original):
+        def init_entrypoints_middleware(args, app, *rest, **kwargs):
+            result = original(args, app, *rest, **kwargs)
+            app.add_middleware(RetryAfterMiddleware)
+            return result
+        return init_entrypoints_middleware
 
-    def init_entrypoints_middleware(args, app, *rest, **kwargs):
-        result = original(args, app, *rest, **kwargs)
-        app.add_middleware(RetryAfterMiddleware)
-        return result
-
-    init_entrypoints_middleware.__kvadmit_patch__ = True
-    init_entrypoints_middleware.__wrapped__ = original
-    app_module.init_entrypoints_middleware = init_entrypoints_middleware
+    wrap(app_module, "init_entrypoints_middleware", make)
     return True

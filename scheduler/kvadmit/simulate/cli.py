@@ -75,7 +75,8 @@ def add_parser(sub) -> None:
     p.set_defaults(fn=cmd_simulate)
 
 
-def build_workload(args, max_model_len: int):
+def build_workload(args, shape: EngineShape):
+    max_model_len = shape.max_model_len
     if args.trace:
         return from_trace(args.trace, limit=args.requests, rate=1.0,
                           max_tokens_rule=args.max_tokens_rule, max_tokens_cap=args.max_tokens,
@@ -84,7 +85,7 @@ def build_workload(args, max_model_len: int):
     rate = args.rate or 10.0
     if args.synthetic == "agents":
         return agent_sessions(n, rate, seed=args.seed, max_tokens_cap=args.max_tokens,
-                              max_model_len=max_model_len, block_tokens=args.block_size_eff,
+                              max_model_len=max_model_len, block_tokens=shape.block_size,
                               turns_mean=args.turns, tool_wait_mean_s=args.tool_wait)
     if args.synthetic == "mixed":
         return mixed(n, rate, seed=args.seed, interactive_share=args.interactive_share,
@@ -127,7 +128,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len or step.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         chunked_prefill=not args.no_chunked_prefill, prefix_caching=args.prefix_caching)
-    args.block_size_eff = shape.block_size
     base = AdmissionConfig.from_json(args.config) if args.config else AdmissionConfig()
     policies = [parse_policy(p) for p in args.policies]
     slo = Slo(args.slo_ttft, args.slo_tpot)
@@ -136,7 +136,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         import os
         from kvadmit.vllm.tiny_model import build_tiny_llama
         model_dir = str(build_tiny_llama(args.model_dir or os.path.expanduser("~/.cache/kvadmit/tiny-llama")))
-    workload = build_workload(args, shape.max_model_len)
+    workload = build_workload(args, shape)
     if args.trace and args.rate and not (args.load or args.sweep):
         workload = workload.scaled(args.rate)
     print(f"workload: {workload.description}")

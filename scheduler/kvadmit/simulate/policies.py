@@ -6,6 +6,8 @@ every row runs on the same engine model and only the decision differs. With
 """
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass
 
 from kvadmit.config import AdmissionConfig
@@ -58,7 +60,6 @@ def parse_policy(text: str) -> PolicySpec:
     name, sep, js = text.partition("=")
     if not sep:
         raise ValueError(f"policy {text!r}: not one of {sorted(BUILTIN)} and not NAME=JSON")
-    import json
     try:
         settings = json.loads(js)
     except json.JSONDecodeError as e:

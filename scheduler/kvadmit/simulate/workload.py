@@ -58,9 +58,7 @@ class Workload:
 
     def with_oracle_caps(self) -> "Workload":
         """The same requests with max_tokens = the real output length (the oracle's knowledge)."""
-        w = Workload(**{**self.__dict__, "max_tokens": list(self.output_tokens)})
-        w.name = self.name
-        return w
+        return Workload(**{**self.__dict__, "max_tokens": list(self.output_tokens)})
 
     def scaled(self, factor: float) -> "Workload":
         """Arrivals `factor` times as fast (2.0: twice the rate); session delays unchanged."""
