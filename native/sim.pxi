@@ -275,8 +275,17 @@ cdef class NativeEngine:
             self._sess_blocks.erase(it)
         self.core._paused_log.clear()
 
-    cdef void _preempt(self, int32_t v, int64_t* budget) noexcept nogil:
+    cdef size_t _running_erase(self, int32_t r) noexcept nogil:
+        """Takes r out of the running list (admission order kept); its old index."""
         cdef size_t i
+        for i in range(self._running.size()):
+            if self._running[i] == r:
+                self._running.erase(self._running.begin() + i)
+                return i
+        return self._running.size()
+
+    cdef size_t _preempt(self, int32_t v, int64_t* budget) noexcept nogil:
+        """Preempts v (recompute); returns its index in the running list before."""
         if self._sched[v] > 0:
             budget[0] += self._sched[v]
             self._sched[v] = 0
@@ -287,10 +296,7 @@ cdef class NativeEngine:
         self._npre[v] += 1
         self._rstate[v] = RQ_WAITING
         self._preemptions += 1
-        for i in range(self._running.size()):
-            if self._running[i] == v:
-                self._running.erase(self._running.begin() + i)
-                break
+        return self._running_erase(v)
 
     cdef void _finish(self, int32_t r, double t) noexcept nogil:
         self.core._note_time(t)
@@ -409,12 +415,8 @@ cdef class NativeEngine:
             while not self._grow(r, self._computed[r] + n):
                 v = self.core._victim_slot()
                 v = self._slot_req[v]
-                for k in range(self._running.size()):
-                    if self._running[k] == v:
-                        if k < i:
-                            i -= 1
-                        break
-                self._preempt(v, &budget)
+                if self._preempt(v, &budget) < i:
+                    i -= 1        # an earlier, already scheduled request went
                 preempted = True
                 if v == r:
                     break
@@ -502,10 +504,7 @@ cdef class NativeEngine:
                     self._t_first[r] = t_end
             self.core._progress(self._slot[r], self._computed[r], self._gen[r])
             if self._gen[r] >= self._out[r]:
-                for i in range(self._running.size()):
-                    if self._running[i] == r:
-                        self._running.erase(self._running.begin() + i)
-                        break
+                self._running_erase(r)
                 self._finish(r, t_end)
         self._clock = t_end
         self._steps += 1
