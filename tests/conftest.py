@@ -1,5 +1,6 @@
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # CI runs more examples than a quick local run; both are deterministic per seed.
@@ -8,3 +9,11 @@ settings.register_profile("ci", max_examples=300, deadline=None,
 settings.register_profile("dev", max_examples=100, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """The tiny random-weight Llama (kvadmit.vllm.tiny_model), built once a session
+    for every test that runs vLLM."""
+    from kvadmit.vllm.tiny_model import build_tiny_llama
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))

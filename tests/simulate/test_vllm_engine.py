@@ -19,12 +19,6 @@ ONE_SECOND = StepTimeModel(a=1.0, b=0.0, c=0.0)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from kvadmit.vllm.tiny_model import build_tiny_llama
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
-
-
-@pytest.fixture(scope="module")
 def azure():
     return from_trace(DATA / "azure2023_conv_head200.csv", limit=120, max_model_len=2048,
                       max_tokens_cap=512)
