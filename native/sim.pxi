@@ -509,9 +509,9 @@ cdef class NativeEngine:
         self._clock = t_end
         self._steps += 1
         self.core._on_step()
-        if self.core._slo_guard:      # only the SLO guard reads the step-time fit
-            self.core.step_time.c_observe(batch, ctx, dt)
-            self.core._c_note_step_tokens(batch)
+        # As the engine adapters do: the fit is also reported (stats), guard or not.
+        self.core.step_time.c_observe(batch, ctx, dt)
+        self.core._c_note_step_tokens(batch)
         self.core._c_observe_cache(self._nblocks - self.allocator._free._count, self._step_hit,
                                    self._step_query, t_end)
         self._step_hit = self._step_query = 0
