@@ -6,6 +6,8 @@ usable blocks of 32 tokens, the cpu-tiny step model) and reproduces the real CPU
 engine's schedule (1300 steps / 51 preemptions for vLLM's rule, 1472 / 5 for
 `adaptive`). Here it maps steps against preemptions for `adaptive` settings and for
 the oracle (peak with true lengths): the goal is <= 5 preemptions and <= 1300 steps.
+The last rows pause instead of preempting (shortfall: "pause"), with the quantile
+fixed (adaptive_max_quantile = adaptive_quantile) or raised by the controller.
 Needs vLLM installed (the workload builder lives in kvadmit.vllm.bench).
 
     python bench/bench_adaptive_frontier.py
@@ -38,13 +40,23 @@ def main() -> None:
                          dict(policy="adaptive", adaptive_quantile=q, adaptive_min_samples=ms)))
             runs.append((f"adaptive q={q} min_samples={ms} bypass", w,
                          dict(policy="adaptive", adaptive_quantile=q, adaptive_min_samples=ms, **BYPASS)))
+    for q in (0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7):
+        for fixed in (True, False):
+            cfg = dict(policy="adaptive", shortfall="pause", adaptive_quantile=q, adaptive_min_samples=1,
+                       **BYPASS)
+            if fixed:
+                cfg["adaptive_max_quantile"] = q
+            runs.append((f"adaptive q={q}{' fixed' if fixed else ''} bypass pause", w, cfg))
     rows = []
-    print(f"{'config':42} {'steps':>6} {'preempt':>8} {'recomputed':>10}")
+    print(f"{'config':42} {'steps':>6} {'preempt':>8} {'recomputed':>10} {'paused':>7}")
     for name, wl, cfg in runs:
-        t = run_native(wl, AdmissionConfig(**cfg), shape, step).totals
+        r = run_native(wl, AdmissionConfig(**cfg), shape, step)
+        t = r.totals
         rows.append({"config": name, "settings": cfg, "steps": t["steps"],
-                     "preemptions": t["preemptions"], "recomputed_tokens": t["recomputed_tokens"]})
-        print(f"{name:42} {t['steps']:6d} {t['preemptions']:8d} {t['recomputed_tokens']:10d}")
+                     "preemptions": t["preemptions"], "recomputed_tokens": t["recomputed_tokens"],
+                     "paused": r.extra["core"]["paused"]})
+        print(f"{name:42} {t['steps']:6d} {t['preemptions']:8d} {t['recomputed_tokens']:10d} "
+              f"{rows[-1]['paused']:7d}")
     print(f"saved {save('adaptive_frontier', {'rows': rows})}")
 
 

@@ -163,6 +163,8 @@ cdef class AdmissionCore:
     # predict / adaptive state
     cdef double _ratio
     cdef bint _preempted_this_step
+    cdef bint _pause_on_shortfall
+    cdef int64_t _paused_now, _n_pauses   # running requests paused this step; request-steps in all
     cdef OutputLengthModel _lengths
     cdef double _quantile
     cdef int64_t _win_admits, _win_preempts
@@ -211,6 +213,7 @@ cdef class AdmissionCore:
         self._victim = VICTIMS.index(config.victim)
         self._priority_order = config.queue_order == "priority"
         self._bypass = config.head_of_line == "bypass"
+        self._pause_on_shortfall = config.shortfall == "pause"
         self._max_bypass = config.max_bypass
         self._lookahead = config.bypass_lookahead
         self._max_q_reqs = config.max_queued_requests
@@ -266,6 +269,7 @@ cdef class AdmissionCore:
         self._n_finished = self._n_aborted = self._n_len_obs = 0
         self._win_admits = self._win_preempts = 0
         self._preempted_this_step = False
+        self._paused_now = self._n_pauses = 0
         cdef int i
         for i in range(5):
             self._held[i] = 0
@@ -798,6 +802,53 @@ cdef class AdmissionCore:
         self._check_slot(slot, ST_WAITING)
         return DECISIONS[self._decide(<int32_t>slot, free_blocks, check_blocks)]
 
+    def plan_shortfall(self, needs, int64_t free_blocks):
+        """Which running requests to pause this step, under ``shortfall: "pause"``.
+
+        ``needs[i]`` is the number of new KV blocks the i-th running request (in the
+        order the engine serves them) takes if it runs this step. In that order each
+        takes its blocks while they last; one that finds too few is paused: skipped
+        this step, its KV kept. Returns the positions paused: none under "preempt".
+        When none could run, the first is not paused: the engine preempts its victims
+        for it as usual (else no request would ever free a block). While any request
+        is paused this step, no waiting request is admitted.
+        """
+        cdef vector[int64_t] v
+        for i, x in enumerate(needs):
+            if x < 0:
+                raise ValueError(f"needs[{i}]={x}: must be >= 0 blocks")
+            v.push_back(x)
+        if free_blocks < 0:
+            raise ValueError(f"free_blocks={free_blocks}: must be >= 0")
+        cdef vector[char] paused
+        paused.assign(v.size(), 0)
+        self.c_plan_shortfall(v.data(), v.size(), free_blocks, paused.data())
+        return [i for i in range(<Py_ssize_t>v.size()) if paused[i]]
+
+    cdef int64_t c_plan_shortfall(self, const int64_t* needs, int64_t n, int64_t free_blocks,
+                                  char* paused) noexcept nogil:
+        cdef int64_t i, count = 0
+        self._paused_now = 0
+        if not self._pause_on_shortfall or n == 0:
+            return 0
+        for i in range(n):
+            if needs[i] <= free_blocks:
+                free_blocks -= needs[i]
+                paused[i] = 0
+            else:
+                paused[i] = 1
+                count += 1
+        if count == n:
+            # Nothing could run: the first runs, taking what the engine's victims give
+            # back; the rest stay paused rather than each preempting in turn.
+            paused[0] = 0
+            count -= 1
+            if count == 0:
+                return 0
+        self._paused_now = count
+        self._n_pauses += count
+        return count
+
     def next_admissible(self, int64_t free_blocks, bint check_blocks=True):
         """The waiting request to admit next, or -1: the head, or under
         head_of_line='bypass' a later one that fits while the held ones ahead of it
@@ -806,6 +857,10 @@ cdef class AdmissionCore:
 
     cdef int32_t c_next_admissible(self, int64_t free_blocks, bint check_blocks) noexcept:
         if self._waiting.empty():
+            return -1
+        if self._paused_now:
+            # Paused running requests have the first claim on blocks as they free up.
+            self._held[D_HOLD_BLOCKS] += 1
             return -1
         cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
         cdef int32_t s
@@ -975,6 +1030,7 @@ cdef class AdmissionCore:
         elif not self._preempted_this_step:
             self._ratio = max(self._ratio - self._pr_decay, self._pr_min)
         self._preempted_this_step = False
+        self._paused_now = 0
         self._offsets_dirty = True
 
     def preempt(self, int64_t slot, double now=0.0):
@@ -1311,8 +1367,8 @@ cdef class AdmissionCore:
         """Counters since construction."""
         return {
             "arrived": self._n_arrived, "admitted": self._n_admitted,
-            "preempted": self._n_preempted, "finished": self._n_finished,
-            "aborted": self._n_aborted,
+            "preempted": self._n_preempted, "paused": self._n_pauses,
+            "finished": self._n_finished, "aborted": self._n_aborted,
             "held": {DECISIONS[i]: self._held[i] for i in (1, 2, 3, 4)},
             "rejected": {REJECT_REASONS[i]: self._rejected[i] for i in range(7)},
             "waiting": self._waiting.size(), "running": self._running.size(),

@@ -68,6 +68,10 @@ cdef class NativeEngine:
     cdef vector[vector[int64_t]] _children
     cdef unordered_map[int64_t, vector[pair[int32_t, uint64_t]]] _sess_blocks
     cdef vector[int32_t] _slot_req, _running, _scheduled
+    cdef vector[int64_t] _needs        # per running position: new blocks its step takes
+    cdef vector[char] _pause           # per running position: paused this step (shortfall: pause)
+    cdef vector[int32_t] _paused_reqs  # the requests paused this step
+    cdef vector[char] _is_paused       # per request
     cdef int64_t _next                  # position in _open
     cdef bint _ran
     # totals
@@ -203,6 +207,7 @@ cdef class NativeEngine:
         self._sched.resize(total, 0)
         self._slot.resize(total, -1)
         self._npre.resize(total, 0)
+        self._is_paused.resize(total, 0)
         self._rstate.resize(total, RQ_PENDING)
         self._reason.resize(total, -1)
         self._t_first.resize(total, -1.0)
@@ -398,6 +403,25 @@ cdef class NativeEngine:
                 fresh[0] += 1
         return lim
 
+    cdef int64_t _plan_pauses(self) noexcept nogil:
+        """The core's pause plan for this step, from each running request's new
+        blocks under the step's token budget (as the loop below would take them)."""
+        cdef size_t i, nr = self._running.size()
+        cdef int64_t budget = self._budget, n, need
+        cdef int32_t r
+        self._needs.resize(nr)
+        self._pause.resize(nr)
+        for i in range(nr):
+            r = self._running[i]
+            n = self._prompt[r] + self._gen[r] - self._computed[r]
+            if n > budget:
+                n = budget
+            budget -= n
+            need = cdiv(self._computed[r] + n, self._bs) - <int64_t>self._blocks[r].size()
+            self._needs[i] = need if need > 0 else 0
+        return self.core.c_plan_shortfall(self._needs.data(), nr, self.allocator._free._count,
+                                          self._pause.data())
+
     cdef int _step(self) noexcept:
         """One engine step: STEP_RAN, STEP_PREEMPTED_ONLY (every scheduled request
         was preempted: try again at the same time) or STEP_IDLE (nothing to run)."""
@@ -406,9 +430,18 @@ cdef class NativeEngine:
         cdef int32_t r, v, s, b
         cdef bint preempted = False
         self._scheduled.clear()
+        if self.core._pause_on_shortfall and self._plan_pauses():
+            for k in range(self._running.size()):
+                if self._pause[k]:
+                    r = self._running[k]
+                    self._is_paused[r] = 1
+                    self._paused_reqs.push_back(r)
         # 1. running requests, in admission order
         while i < self._running.size() and budget > 0:
             r = self._running[i]
+            if self._is_paused[r]:
+                i += 1            # paused: keeps its KV, skips this step
+                continue
             n = self._prompt[r] + self._gen[r] - self._computed[r]
             if n > budget:
                 n = budget
@@ -426,7 +459,11 @@ cdef class NativeEngine:
             self._scheduled.push_back(r)
             budget -= n
             i += 1
-        # 2. waiting requests, only in a step without preemption (as vLLM)
+        for k in range(self._paused_reqs.size()):
+            self._is_paused[self._paused_reqs[k]] = 0
+        self._paused_reqs.clear()
+        # 2. waiting requests, only in a step without preemption (as vLLM); the core
+        # admits none in a step with paused requests
         while not preempted and budget > 0 and <int64_t>self._running.size() < self._max_seqs:
             s = self.core.c_next_admissible(self.allocator._free._count, False)
             if s < 0:

@@ -16,6 +16,7 @@ from kvadmit._native import POLICIES, VICTIMS
 
 QUEUE_ORDERS = ("fcfs", "priority", "deadline")
 HEAD_OF_LINE = ("strict", "bypass")
+SHORTFALLS = ("preempt", "pause")
 
 
 class ConfigError(ValueError):
@@ -46,6 +47,10 @@ class AdmissionConfig:
         POLICIES, "admission rule (see the policy table)"))
     victim: str = field(default="lifo", metadata=_choice(
         VICTIMS, "which running request is preempted first when memory runs out"))
+    shortfall: str = field(default="preempt", metadata=_choice(
+        SHORTFALLS, "a running request that finds no free KV block for its next step: preempt "
+        "the victim (recompute, as vLLM and SGLang do), or pause it for the step, keeping its KV, "
+        "while another running request can still progress (vLLM and the simulator)"))
     queue_order: str = field(default="fcfs", metadata=_choice(
         QUEUE_ORDERS, "waiting order: arrival; priority (lower value first) then arrival; or "
         "deadline (arrival + TTFT target, earliest first)"))

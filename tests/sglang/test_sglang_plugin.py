@@ -147,6 +147,10 @@ def test_scheduler_init_builds_the_adapter(kvadmit_hooks, monkeypatch):
     monkeypatch.setenv("KVADMIT_CONFIG", json.dumps({"policy": "nope"}))
     with pytest.raises(ConfigError, match="policy"):
         plugin.around_scheduler_init(lambda self, *a, **k: None, sched)
+    # SGLang decodes its whole batch every step: a request cannot pause.
+    monkeypatch.setenv("KVADMIT_CONFIG", json.dumps({"shortfall": "pause"}))
+    with pytest.raises(ConfigError, match="shortfall='pause'"):
+        plugin.around_scheduler_init(lambda self, *a, **k: None, sched)
 
     monkeypatch.delenv("KVADMIT_CONFIG")
     plugin.around_scheduler_init(lambda self, *a, **k: None, sched)

@@ -158,12 +158,17 @@ def test_prefix_ids_become_shared_tokens(model_dir):
         if p >= 0:
             assert pr["arrival_s"][i] == pytest.approx(pr["finish_s"][p] + w.delay_s[i])
 
+# Optimistic lengths, so running requests run short of blocks and pause.
+PAUSE = AdmissionConfig(policy="adaptive", shortfall="pause", adaptive_quantile=0.3,
+                        adaptive_max_quantile=0.3, adaptive_min_samples=1)
+
 
 @pytest.mark.parametrize("full_input", [True, False], ids=["full-input", "first-chunk"])
 @pytest.mark.parametrize("config,rate", [
     (None, 1.0),
     (AdmissionConfig(policy="peak", max_queue_delay_s=2.0), 3.0),
-], ids=["vllm-own", "peak-queue-delay"])
+    (PAUSE, 1.0),
+], ids=["vllm-own", "peak-queue-delay", "adaptive-pause"])
 def test_matches_the_native_engine(model_dir, config, rate, full_input):
     """With vLLM's full-input admission check on (its default) or off
     (`scheduler_reserve_full_isl`, `EngineShape.reserve_full_input`), vLLM's
@@ -179,6 +184,10 @@ def test_matches_the_native_engine(model_dir, config, rate, full_input):
     native = run_native(w, config or AdmissionConfig(policy="overcommit"), shape, CPU_TINY)
     if config is None:
         assert native.totals["preemptions"] > 0
+    elif config is PAUSE:
+        # Both engines paused the same requests in the same steps.
+        assert native.extra["core"]["paused"] > 0
+        assert ours.extra["core"]["paused"] == native.extra["core"]["paused"]
     else:
         assert "queue_delay" in native.per_request["rejected"]
     for k in ("steps", "preemptions", "recomputed_tokens", "output_tokens", "prefill_tokens",

@@ -24,7 +24,7 @@ def ignore_eos_rows(model_dir, tmp_path_factory):
                  "--max-tokens", "128",
                  "--configs",
                  "vllm-default", "overcommit", "reserve", "peak", "predict", "adaptive",
-                 'native={"policy": "overcommit", "native_allocator": true}')
+                 "adaptive+pause", 'native={"policy": "overcommit", "native_allocator": true}')
 
 
 def test_every_request_finishes_with_its_tokens(ignore_eos_rows):
@@ -56,16 +56,19 @@ def test_real_lengths_below_the_cap(model_dir, tmp_path):
     cannot know it in advance, and the adaptive policy learns it."""
     rows = bench(model_dir, tmp_path, "--workload", "synthetic", "--requests", "64",
                  "--num-blocks", "24", "--max-model-len", "512", "--max-tokens", "256",
-                 "--configs", "vllm-default", "adaptive")
+                 "--configs", "vllm-default", "adaptive", "adaptive+pause")
     for name, r in rows.items():
         assert r["wrong_length"] == 0 and r["rejected"] == {}, name
-    assert rows["adaptive"]["tokens"] == rows["vllm-default"]["tokens"]
+        assert r["tokens"] == rows["vllm-default"]["tokens"], name
     assert rows["adaptive"]["preemptions"] <= rows["vllm-default"]["preemptions"]
+    # Pausing (keeping KV) instead of preempting: paused steps, few preemptions.
+    assert rows["adaptive+pause"]["paused"] > 0
+    assert rows["adaptive+pause"]["preemptions"] <= rows["vllm-default"]["preemptions"] / 4
     # The simulator's native engine model replays the same workload with the same
     # decisions: its steps and preemptions match the real engine's (issue 5: +-15%).
     from kvadmit.config import AdmissionConfig
     from kvadmit.simulate import EngineShape, Workload, get_preset, run_native
-    from kvadmit.vllm.bench import synthetic_workload
+    from kvadmit.vllm.bench import CONFIGS, synthetic_workload
     reqs = synthetic_workload(64, 512, 256)
     w = Workload(name="bench", arrival_s=[0.0] * len(reqs),
                  prompt_tokens=[len(r.prompt_token_ids) for r in reqs],
@@ -73,7 +76,8 @@ def test_real_lengths_below_the_cap(model_dir, tmp_path):
     shape = EngineShape(num_blocks=23, block_size=32, max_model_len=512, max_num_seqs=64,
                         max_num_batched_tokens=2048)          # vLLM keeps 1 of the 24 blocks
     for name, cfg in (("vllm-default", AdmissionConfig(policy="overcommit")),
-                      ("adaptive", AdmissionConfig(policy="adaptive"))):
+                      ("adaptive", AdmissionConfig(policy="adaptive")),
+                      ("adaptive+pause", AdmissionConfig(**CONFIGS["adaptive+pause"]))):
         sim = run_native(w, cfg, shape, get_preset("cpu-tiny")).totals
         real = rows[name]
         assert abs(sim["steps"] - real["steps"]) <= 0.15 * real["steps"], (name, sim, real)

@@ -61,6 +61,37 @@ def test_async_flavour_runs_and_passes_through(model_dir):
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_pause_keeps_kv_instead_of_preempting(model_dir, async_scheduling):
+    """shortfall: pause, in both scheduler flavours: the same workload with fewer
+    preemptions, paused requests resume, every request gets exactly its tokens, and
+    every block comes back."""
+    reqs = workload(48)
+    cfg = {"policy": "overcommit"}
+    base = engine(model_dir, cfg, async_scheduling=async_scheduling)
+    ids = run(base, reqs)
+    eng = engine(model_dir, dict(cfg, shortfall="pause"), async_scheduling=async_scheduling)
+    assert run(eng, reqs) == ids
+    assert base.log.preemptions > 10
+    assert eng.scheduler.kvadmit_core.stats()["paused"] > 0
+    assert eng.log.preemptions < base.log.preemptions
+    assert eng.log.outputs == base.log.outputs     # the fake model's tokens: complete and exact
+    pool = eng.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
+def test_pause_needs_a_full_attention_pool(model_dir):
+    """The pause plan counts blocks of one full-attention group: another layout stops
+    start-up with an error naming the key."""
+    import torch
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    spec = SlidingWindowSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.float32,
+                             sliding_window=128)
+    with pytest.raises(ConfigError, match="shortfall='pause'.*SlidingWindowSpec"):
+        engine(model_dir, {"shortfall": "pause"}, kv_cache_spec=spec)
+    engine(model_dir, {"shortfall": "preempt"}, kv_cache_spec=spec)   # preempting works anywhere
+
+
 def test_overcommit_lifo_is_a_pass_through(model_dir):
     reqs = workload()
     ref, ours = [], []

@@ -40,3 +40,4 @@ def test_get_metrics_lists_kvadmit_counters(model_dir, tmp_path):
     assert res["refused"] >= 1
     assert series.get("vllm:kvadmit_rejected{reason=queue_full}", 0) == res["refused"]
     assert series.get("vllm:kvadmit_admitted", 0) == 12 - res["refused"]
+    assert series.get("vllm:kvadmit_paused") == 0      # exported; peak never pauses

@@ -28,7 +28,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from kvadmit import AdmissionConfig, AdmissionCore, Rejection, request_fields
+from kvadmit import AdmissionConfig, AdmissionCore, ConfigError, Rejection, request_fields
 
 logger = logging.getLogger("kvadmit.sglang")
 
@@ -55,7 +55,12 @@ def load_config(text: Optional[str]) -> Optional[AdmissionConfig]:
     """Parses and validates kvadmit's JSON (raises `kvadmit.ConfigError` naming the field)."""
     if text is None:
         return None
-    return AdmissionConfig.from_json(text)
+    config = AdmissionConfig.from_json(text)
+    if config.shortfall != "preempt":
+        # SGLang decodes its whole running batch each step; a request cannot sit one out.
+        raise ConfigError(f"shortfall={config.shortfall!r}: the SGLang plug-in supports only "
+                          f"'preempt' (SGLang retracts when the pool runs dry)")
+    return config
 
 
 def explicit_keys(text: Optional[str]) -> frozenset:

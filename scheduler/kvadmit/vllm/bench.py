@@ -70,7 +70,9 @@ class _CountsScheduledTokens:
         self._bench_tokens = getattr(self, "_bench_tokens", 0) + out.total_num_scheduled_tokens
         path = os.environ.get(COUNTS_ENV)
         if path and out.total_num_scheduled_tokens:
-            pathlib.Path(path).write_text(str(self._bench_tokens))
+            core = getattr(self, "kvadmit_core", None)
+            paused = core.stats()["paused"] if core is not None else 0
+            pathlib.Path(path).write_text(f"{self._bench_tokens} {paused}")
         return out
 
 
@@ -286,13 +288,14 @@ def run_one(label: str, model_dir: str, workload: list[BenchRequest], num_blocks
     del llm
     import gc
     gc.collect()
-    computed = int(counts.read_text() or 0)
+    computed, paused = (int(x) for x in (counts.read_text() or "0 0").split())
     counts.unlink()
     # Every request computes its prompt once and feeds back all but its last token.
     needed = sum(len(r.prompt_token_ids) + max(len(t) - 1, 0) for r, t in zip(workload, tokens))
     row = {
         "config": label, "preemptions": int(preempt.value) if preempt is not None else None,
-        "recomputed_tokens": computed - needed, "steps": int(iters.count) if iters is not None else None,
+        "recomputed_tokens": computed - needed, "paused": paused,
+        "steps": int(iters.count) if iters is not None else None,
         "wall_s": wall, "output_tokens": sum(len(t) for t in tokens),
         "output_tok_per_s": sum(len(t) for t in tokens) / wall,
         "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
@@ -302,7 +305,12 @@ def run_one(label: str, model_dir: str, workload: list[BenchRequest], num_blocks
     return row
 
 
-CONFIGS = {"vllm-default": None, **{p: {"policy": p} for p in POLICIES}}
+CONFIGS = {"vllm-default": None, **{p: {"policy": p} for p in POLICIES},
+           # adaptive with every knob for throughput: a fixed optimistic quantile (no
+           # raising), unlimited bypass, and pausing instead of preempting on a shortfall.
+           "adaptive+pause": {"policy": "adaptive", "shortfall": "pause", "adaptive_quantile": 0.4,
+                              "adaptive_max_quantile": 0.4, "adaptive_min_samples": 1,
+                              "head_of_line": "bypass", "max_bypass": 1000, "bypass_lookahead": 256}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -317,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the cap requests carry (azure: scaled like the lengths)")
     ap.add_argument("--ignore-eos", action="store_true",
                     help="every request runs to max_tokens (no early stop)")
+    ap.add_argument("--caps", choices=("cap", "real"), default="cap",
+                    help="max_tokens each request carries: the (scaled) cap, or its real output "
+                         "length (a client that knows it: what peak and reserve assume)")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS),
                     help=f"any of {', '.join(CONFIGS)}, or name=JSON for a kvadmit config")
     ap.add_argument("--model-dir", default=os.path.expanduser("~/.cache/kvadmit/tiny-llama"),
@@ -349,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
             workload = [BenchRequest(r.prompt_token_ids, r.max_tokens, r.max_tokens) for r in workload]
         source = (f"first {args.requests} requests of {trace}, lengths and cap x "
                   f"{args.max_model_len}/8192")
+    if args.caps == "real":
+        workload = [BenchRequest(r.prompt_token_ids, r.output_tokens, r.output_tokens) for r in workload]
+        source += "; max_tokens = real output length"
     print(f"workload: {source}; cap {args.max_tokens}; {'real lengths (EOS)' if stop_early else 'ignore_eos'}; "
           f"pool {args.num_blocks} blocks x {args.block_size}; max_model_len {args.max_model_len}",
           flush=True)
@@ -363,12 +377,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{i}/{len(args.configs)}] {label}: {r['preemptions']} preemptions, {r['steps']} steps, "
               f"{r['wall_s']:.1f} s", file=sys.stderr, flush=True)
     base = rows[0]
-    print(f"{'config':13} {'preempt':>7} {'recomp':>7} {'steps':>6} {'wall s':>7} {'tok/s':>7} "
+    print(f"{'config':15} {'preempt':>7} {'recomp':>7} {'paused':>6} {'steps':>6} {'wall s':>7} {'tok/s':>7} "
           f"{'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'rej':>4} {'same out':>8}")
     for r in rows:
         same = all(a == b for a, b in zip(r["tokens"], base["tokens"]))
         r["same_outputs_as_first"] = same
-        print(f"{r['config']:13} {r['preemptions']:7d} {r['recomputed_tokens']:7d} {r['steps']:6d} "
+        print(f"{r['config']:15} {r['preemptions']:7d} {r['recomputed_tokens']:7d} {r['paused']:6d} {r['steps']:6d} "
               f"{r['wall_s']:7.2f} {r['output_tok_per_s']:7.1f} "
               f"{r['ttft_p50_s'] * 1e3:7.0f}/{r['ttft_p99_s'] * 1e3:<8.0f} "
               f"{r['tpot_p50_s'] * 1e3:7.1f}/{r['tpot_p99_s'] * 1e3:<8.1f} "

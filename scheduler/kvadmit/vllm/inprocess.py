@@ -52,9 +52,10 @@ class InProcessEngine:
                  max_num_batched_tokens: int = 2048, additional_config: dict | None = None,
                  enable_prefix_caching: bool = False, async_scheduling: bool = False,
                  scheduling_policy: str = "fcfs", enable_chunked_prefill: bool | None = None,
-                 engine_args: dict | None = None):
+                 engine_args: dict | None = None, kv_cache_spec=None):
         """`enable_chunked_prefill` None keeps vLLM's default; `engine_args` are
-        further `EngineArgs` fields (e.g. `hf_overrides`)."""
+        further `EngineArgs` fields (e.g. `hf_overrides`); `kv_cache_spec` replaces
+        the one full-attention KV cache group's spec."""
         global _hash_ready
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
@@ -75,7 +76,7 @@ class InProcessEngine:
         self.vllm_config.scheduler_config.async_scheduling = async_scheduling
         kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(
+            kv_cache_groups=[KVCacheGroupSpec(["layer"], kv_cache_spec or FullAttentionSpec(
                 block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.float32))])
         cls = scheduler_cls or (VllmAsyncScheduler if async_scheduling else VllmScheduler)
         self.scheduler = cls(vllm_config=self.vllm_config, kv_cache_config=kv_cache_config,

@@ -25,6 +25,8 @@ class KvadmitMetrics:
                             ["reason"])
         self.rejected = Counter("kvadmit_rejected", "Requests refused at arrival", ["reason"])
         self.preempted = Counter("kvadmit_preemptions", "Running requests preempted")
+        self.paused = Counter("kvadmit_paused", "Steps running requests were paused "
+                              "(shortfall: pause), counted per request")
         self.finished = Counter("kvadmit_finished", "Requests finished")
         self.predicted = Counter("kvadmit_predicted_output_tokens",
                                  "Output tokens predicted at admission, for finished requests")
@@ -57,6 +59,7 @@ class KvadmitMetrics:
 
         self.admitted.inc(delta("admitted"))
         self.preempted.inc(delta("preempted"))
+        self.paused.inc(delta("paused"))
         self.finished.inc(delta("finished"))
         for reason in stats["held"]:
             self.held.labels(reason).inc(delta("held", reason))

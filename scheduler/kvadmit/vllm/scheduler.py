@@ -34,6 +34,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncSchedu
 from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.request import Request, RequestStatus
 
 from kvadmit._native import AdmissionCore, BlockObjectQueue
@@ -192,9 +193,50 @@ class _KvadmitMixin:
         self._kvadmit_hits = self._kvadmit_queries = 0
         self.kvadmit_prefix_hit_tokens = self.kvadmit_prefix_query_tokens = 0   # totals
         self.waiting = GatedWaitingQueue(self)
+        self._kvadmit_req_blocks = self._kvadmit_pause_blocks(cfg) if cfg.shortfall == "pause" else None
         self._kvadmit_metrics = process_metrics()
         logger.info("kvadmit: policy=%s victim=%s on %d blocks of %d tokens", cfg.policy,
                     cfg.victim, pool.num_gpu_blocks - 1, self.block_size)
+
+    def _kvadmit_pause_blocks(self, cfg: AdmissionConfig) -> dict:
+        """Where a request's KV blocks are listed, for the pause plan's block count.
+        The plan counts blocks for one full-attention group; other layouts (sliding
+        window, hybrid, several groups) free and take blocks in ways it does not model."""
+        groups = self.kv_cache_config.kv_cache_groups
+        if len(groups) != 1 or type(groups[0].kv_cache_spec) not in (FullAttentionSpec,
+                                                                     MLAAttentionSpec):
+            raise ConfigError(
+                f"kvadmit: shortfall={cfg.shortfall!r} needs one full-attention KV cache group; "
+                f"this model has {len(groups)} group(s) of "
+                f"{sorted({type(g.kv_cache_spec).__name__ for g in groups})}: use shortfall='preempt'")
+        return self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
+
+    def _kvadmit_plan_pauses(self) -> None:
+        """shortfall: pause. The core picks which running requests sit this step out
+        (they keep their KV); vLLM skips them through its own per-request deferral,
+        `next_decode_eligible_step`, which schedule() checks after advancing
+        current_step (hence + 2), as vLLM's diffusion scheduler does."""
+        blocks = self._kvadmit_req_blocks
+        bs = self.block_size
+        lookahead = self.num_lookahead_tokens
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        budget = self.max_num_scheduled_tokens
+        needs = []
+        for req in self.running:
+            # The step's tokens as vLLM's running loop counts them.
+            n = req.num_tokens_with_spec + req.num_output_placeholders - req.num_computed_tokens
+            if 0 < threshold < n:
+                n = threshold
+            n = max(min(n, budget), 0)
+            budget -= n
+            have = len(blocks.get(req.request_id, ()))
+            needs.append(max(-(-(req.num_computed_tokens + n + lookahead) // bs) - have, 0) if n else 0)
+        paused = self.kvadmit_core.plan_shortfall(
+            needs, self.kv_cache_manager.block_pool.get_num_free_blocks())
+        skip_until = self.current_step + 2
+        for i in paused:
+            req = self.running[i]
+            req.next_decode_eligible_step = max(req.next_decode_eligible_step, skip_until)
 
     @staticmethod
     def _kvadmit_install_native_queue(pool) -> None:
@@ -291,6 +333,8 @@ class _KvadmitMixin:
         order = [by_slot[s] for s in core.victim_order() if s in by_slot]
         if len(order) == len(self.running):
             self.running = order
+        if self._kvadmit_req_blocks is not None:
+            self._kvadmit_plan_pauses()
         out = super().schedule(*args, **kwargs)
         tokens = out.total_num_scheduled_tokens
         self._kvadmit_step_tokens = tokens
