@@ -6,8 +6,9 @@ usable blocks of 32 tokens, the cpu-tiny step model) and reproduces the real CPU
 engine's schedule (1300 steps / 51 preemptions for vLLM's rule, 1472 / 5 for
 `adaptive`). Here it maps steps against preemptions for `adaptive` settings and for
 the oracle (peak with true lengths): the goal is <= 5 preemptions and <= 1300 steps.
-The last rows pause instead of preempting (shortfall: "pause"), with the quantile
-fixed (adaptive_max_quantile = adaptive_quantile) or raised by the controller.
+The last rows use min_samples 1 and unlimited bypass, with the quantile fixed
+(adaptive_max_quantile = adaptive_quantile) or raised by the controller, each
+preempting and pausing (shortfall: "pause") on a shortfall.
 Needs vLLM installed (the workload builder lives in kvadmit.vllm.bench).
 
     python bench/bench_adaptive_frontier.py
@@ -42,11 +43,12 @@ def main() -> None:
                          dict(policy="adaptive", adaptive_quantile=q, adaptive_min_samples=ms, **BYPASS)))
     for q in (0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7):
         for fixed in (True, False):
-            cfg = dict(policy="adaptive", shortfall="pause", adaptive_quantile=q, adaptive_min_samples=1,
-                       **BYPASS)
-            if fixed:
-                cfg["adaptive_max_quantile"] = q
-            runs.append((f"adaptive q={q}{' fixed' if fixed else ''} bypass pause", w, cfg))
+            for shortfall in ("preempt", "pause"):
+                cfg = dict(policy="adaptive", shortfall=shortfall, adaptive_quantile=q,
+                           adaptive_min_samples=1, **BYPASS)
+                if fixed:
+                    cfg["adaptive_max_quantile"] = q
+                runs.append((f"adaptive q={q}{' fixed' if fixed else ''} bypass {shortfall}", w, cfg))
     rows = []
     print(f"{'config':42} {'steps':>6} {'preempt':>8} {'recomputed':>10} {'paused':>7}")
     for name, wl, cfg in runs:

@@ -13,7 +13,7 @@ cdef enum:
 STATES = ("free", "waiting", "running")
 POLICIES = ("overcommit", "reserve", "peak", "predict", "adaptive")
 VICTIMS = ("lifo", "priority", "lcf", "length")
-DECISIONS = ("admit", "hold_blocks", "hold_capacity", "hold_slo", "hold_agent")
+DECISIONS = ("admit", "hold_blocks", "hold_capacity", "hold_slo", "hold_agent", "hold_paused")
 REJECT_REASONS = ("queue_full", "queued_tokens_full", "context_length", "kv_capacity", "shed",
                   "queue_delay", "slo_infeasible")
 
@@ -36,6 +36,7 @@ cdef enum:  # indexes into DECISIONS
     D_HOLD_CAPACITY = 2
     D_HOLD_SLO = 3        # the TPOT guard: the step would be too slow for a running request
     D_HOLD_AGENT = 4      # its session is outside the active-agent window
+    D_HOLD_PAUSED = 5     # running requests are paused this step (shortfall: pause)
 
 cdef enum:  # indexes into REJECT_REASONS
     R_QUEUE_FULL = 0
@@ -175,7 +176,7 @@ cdef class AdmissionCore:
     cdef bint _seen_time
     # counters
     cdef int64_t _n_arrived, _n_admitted, _n_preempted, _n_finished, _n_aborted
-    cdef int64_t _held[5]
+    cdef int64_t _held[6]
     cdef int64_t _rejected[7]
     # SLO guard
     cdef bint _slo_guard, _deadline_order
@@ -271,7 +272,7 @@ cdef class AdmissionCore:
         self._preempted_this_step = False
         self._paused_now = self._n_pauses = 0
         cdef int i
-        for i in range(5):
+        for i in range(6):
             self._held[i] = 0
         for i in range(7):
             self._rejected[i] = 0
@@ -802,49 +803,72 @@ cdef class AdmissionCore:
         self._check_slot(slot, ST_WAITING)
         return DECISIONS[self._decide(<int32_t>slot, free_blocks, check_blocks)]
 
-    def plan_shortfall(self, needs, int64_t free_blocks):
+    def plan_shortfall(self, want_tokens, computed_tokens, held_blocks, int64_t free_blocks,
+                       int64_t token_budget, int64_t lookahead_tokens=0):
         """Which running requests to pause this step, under ``shortfall: "pause"``.
 
-        ``needs[i]`` is the number of new KV blocks the i-th running request (in the
-        order the engine serves them) takes if it runs this step. In that order each
-        takes its blocks while they last; one that finds too few is paused: skipped
-        this step, its KV kept. Returns the positions paused: none under "preempt".
-        When none could run, the first is not paused: the engine preempts its victims
-        for it as usual (else no request would ever free a block). While any request
-        is paused this step, no waiting request is admitted.
+        One entry per running request, in the order the engine serves them:
+        ``want_tokens`` it would compute this step (the engine's own caps applied,
+        0 if the engine skips it anyway), ``computed_tokens`` it has KV for,
+        ``held_blocks`` it holds. In that order each takes min(want, budget left)
+        tokens and the blocks they need (plus ``lookahead_tokens``) while blocks
+        last; one that finds too few is paused: skipped this step, its KV kept, and
+        its tokens left to the requests behind it. Returns the positions paused:
+        none under "preempt". When none could run, the first one that wanted to is
+        not paused: the engine preempts its victims for it as usual (else no request
+        would ever free a block). While any request is paused this step, no waiting
+        request is admitted (held as "hold_paused").
         """
-        cdef vector[int64_t] v
-        for i, x in enumerate(needs):
-            if x < 0:
-                raise ValueError(f"needs[{i}]={x}: must be >= 0 blocks")
-            v.push_back(x)
-        if free_blocks < 0:
-            raise ValueError(f"free_blocks={free_blocks}: must be >= 0")
+        cdef Py_ssize_t n = len(want_tokens), i
+        if len(computed_tokens) != n or len(held_blocks) != n:
+            raise ValueError(f"want_tokens, computed_tokens and held_blocks must have one entry "
+                             f"per running request: got {n}, {len(computed_tokens)}, {len(held_blocks)}")
+        for name, v in (("free_blocks", free_blocks), ("token_budget", token_budget),
+                        ("lookahead_tokens", lookahead_tokens)):
+            if v < 0:
+                raise ValueError(f"{name}={v}: must be >= 0")
+        cdef vector[int64_t] cols
+        cols.resize(3 * n)
+        for i in range(n):
+            for k, (name, col) in enumerate((("want_tokens", want_tokens),
+                                             ("computed_tokens", computed_tokens),
+                                             ("held_blocks", held_blocks))):
+                if col[i] < 0:
+                    raise ValueError(f"{name}[{i}]={col[i]}: must be >= 0")
+                cols[k * n + i] = col[i]
         cdef vector[char] paused
-        paused.assign(v.size(), 0)
-        self.c_plan_shortfall(v.data(), v.size(), free_blocks, paused.data())
-        return [i for i in range(<Py_ssize_t>v.size()) if paused[i]]
+        paused.assign(n, 0)
+        self.c_plan_shortfall(cols.data(), cols.data() + n, cols.data() + 2 * n, n, free_blocks,
+                              token_budget, lookahead_tokens, paused.data())
+        return [i for i in range(n) if paused[i]]
 
-    cdef int64_t c_plan_shortfall(self, const int64_t* needs, int64_t n, int64_t free_blocks,
-                                  char* paused) noexcept nogil:
-        cdef int64_t i, count = 0
+    cdef int64_t c_plan_shortfall(self, const int64_t* want, const int64_t* computed,
+                                  const int64_t* held, int64_t n, int64_t free_blocks,
+                                  int64_t budget, int64_t lookahead, char* paused) noexcept nogil:
+        cdef int64_t i, w, need, count = 0, served = 0, first = -1
         self._paused_now = 0
-        if not self._pause_on_shortfall or n == 0:
+        if not self._pause_on_shortfall:
             return 0
         for i in range(n):
-            if needs[i] <= free_blocks:
-                free_blocks -= needs[i]
-                paused[i] = 0
+            paused[i] = 0
+            w = want[i] if want[i] < budget else budget
+            if w <= 0:
+                continue            # the engine does not reach it this step anyway
+            need = cdiv(computed[i] + w + lookahead, self.block_size) - held[i]
+            if need <= free_blocks:
+                free_blocks -= need if need > 0 else 0
+                budget -= w
+                served += 1
             else:
                 paused[i] = 1
                 count += 1
-        if count == n:
+                if first < 0:
+                    first = i
+        if served == 0 and count > 0:
             # Nothing could run: the first runs, taking what the engine's victims give
             # back; the rest stay paused rather than each preempting in turn.
-            paused[0] = 0
+            paused[first] = 0
             count -= 1
-            if count == 0:
-                return 0
         self._paused_now = count
         self._n_pauses += count
         return count
@@ -860,7 +884,7 @@ cdef class AdmissionCore:
             return -1
         if self._paused_now:
             # Paused running requests have the first claim on blocks as they free up.
-            self._held[D_HOLD_BLOCKS] += 1
+            self._held[D_HOLD_PAUSED] += 1
             return -1
         cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
         cdef int32_t s
@@ -1369,7 +1393,7 @@ cdef class AdmissionCore:
             "arrived": self._n_arrived, "admitted": self._n_admitted,
             "preempted": self._n_preempted, "paused": self._n_pauses,
             "finished": self._n_finished, "aborted": self._n_aborted,
-            "held": {DECISIONS[i]: self._held[i] for i in (1, 2, 3, 4)},
+            "held": {DECISIONS[i]: self._held[i] for i in range(1, 6)},
             "rejected": {REJECT_REASONS[i]: self._rejected[i] for i in range(7)},
             "waiting": self._waiting.size(), "running": self._running.size(),
             "queued_tokens": self._queued_tokens,

@@ -68,7 +68,7 @@ cdef class NativeEngine:
     cdef vector[vector[int64_t]] _children
     cdef unordered_map[int64_t, vector[pair[int32_t, uint64_t]]] _sess_blocks
     cdef vector[int32_t] _slot_req, _running, _scheduled
-    cdef vector[int64_t] _needs        # per running position: new blocks its step takes
+    cdef vector[int64_t] _plan_cols    # the pause plan's columns: want, computed, held
     cdef vector[char] _pause           # per running position: paused this step (shortfall: pause)
     cdef vector[int32_t] _paused_reqs  # the requests paused this step
     cdef vector[char] _is_paused       # per request
@@ -404,23 +404,20 @@ cdef class NativeEngine:
         return lim
 
     cdef int64_t _plan_pauses(self) noexcept nogil:
-        """The core's pause plan for this step, from each running request's new
-        blocks under the step's token budget (as the loop below would take them)."""
+        """The core's pause plan for this step: what each running request would
+        compute (as the loop below takes it), the KV it has and the blocks it holds."""
         cdef size_t i, nr = self._running.size()
-        cdef int64_t budget = self._budget, n, need
         cdef int32_t r
-        self._needs.resize(nr)
+        self._plan_cols.resize(3 * nr)
         self._pause.resize(nr)
         for i in range(nr):
             r = self._running[i]
-            n = self._prompt[r] + self._gen[r] - self._computed[r]
-            if n > budget:
-                n = budget
-            budget -= n
-            need = cdiv(self._computed[r] + n, self._bs) - <int64_t>self._blocks[r].size()
-            self._needs[i] = need if need > 0 else 0
-        return self.core.c_plan_shortfall(self._needs.data(), nr, self.allocator._free._count,
-                                          self._pause.data())
+            self._plan_cols[i] = self._prompt[r] + self._gen[r] - self._computed[r]
+            self._plan_cols[nr + i] = self._computed[r]
+            self._plan_cols[2 * nr + i] = self._blocks[r].size()
+        return self.core.c_plan_shortfall(
+            self._plan_cols.data(), self._plan_cols.data() + nr, self._plan_cols.data() + 2 * nr,
+            nr, self.allocator._free._count, self._budget, 0, self._pause.data())
 
     cdef int _step(self) noexcept:
         """One engine step: STEP_RAN, STEP_PREEMPTED_ONLY (every scheduled request

@@ -50,7 +50,7 @@ class AdmissionConfig:
     shortfall: str = field(default="preempt", metadata=_choice(
         SHORTFALLS, "a running request that finds no free KV block for its next step: preempt "
         "the victim (recompute, as vLLM and SGLang do), or pause it for the step, keeping its KV, "
-        "while another running request can still progress (vLLM and the simulator)"))
+        "while another running request can still progress (vLLM, simulator, lockstep model)"))
     queue_order: str = field(default="fcfs", metadata=_choice(
         QUEUE_ORDERS, "waiting order: arrival; priority (lower value first) then arrival; or "
         "deadline (arrival + TTFT target, earliest first)"))

@@ -8,7 +8,9 @@ its output is kept). This is the model under which `reserve` and `peak`
 guarantee no preemption; the tests use it to check that guarantee, and the
 command line uses it to compare policies on a trace in seconds.
 
-A request is (arrival step, prompt tokens, max_new tokens, true output length).
+With `shortfall: "pause"` a running request the core pauses skips the step
+with its blocks kept. A request is (arrival step, prompt tokens, max_new tokens,
+true output length).
 """
 from __future__ import annotations
 
@@ -93,10 +95,18 @@ def run_lockstep(config: AdmissionConfig, requests: Sequence[Request], num_block
             if generated[s]:
                 out.recomputed_tokens += tokens
             core.admit(s, float(step))
-        # Decode: every running request computes one token.
-        for s in list(core.running()):
-            if core.state(s) != "running":
-                continue  # preempted earlier in this step
+        # Decode: every running request computes one token (shortfall "pause": but
+        # those the core pauses for lack of blocks).
+        order = list(core.running())
+        paused = set()
+        if config.shortfall == "pause":
+            want = [1] * len(order)
+            computed = [req_of[s].prompt_tokens + generated[s] - 1 for s in order]
+            paused = {order[i] for i in core.plan_shortfall(
+                want, computed, [len(blocks[s]) for s in order], alloc.num_free, len(order))}
+        for s in order:
+            if core.state(s) != "running" or s in paused:
+                continue  # preempted earlier in this step, or paused
             r = req_of[s]
             need = -(-(r.prompt_tokens + generated[s]) // block_size) - len(blocks[s])
             while need > alloc.num_free:
@@ -113,6 +123,8 @@ def run_lockstep(config: AdmissionConfig, requests: Sequence[Request], num_block
         out.peak_used_blocks = max(out.peak_used_blocks, alloc.num_used)
         running_sum += core.num_running
         for s in list(core.running()):
+            if s in paused:
+                continue
             generated[s] += 1
             out.output_tokens += 1
             r = req_of[s]

@@ -217,26 +217,35 @@ class _KvadmitMixin:
         `next_decode_eligible_step`, which schedule() checks after advancing
         current_step (hence + 2), as vLLM's diffusion scheduler does."""
         blocks = self._kvadmit_req_blocks
-        bs = self.block_size
-        lookahead = self.num_lookahead_tokens
-        threshold = self.scheduler_config.long_prefill_token_threshold
-        budget = self.max_num_scheduled_tokens
-        needs = []
+        input_budget = self.scheduler_config.max_num_batched_tokens
+        # vLLM's long-prefill cap, as schedule() derives it.
+        num_running, num_waiting = self.get_request_counts()
+        eligible = num_running + num_waiting
+        threshold = self.scheduler_config.long_prefill_token_threshold if eligible > 1 else 0
+        if threshold > 0 and self.adaptive_long_prefill_threshold:
+            threshold = max(threshold, input_budget // eligible)
+        step = self.current_step + 1          # the step schedule() is about to run
+        want, computed, held = [], [], []
         for req in self.running:
-            # The step's tokens as vLLM's running loop counts them.
-            n = req.num_tokens_with_spec + req.num_output_placeholders - req.num_computed_tokens
+            c = req.num_computed_tokens
+            # The step's tokens as vLLM's running loop counts them (0: it skips the request).
+            n = req.num_tokens_with_spec + req.num_output_placeholders - c
+            if step < req.next_decode_eligible_step or (
+                    req.num_output_placeholders > 0
+                    and c + 2 - req.num_output_placeholders >= req.num_prompt_tokens + req.max_tokens):
+                n = 0
             if 0 < threshold < n:
                 n = threshold
-            n = max(min(n, budget), 0)
-            budget -= n
-            have = len(blocks.get(req.request_id, ()))
-            needs.append(max(-(-(req.num_computed_tokens + n + lookahead) // bs) - have, 0) if n else 0)
+            n = max(min(n, input_budget, self.max_model_len - c - self.num_sampled_tokens_per_step), 0)
+            want.append(n)
+            computed.append(c)
+            held.append(len(blocks.get(req.request_id, ())))
         paused = self.kvadmit_core.plan_shortfall(
-            needs, self.kv_cache_manager.block_pool.get_num_free_blocks())
-        skip_until = self.current_step + 2
+            want, computed, held, self.kv_cache_manager.block_pool.get_num_free_blocks(),
+            self.max_num_scheduled_tokens, self.num_lookahead_tokens)
         for i in paused:
             req = self.running[i]
-            req.next_decode_eligible_step = max(req.next_decode_eligible_step, skip_until)
+            req.next_decode_eligible_step = max(req.next_decode_eligible_step, step + 1)
 
     @staticmethod
     def _kvadmit_install_native_queue(pool) -> None:
