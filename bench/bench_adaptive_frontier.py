@@ -8,7 +8,8 @@ engine's schedule (1300 steps / 51 preemptions for vLLM's rule, 1472 / 5 for
 the oracle (peak with true lengths): the goal is <= 5 preemptions and <= 1300 steps.
 The last rows use min_samples 1 and unlimited bypass, with the quantile fixed
 (adaptive_max_quantile = adaptive_quantile) or raised by the controller, each
-preempting and pausing (shortfall: "pause") on a shortfall.
+preempting and pausing (shortfall: "pause") on a shortfall. A last table runs the
+bench's `adaptive+pause` setting against vLLM's rule on other bursts and pools.
 Needs vLLM installed (the workload builder lives in kvadmit.vllm.bench).
 
     python bench/bench_adaptive_frontier.py
@@ -19,18 +20,47 @@ from _common import save
 
 from kvadmit.config import AdmissionConfig
 from kvadmit.simulate import EngineShape, Workload, get_preset, run_native
-from kvadmit.vllm.bench import azure_workload
+from kvadmit.vllm.bench import CONFIGS, azure_workload, synthetic_workload
 
 BYPASS = dict(head_of_line="bypass", max_bypass=1000, bypass_lookahead=256)
 
 
+def burst(name: str, reqs) -> Workload:
+    return Workload(name=name, arrival_s=[0.0] * len(reqs),
+                    prompt_tokens=[len(r.prompt_token_ids) for r in reqs],
+                    output_tokens=[r.output_tokens for r in reqs], max_tokens=[r.max_tokens for r in reqs])
+
+
+def shape_of(num_blocks: int, max_model_len: int) -> EngineShape:
+    return EngineShape(num_blocks=num_blocks, block_size=32, max_model_len=max_model_len,
+                       max_num_seqs=64, max_num_batched_tokens=2048)
+
+
+def other_workloads(step) -> list[dict]:
+    """The bench's `adaptive+pause` setting (tuned on the workload above) against
+    vLLM's rule on other bursts and pool sizes."""
+    trace = "../shared/traces/azure2023_conv.csv"
+    cases = [("azure 512 requests, 32 blocks", burst("azure", azure_workload(trace, 512, 1024, 2048)), 32, 1024),
+             ("azure 256 requests, 64 blocks", burst("azure", azure_workload(trace, 256, 1024, 2048)), 64, 1024),
+             ("azure 512 requests, 128 blocks", burst("azure", azure_workload(trace, 512, 1024, 2048)), 128, 1024),
+             ("synthetic 256 requests, 23 blocks", burst("syn", synthetic_workload(256, 512, 200)), 23, 512),
+             ("synthetic 256 requests, 64 blocks", burst("syn", synthetic_workload(256, 512, 200)), 64, 512)]
+    rows = []
+    print(f"{'workload':36} {'vLLM rule steps/preempt':>24} {'adaptive+pause':>15} {'steps ratio':>11}")
+    for name, w, blocks, mml in cases:
+        base = run_native(w, AdmissionConfig(policy="overcommit"), shape_of(blocks, mml), step).totals
+        ours = run_native(w, AdmissionConfig(**CONFIGS["adaptive+pause"]), shape_of(blocks, mml), step).totals
+        rows.append({"workload": name, "vllm_rule": [base["steps"], base["preemptions"]],
+                     "adaptive_pause": [ours["steps"], ours["preemptions"]],
+                     "steps_ratio": ours["steps"] / base["steps"]})
+        print(f"{name:36} {base['steps']:>17}/{base['preemptions']:<6} "
+              f"{ours['steps']:>9}/{ours['preemptions']:<5} {rows[-1]['steps_ratio']:11.3f}")
+    return rows
+
+
 def main() -> None:
-    reqs = azure_workload("../shared/traces/azure2023_conv.csv", 256, 1024, 2048)
-    w = Workload(name="bench-azure", arrival_s=[0.0] * len(reqs),
-                 prompt_tokens=[len(r.prompt_token_ids) for r in reqs],
-                 output_tokens=[r.output_tokens for r in reqs], max_tokens=[r.max_tokens for r in reqs])
-    shape = EngineShape(num_blocks=32, block_size=32, max_model_len=1024, max_num_seqs=64,
-                        max_num_batched_tokens=2048)
+    w = burst("bench-azure", azure_workload("../shared/traces/azure2023_conv.csv", 256, 1024, 2048))
+    shape = shape_of(32, 1024)
     step = get_preset("cpu-tiny")
     runs = [("vllm rule", w, dict(policy="overcommit")),
             ("oracle", w.with_oracle_caps(), dict(policy="peak")),
@@ -59,7 +89,8 @@ def main() -> None:
                      "paused": r.extra["core"]["paused"]})
         print(f"{name:42} {t['steps']:6d} {t['preemptions']:8d} {t['recomputed_tokens']:10d} "
               f"{rows[-1]['paused']:7d}")
-    print(f"saved {save('adaptive_frontier', {'rows': rows})}")
+    others = other_workloads(step)
+    print(f"saved {save('adaptive_frontier', {'rows': rows, 'other_workloads': others})}")
 
 
 if __name__ == "__main__":
