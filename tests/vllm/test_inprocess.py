@@ -61,16 +61,18 @@ def test_async_flavour_runs_and_passes_through(model_dir):
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_pause_keeps_kv_instead_of_preempting(model_dir, async_scheduling):
-    """shortfall: pause, in both scheduler flavours: the same workload with fewer
-    preemptions, paused requests resume, every request gets exactly its tokens, and
-    every block comes back."""
+@pytest.mark.parametrize("async_scheduling,prefix_caching", [
+    (False, False), (True, False), (False, True)], ids=["sync", "async", "prefix-caching"])
+def test_pause_keeps_kv_instead_of_preempting(model_dir, async_scheduling, prefix_caching):
+    """shortfall: pause, in both scheduler flavours and with prefix caching: the same
+    workload with fewer preemptions, paused requests resume, every request gets
+    exactly its tokens, and every block comes back."""
     reqs = workload(48)
     cfg = {"policy": "overcommit"}
-    base = engine(model_dir, cfg, async_scheduling=async_scheduling)
+    kw = dict(async_scheduling=async_scheduling, enable_prefix_caching=prefix_caching)
+    base = engine(model_dir, cfg, **kw)
     ids = run(base, reqs)
-    eng = engine(model_dir, dict(cfg, shortfall="pause"), async_scheduling=async_scheduling)
+    eng = engine(model_dir, dict(cfg, shortfall="pause"), **kw)
     assert run(eng, reqs) == ids
     assert base.log.preemptions > 10
     assert eng.scheduler.kvadmit_core.stats()["paused"] > 0
