@@ -19,16 +19,10 @@ from __future__ import annotations
 from _common import save
 
 from kvadmit.config import AdmissionConfig
-from kvadmit.simulate import EngineShape, Workload, get_preset, run_native
-from kvadmit.vllm.bench import CONFIGS, azure_workload, synthetic_workload
+from kvadmit.simulate import EngineShape, get_preset, run_native
+from kvadmit.vllm.bench import CONFIGS, as_burst, azure_workload, synthetic_workload
 
 BYPASS = dict(head_of_line="bypass", max_bypass=1000, bypass_lookahead=256)
-
-
-def burst(name: str, reqs) -> Workload:
-    return Workload(name=name, arrival_s=[0.0] * len(reqs),
-                    prompt_tokens=[len(r.prompt_token_ids) for r in reqs],
-                    output_tokens=[r.output_tokens for r in reqs], max_tokens=[r.max_tokens for r in reqs])
 
 
 def shape_of(num_blocks: int, max_model_len: int) -> EngineShape:
@@ -40,11 +34,11 @@ def other_workloads(step) -> list[dict]:
     """The bench's `adaptive+pause` setting (tuned on the workload above) against
     vLLM's rule on other bursts and pool sizes."""
     trace = "../shared/traces/azure2023_conv.csv"
-    cases = [("azure 512 requests, 32 blocks", burst("azure", azure_workload(trace, 512, 1024, 2048)), 32, 1024),
-             ("azure 256 requests, 64 blocks", burst("azure", azure_workload(trace, 256, 1024, 2048)), 64, 1024),
-             ("azure 512 requests, 128 blocks", burst("azure", azure_workload(trace, 512, 1024, 2048)), 128, 1024),
-             ("synthetic 256 requests, 23 blocks", burst("syn", synthetic_workload(256, 512, 200)), 23, 512),
-             ("synthetic 256 requests, 64 blocks", burst("syn", synthetic_workload(256, 512, 200)), 64, 512)]
+    cases = [("azure 512 requests, 32 blocks", as_burst(azure_workload(trace, 512, 1024, 2048)), 32, 1024),
+             ("azure 256 requests, 64 blocks", as_burst(azure_workload(trace, 256, 1024, 2048)), 64, 1024),
+             ("azure 512 requests, 128 blocks", as_burst(azure_workload(trace, 512, 1024, 2048)), 128, 1024),
+             ("synthetic 256 requests, 23 blocks", as_burst(synthetic_workload(256, 512, 200)), 23, 512),
+             ("synthetic 256 requests, 64 blocks", as_burst(synthetic_workload(256, 512, 200)), 64, 512)]
     rows = []
     print(f"{'workload':36} {'vLLM rule steps/preempt':>24} {'adaptive+pause':>15} {'steps ratio':>11}")
     for name, w, blocks, mml in cases:
@@ -59,7 +53,7 @@ def other_workloads(step) -> list[dict]:
 
 
 def main() -> None:
-    w = burst("bench-azure", azure_workload("../shared/traces/azure2023_conv.csv", 256, 1024, 2048))
+    w = as_burst(azure_workload("../shared/traces/azure2023_conv.csv", 256, 1024, 2048))
     shape = shape_of(32, 1024)
     step = get_preset("cpu-tiny")
     runs = [("vllm rule", w, dict(policy="overcommit")),

@@ -122,6 +122,16 @@ cdef bint victim_key_less(const VictimKey& a, const VictimKey& b) noexcept nogil
     return a.slot < b.slot
 
 
+cdef vector[int64_t] _counts(str name, values) except *:
+    """A sequence of counts (>= 0) as a native vector; a negative one names its index."""
+    cdef vector[int64_t] v
+    for i, x in enumerate(values):
+        if x < 0:
+            raise ValueError(f"{name}[{i}]={x}: must be >= 0")
+        v.push_back(x)
+    return v
+
+
 cdef class AdmissionCore:
     """Decides which waiting request takes KV memory, which waits, which is
     refused and which running request gives memory back.
@@ -819,7 +829,7 @@ cdef class AdmissionCore:
         would ever free a block). While any request is paused this step, no waiting
         request is admitted (held as "hold_paused").
         """
-        cdef Py_ssize_t n = len(want_tokens), i
+        cdef Py_ssize_t n = len(want_tokens)
         if len(computed_tokens) != n or len(held_blocks) != n:
             raise ValueError(f"want_tokens, computed_tokens and held_blocks must have one entry "
                              f"per running request: got {n}, {len(computed_tokens)}, {len(held_blocks)}")
@@ -827,18 +837,12 @@ cdef class AdmissionCore:
                         ("lookahead_tokens", lookahead_tokens)):
             if v < 0:
                 raise ValueError(f"{name}={v}: must be >= 0")
-        cdef vector[int64_t] cols
-        cols.resize(3 * n)
-        for i in range(n):
-            for k, (name, col) in enumerate((("want_tokens", want_tokens),
-                                             ("computed_tokens", computed_tokens),
-                                             ("held_blocks", held_blocks))):
-                if col[i] < 0:
-                    raise ValueError(f"{name}[{i}]={col[i]}: must be >= 0")
-                cols[k * n + i] = col[i]
+        cdef vector[int64_t] want = _counts("want_tokens", want_tokens)
+        cdef vector[int64_t] computed = _counts("computed_tokens", computed_tokens)
+        cdef vector[int64_t] held = _counts("held_blocks", held_blocks)
         cdef vector[char] paused
         paused.assign(n, 0)
-        self.c_plan_shortfall(cols.data(), cols.data() + n, cols.data() + 2 * n, n, free_blocks,
+        self.c_plan_shortfall(want.data(), computed.data(), held.data(), n, free_blocks,
                               token_budget, lookahead_tokens, paused.data())
         return [i for i in range(n) if paused[i]]
 
@@ -1321,6 +1325,11 @@ cdef class AdmissionCore:
     # ------------------------------------------------------------------
     # Public API: state
     @property
+    def paused(self):
+        """Running requests paused so far, counted per step (shortfall: "pause")."""
+        return self._n_pauses
+
+    @property
     def num_waiting(self):
         return self._waiting.size()
 
@@ -1391,7 +1400,7 @@ cdef class AdmissionCore:
         """Counters since construction."""
         return {
             "arrived": self._n_arrived, "admitted": self._n_admitted,
-            "preempted": self._n_preempted, "paused": self._n_pauses,
+            "preempted": self._n_preempted, "paused": self.paused,
             "finished": self._n_finished, "aborted": self._n_aborted,
             "held": {DECISIONS[i]: self._held[i] for i in range(1, 6)},
             "rejected": {REJECT_REASONS[i]: self._rejected[i] for i in range(7)},

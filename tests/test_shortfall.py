@@ -85,14 +85,17 @@ def test_config_names_the_choices():
         AdmissionConfig(shortfall="swap")
 
 
+# A burst of 120 requests whose real lengths (10-159) are far below max_tokens (400),
+# with short prompts: overcommit or an optimistic length quantile admits too many,
+# and running requests run dry.
+PROMPTS = [20 + (7 * i) % 60 for i in range(120)]
+OUTPUTS = [10 + (37 * i) % 150 for i in range(120)]
+
+
 def _workload():
-    # A burst whose real lengths are far below max_tokens, with short prompts: an
-    # optimistic length quantile admits too many, and running requests run dry.
-    n = 120
-    prompts = [20 + (7 * i) % 60 for i in range(n)]
-    outs = [10 + (37 * i) % 150 for i in range(n)]
-    return Workload(name="burst", arrival_s=[0.0] * n, prompt_tokens=prompts,
-                    output_tokens=outs, max_tokens=[400] * n)
+    n = len(PROMPTS)
+    return Workload(name="burst", arrival_s=[0.0] * n, prompt_tokens=PROMPTS,
+                    output_tokens=OUTPUTS, max_tokens=[400] * n)
 
 
 @pytest.mark.parametrize("policy", ["overcommit", "adaptive"])
@@ -120,7 +123,7 @@ def test_native_engine_pauses_instead_of_preempting(policy):
 
 def test_lockstep_model_pauses_too():
     from kvadmit.lockstep import Request, run_lockstep
-    reqs = [Request(0, 20 + (7 * i) % 60, 400, 10 + (37 * i) % 150) for i in range(120)]
+    reqs = [Request(0, p, 400, o) for p, o in zip(PROMPTS, OUTPUTS)]
     res = {}
     for shortfall in ("preempt", "pause"):
         r = run_lockstep(AdmissionConfig(policy="overcommit", shortfall=shortfall), reqs,

@@ -67,12 +67,9 @@ def test_real_lengths_below_the_cap(model_dir, tmp_path):
     # The simulator's native engine model replays the same workload with the same
     # decisions: its steps and preemptions match the real engine's (issue 5: +-15%).
     from kvadmit.config import AdmissionConfig
-    from kvadmit.simulate import EngineShape, Workload, get_preset, run_native
-    from kvadmit.vllm.bench import CONFIGS, synthetic_workload
-    reqs = synthetic_workload(64, 512, 256)
-    w = Workload(name="bench", arrival_s=[0.0] * len(reqs),
-                 prompt_tokens=[len(r.prompt_token_ids) for r in reqs],
-                 output_tokens=[r.output_tokens for r in reqs], max_tokens=[r.max_tokens for r in reqs])
+    from kvadmit.simulate import EngineShape, get_preset, run_native
+    from kvadmit.vllm.bench import CONFIGS, as_burst, synthetic_workload
+    w = as_burst(synthetic_workload(64, 512, 256))
     shape = EngineShape(num_blocks=23, block_size=32, max_model_len=512, max_num_seqs=64,
                         max_num_batched_tokens=2048)          # vLLM keeps 1 of the 24 blocks
     for name, cfg in (("vllm-default", AdmissionConfig(policy="overcommit")),

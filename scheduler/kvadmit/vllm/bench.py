@@ -71,7 +71,7 @@ class _CountsScheduledTokens:
         path = os.environ.get(COUNTS_ENV)
         if path and out.total_num_scheduled_tokens:
             core = getattr(self, "kvadmit_core", None)
-            paused = core.stats()["paused"] if core is not None else 0
+            paused = core.paused if core is not None else 0
             pathlib.Path(path).write_text(f"{self._bench_tokens} {paused}")
         return out
 
@@ -222,6 +222,16 @@ def azure_workload(path: str, n: int, max_model_len: int, cap: int, seed: int = 
         real = max(2, min(m, round(r.output_tokens * scale)))
         out.append(BenchRequest(tuple(rng.randrange(3, 1000) for _ in range(p)), m, real))
     return out
+
+
+def as_burst(requests: list[BenchRequest], name: str = "bench"):
+    """The bench's requests as a simulator Workload, all queued at once (as the bench
+    runs them), for the native engine model."""
+    from kvadmit.simulate import Workload
+    return Workload(name=name, arrival_s=[0.0] * len(requests),
+                    prompt_tokens=[len(r.prompt_token_ids) for r in requests],
+                    output_tokens=[r.output_tokens for r in requests],
+                    max_tokens=[r.max_tokens for r in requests])
 
 
 def _pct(xs: list[float], q: float) -> float:
