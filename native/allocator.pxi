@@ -196,13 +196,7 @@ cdef class BlockAllocator:
             if self._hash[block] == block_hash:
                 return block
             raise ValueError(f"cache: block {block} already holds another hash")
-        cdef int32_t existing = self.c_lookup(block_hash)
-        if existing >= 0:
-            return existing
-        self._hash[block] = block_hash
-        self._has_hash[block] = 1
-        self._cached[block_hash] = <int32_t>block
-        return block
+        return self.c_cache(<int32_t>block, block_hash)
 
     def demote(self, int64_t block, uint64_t block_hash):
         """Moves a cached-free block still holding `block_hash` to the head of the

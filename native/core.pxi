@@ -166,6 +166,7 @@ cdef class AdmissionCore:
     cdef vector[int32_t] _running
     # aggregates and caches
     cdef int64_t _queued_tokens, _reserve_sum, _seq, _step
+    cdef int64_t _run_ctx          # sum of _tokens over running requests (the SLO guard's context)
     cdef vector[Curve] _profile
     cdef bint _profile_dirty
     cdef double _offsets_sum
@@ -275,7 +276,7 @@ cdef class AdmissionCore:
         self._fen.assign(block_size + 1, 0)
         self._profile_dirty = True
         self._offsets_dirty = True
-        self._queued_tokens = self._reserve_sum = self._seq = self._step = 0
+        self._queued_tokens = self._reserve_sum = self._seq = self._step = self._run_ctx = 0
         self._n_arrived = self._n_admitted = self._n_preempted = 0
         self._n_finished = self._n_aborted = self._n_len_obs = 0
         self._win_admits = self._win_preempts = 0
@@ -394,12 +395,8 @@ cdef class AdmissionCore:
         return peak_blocks_sorted(self._profile.data(), self._profile.size(), &c,
                                   self.block_size, self.num_blocks, self._fen) <= self.num_blocks
 
-    cdef double _running_context(self) noexcept nogil:
-        cdef double c = 0.0
-        cdef size_t i
-        for i in range(self._running.size()):
-            c += self._tokens(self._running[i])
-        return c
+    cdef inline double _running_context(self) noexcept nogil:
+        return <double>self._run_ctx
 
     cdef double _prefill_time(self, double q, double r, double ctx) noexcept nogil:
         """Steps (and their time) to prefill q tokens beside r decoding requests."""
@@ -410,17 +407,15 @@ cdef class AdmissionCore:
         cdef double chunk = q / n
         return n * self.step_time.c_predict(r + chunk, ctx + chunk)
 
-    cdef double _predict_ttft(self, int64_t ahead, int64_t ahead_tokens, int64_t queued,
-                              double now) noexcept:
+    cdef double _predict_ttft(self, int64_t ahead_tokens, int64_t queued, double drain) noexcept:
         """The TTFT of a request arriving now behind `ahead` waiting requests
         (`ahead_tokens` of prefill), predicted for when it would run (Mooncake):
         the later of (a) prefilling all of it and itself under the step-time model
         and (b) the queue draining at the recent admission pace (which includes
-        waits for KV), plus its own prefill."""
+        waits for KV; `drain`, from _predicted_delay), plus its own prefill."""
         cdef double r = self._running.size()
         cdef double ctx = self._running_context()
         cdef double compute = self._prefill_time(ahead_tokens + queued, r, ctx)
-        cdef double drain = self._predicted_delay(ahead, ahead_tokens, queued, now)
         if drain > 0:
             drain += self._prefill_time(queued, r, ctx)
         return compute if compute > drain else drain
@@ -534,6 +529,7 @@ cdef class AdmissionCore:
         self._run_pos[s] = <int32_t>self._running.size()
         self._running.push_back(s)
         self._reserve_sum += self._reserve_blocks(s)
+        self._run_ctx += self._tokens(s)
         if self._tpot[s] > 0:
             self._tpot_running[self._tpot[s]] += 1
         if self._agents and self._session[s] >= 0:
@@ -547,6 +543,7 @@ cdef class AdmissionCore:
         self._running.pop_back()
         self._run_pos[s] = -1
         self._reserve_sum -= self._reserve_blocks(s)
+        self._run_ctx -= self._tokens(s)
         self._dirty()
         cdef cmap[double, int32_t].iterator it
         if self._tpot[s] > 0:
@@ -670,8 +667,7 @@ cdef class AdmissionCore:
         if not isfinite(ttft_slo_s) or not isfinite(tpot_slo_s):
             raise ValueError(f"ttft_slo_s={ttft_slo_s}, tpot_slo_s={tpot_slo_s}: must be finite")
         self._note_time(now)
-        if now > self._last_now:
-            self._last_now = now
+        self._advance(now)
         self._n_arrived += 1
         cdef int64_t total = prompt_tokens + max_new_tokens
         if self.max_model_len > 0 and total > self.max_model_len:
@@ -722,8 +718,8 @@ cdef class AdmissionCore:
         cdef int64_t ahead = 0, ahead_tokens = 0
         if self._max_q_delay > 0 or (self._slo_guard and self._ttft[s] > 0):
             self._ahead_of(s, &ahead, &ahead_tokens)
-        if self._max_q_delay > 0:
             delay = self._predicted_delay(ahead, ahead_tokens, queued, now)
+        if self._max_q_delay > 0:
             if delay > self._max_q_delay:
                 self._release(s)
                 return ArrivalResult(False, -1, self._reject(
@@ -734,7 +730,7 @@ cdef class AdmissionCore:
                     min(delay - self._max_q_delay, self._retry_max)), [])
         cdef double ttft_pred
         if self._slo_guard and self._ttft[s] > 0:
-            ttft_pred = self._predict_ttft(ahead, ahead_tokens, queued, now)
+            ttft_pred = self._predict_ttft(ahead_tokens, queued, delay)
             if ttft_pred > self._ttft[s]:
                 self._release(s)
                 return ArrivalResult(False, -1, self._reject(
@@ -924,8 +920,7 @@ cdef class AdmissionCore:
 
     cdef void _admit(self, int32_t s, double now) noexcept:
         self._note_time(now)
-        if now > self._last_now:
-            self._last_now = now
+        self._advance(now)
         cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
         while deref(it).second != s:
             if not self._agent_held(deref(it).second):
@@ -1006,19 +1001,21 @@ cdef class AdmissionCore:
         if self._state[s] == ST_WAITING:
             self._queued_tokens -= self._queued_of(s)
         self._computed[s] = computed_tokens
-        self._generated[s] = generated_tokens
         if self._state[s] == ST_WAITING:
+            self._generated[s] = generated_tokens
             self._queued_tokens += self._queued_of(s)
         else:
+            self._run_ctx += generated_tokens - self._generated[s]
+            self._generated[s] = generated_tokens
             self._dirty()
         return 0
 
     cdef void _progress(self, int32_t s, int64_t computed_tokens, int64_t generated_tokens) noexcept nogil:
         """`update` for a running request, unchecked (the native engine's hot path)."""
         self._computed[s] = computed_tokens
+        self._run_ctx += generated_tokens - self._generated[s]
         self._generated[s] = generated_tokens
-        self._profile_dirty = True
-        self._offsets_dirty = True
+        self._dirty()
 
     def update_many(self, slots, computed_tokens, generated_tokens):
         """`update` for many requests at once (one call per engine step)."""
@@ -1047,8 +1044,7 @@ cdef class AdmissionCore:
 
     def on_step(self, double now=0.0):
         """Once per engine step, after its preemptions: advances the predict ratio."""
-        if now > self._last_now:
-            self._last_now = now
+        self._advance(now)
         self._on_step()
 
     cdef void _on_step(self) noexcept nogil:
@@ -1089,10 +1085,18 @@ cdef class AdmissionCore:
     def finish(self, int64_t slot, double now=0.0):
         """A running request is done; its output length feeds the length model."""
         self._check_slot(slot, ST_RUNNING)
-        self._note_time(now)
+        self._finish_at(<int32_t>slot, now)
+
+    cdef inline void _advance(self, double now) noexcept nogil:
+        """The latest `now` seen (sessions' idle clocks run on it)."""
         if now > self._last_now:
             self._last_now = now
-        self._finish(<int32_t>slot)
+
+    cdef void _finish_at(self, int32_t s, double now) noexcept nogil:
+        """`finish`, unchecked (the native engine's path too)."""
+        self._note_time(now)
+        self._advance(now)
+        self._finish(s)
 
     cdef void _finish(self, int32_t s) noexcept nogil:
         self._run_remove(s)
@@ -1146,8 +1150,8 @@ cdef class AdmissionCore:
         cdef int64_t ahead, ahead_tokens
         self._ahead_of(s, &ahead, &ahead_tokens)
         self._release(s)
-        cdef double t = self._predict_ttft(ahead, ahead_tokens, prompt_tokens, now)
-        return t
+        return self._predict_ttft(ahead_tokens, prompt_tokens,
+                                  self._predicted_delay(ahead, ahead_tokens, prompt_tokens, now))
 
     def observe_cache(self, int64_t used_blocks, int64_t hit_tokens, int64_t query_tokens,
                       double now=0.0):
@@ -1159,8 +1163,7 @@ cdef class AdmissionCore:
                                double now) noexcept nogil:
         if not self._agents:
             return
-        if now > self._last_now:
-            self._last_now = now
+        self._advance(now)
         self._iv_usage += used_blocks / <double>self.num_blocks
         self._iv_hit += hit_tokens
         self._iv_query += query_tokens
@@ -1227,8 +1230,7 @@ cdef class AdmissionCore:
     def expire_sessions(self, double now):
         """Lets idle sessions leave the window as of `now` (engines call it when idle;
         observe_cache does it every step while the window is full)."""
-        if now > self._last_now:
-            self._last_now = now
+        self._advance(now)
         self._expire_idle()
 
     def take_paused_sessions(self):

@@ -69,6 +69,7 @@ cdef class NativeEngine:
     cdef unordered_map[int64_t, vector[pair[int32_t, uint64_t]]] _sess_blocks
     cdef vector[int32_t] _slot_req, _running, _scheduled
     cdef vector[int64_t] _plan_cols    # the pause plan's columns: want, computed, held
+    cdef vector[int32_t] _hit_ids      # the admission candidate's prefix-cache hit blocks
     cdef vector[char] _pause           # per running position: paused this step (shortfall: pause)
     cdef vector[int32_t] _paused_reqs  # the requests paused this step
     cdef vector[char] _is_paused       # per request
@@ -391,14 +392,17 @@ cdef class NativeEngine:
 
     cdef int64_t _prefix_hit_blocks(self, int32_t r, int64_t tokens, int64_t* fresh) noexcept nogil:
         """Leading cached blocks r can share (at most (tokens - 1) / bs, as vLLM:
-        the last token is always computed); `fresh` gets how many are cached-free."""
+        the last token is always computed); `fresh` gets how many are cached-free,
+        `_hit_ids` their block ids."""
         cdef int64_t j, lim = (tokens - 1) // self._bs
         cdef int32_t b
         fresh[0] = 0
+        self._hit_ids.clear()
         for j in range(lim):
             b = self.allocator.c_lookup(self._block_hash(r, j))
             if b < 0:
                 return j
+            self._hit_ids.push_back(b)
             if self.allocator._ref[b] == 0:
                 fresh[0] += 1
         return lim
@@ -482,7 +486,7 @@ cdef class NativeEngine:
                 self._held_blocks += 1
                 break
             for j in range(hits):
-                b = self.allocator.c_lookup(self._block_hash(r, j))
+                b = self._hit_ids[j]
                 self.allocator.c_share(b)
                 self._blocks[r].push_back(b)
             self._grow(r, c0 + n)
