@@ -305,8 +305,7 @@ cdef class NativeEngine:
         return self._running_erase(v)
 
     cdef void _finish(self, int32_t r, double t) noexcept nogil:
-        self.core._note_time(t)
-        self.core._finish(self._slot[r])
+        self.core._finish_at(self._slot[r], t)
         cdef size_t i
         cdef int32_t b
         if self._prefix and self._sess[r] >= 0 and self.core._agents:
