@@ -31,7 +31,7 @@ import numpy as np
 from _common import save
 
 from kvadmit.vllm.bench import EXPECT_ENV, STEP_TIMES_ENV, BenchRequest
-from kvadmit.vllm.tiny_model import build_tiny_llama
+from kvadmit.vllm.tiny_model import DEFAULT_DIR, build_tiny_llama
 
 TERMS = ("a", "b", "c")            # intercept, per scheduled token, per context token
 
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     ap.add_argument("--num-blocks", type=int, default=None,
                     help="KV pool (default: max_num_seqs full-length requests + 64: no preemption)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model-dir", default=os.path.expanduser("~/.cache/kvadmit/tiny-llama"))
+    ap.add_argument("--model-dir", default=str(DEFAULT_DIR))
     ap.add_argument("--out", default="cpu_step_time", help="bench/results/<out>.json")
     args = ap.parse_args(argv)
     if args.num_blocks is None:

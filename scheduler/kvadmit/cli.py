@@ -23,22 +23,9 @@ from kvadmit._native import POLICIES
 from kvadmit.config import AdmissionConfig, ConfigError
 
 
-def _progress(label: str, total_hint: int):
-    """A progress line on stderr, refreshed at most every half second."""
-    last = [time.monotonic()]
-
-    def report(step, result):
-        now = time.monotonic()
-        if now - last[0] >= 0.5:
-            last[0] = now
-            done = result.finished + sum(result.rejected.values())
-            print(f"\r  {label}: step {step}, {done}/{total_hint} requests done",
-                  end="", file=sys.stderr, flush=True)
-    return report
-
-
 def cmd_lockstep(args: argparse.Namespace) -> int:
     from kvadmit.lockstep import Request, run_lockstep
+    from kvadmit.simulate.run import progress_line
     from kvadmit.traces import load_trace, max_tokens_for, scale_rate
 
     base = AdmissionConfig.from_json(args.config) if args.config else AdmissionConfig()
@@ -56,9 +43,11 @@ def cmd_lockstep(args: argparse.Namespace) -> int:
     for policy in args.policies:
         cfg = base.replace(policy=policy)
         t0 = time.perf_counter()
+        prog = progress_line(policy)
         res = run_lockstep(cfg, reqs, args.num_blocks, args.block_size, args.max_model_len,
-                           progress=_progress(policy, len(reqs)))
-        print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
+                           progress=lambda step, r: prog(r.finished + sum(r.rejected.values()),
+                                                         len(reqs)))
+        prog(None, None)
         rows.append({"policy": policy, "wall_s": time.perf_counter() - t0, **vars(res)})
     print(f"{'policy':11} {'steps':>8} {'preempt':>8} {'recomputed':>11} {'mean run':>9} "
           f"{'finished':>9} {'rejected':>9} {'wall s':>7}")

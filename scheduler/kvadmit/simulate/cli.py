@@ -133,9 +133,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     slo = Slo(args.slo_ttft, args.slo_tpot)
     model_dir = None
     if args.engine == "vllm":
-        import os
-        from kvadmit.vllm.tiny_model import build_tiny_llama
-        model_dir = str(build_tiny_llama(args.model_dir or os.path.expanduser("~/.cache/kvadmit/tiny-llama")))
+        from kvadmit.vllm.tiny_model import DEFAULT_DIR, build_tiny_llama
+        model_dir = str(build_tiny_llama(args.model_dir or DEFAULT_DIR))
     workload = build_workload(args, shape)
     if args.trace and args.rate and not (args.load or args.sweep):
         workload = workload.scaled(args.rate)

@@ -49,8 +49,8 @@ def compare(workload: Workload, policies: list[PolicySpec], engine: str, shape: 
             show_progress: bool = True) -> tuple[list[dict], dict[str, RawRun]]:
     rows, raws = [], {}
     if workload.ttft_slo_s is None:   # requests carry the SLO they are measured against
-        workload = Workload(**{**workload.__dict__, "ttft_slo_s": [slo.ttft_s] * len(workload),
-                               "tpot_slo_s": [slo.tpot_s] * len(workload)})
+        workload = replace(workload, ttft_slo_s=[slo.ttft_s] * len(workload),
+                           tpot_slo_s=[slo.tpot_s] * len(workload))
     for spec in policies:
         prog = progress_line(spec.name) if show_progress else None
         raw = run_policy(workload, spec, engine, shape, step, base, model_dir, prog)
@@ -68,7 +68,7 @@ def capacity_rps(workload: Workload, shape: EngineShape, step: StepTimeModel,
     """Requests/s the engine completes when saturated: the first `sample` open-loop
     requests all queued at once under vLLM's rule (overcommit, LIFO victim) on the
     native engine; completed requests / makespan."""
-    idx = [i for i in range(len(workload)) if workload.parent is None or workload.parent[i] < 0][:sample]
+    idx = [i for i in range(len(workload)) if workload.is_open(i)][:sample]
     n = len(idx)
     sat = Workload(name=workload.name, arrival_s=[0.0] * n,
                    prompt_tokens=[workload.prompt_tokens[i] for i in idx],
@@ -84,7 +84,7 @@ def capacity_rps(workload: Workload, shape: EngineShape, step: StepTimeModel,
 
 
 def offered_rps(workload: Workload) -> float:
-    n = sum(1 for i in range(len(workload)) if workload.parent is None or workload.parent[i] < 0)
+    n = sum(1 for i in range(len(workload)) if workload.is_open(i))
     span = workload.open_loop_span_s()
     if n < 2 or span <= 0:
         raise ValueError(f"workload {workload.name}: needs two or more arrivals spread in time "

@@ -31,10 +31,9 @@ fake model emits the same id-derived tokens as outputs where the ids cover the
 output (agent sessions: the next turn's prompt repeats this turn's output).
 Everything else is pseudo-random per request (seeded, deterministic).
 
-kvadmit's core runs on the virtual clock: during a run the `time` name in
-`kvadmit.vllm.scheduler` is replaced by a stand-in whose `monotonic()` is the
-arrival time (at add_request) or the step's start (at schedule), as the native
-engine passes them; it is restored afterwards. vLLM's own timestamps stay real.
+kvadmit's core runs on the virtual clock: the scheduler's injectable clock
+(`kvadmit_clock`) reads the arrival time (at add_request) or the step's start (at
+schedule), as the native engine passes them. vLLM's own timestamps stay real.
 
 Where it differs from the native engine (by design, this is vLLM's behaviour):
 - (none in admission: `EngineShape.reserve_full_input` sets vLLM's
@@ -62,7 +61,6 @@ from kvadmit.simulate.engine import EngineShape, RawRun
 from kvadmit.simulate.steptime import StepTimeModel
 from kvadmit.simulate.workload import Workload
 
-STOP_REASON_PREFIX = "kvadmit:"
 _SALT_BLOCK = 0x6B766164          # seeds for a prefix id's tokens: [id, _SALT_BLOCK]
 _SALT_REQUEST = 0x72657175        # seeds for a request's own tokens: [seed, index, _SALT_REQUEST]
 PROGRESS_EVERY = 200
@@ -133,7 +131,7 @@ def run_vllm(workload: Workload, config: AdmissionConfig | None, shape: EngineSh
 
     n = len(workload)
     parent = workload.parent
-    is_open = [parent is None or parent[i] < 0 for i in range(n)]
+    is_open = [workload.is_open(i) for i in range(n)]
     if n and not any(is_open):
         raise ValueError("no request has a fixed arrival time (every one has a parent)")
     children: list[list[int]] = [[] for _ in range(n)]
@@ -226,7 +224,7 @@ def run_vllm(workload: Workload, config: AdmissionConfig | None, shape: EngineSh
         for _, o in fresh:
             i = int(o.request_id)
             if state[i] == _IN_ENGINE:
-                reject(i, str(o.stop_reason)[len(STOP_REASON_PREFIX):], clock)
+                reject(i, str(o.stop_reason)[len(kvadmit_sched.STOP_REASON_PREFIX):], clock)
 
     def arrivals() -> None:
         while heap and heap[0][0] <= clock:
@@ -303,8 +301,8 @@ def run_vllm(workload: Workload, config: AdmissionConfig | None, shape: EngineSh
                         t_first[i] = t_end
                 if o.finish_reason is not None:
                     sr = o.stop_reason
-                    if isinstance(sr, str) and sr.startswith(STOP_REASON_PREFIX):
-                        reject(i, sr[len(STOP_REASON_PREFIX):], clock)
+                    if isinstance(sr, str) and sr.startswith(kvadmit_sched.STOP_REASON_PREFIX):
+                        reject(i, sr[len(kvadmit_sched.STOP_REASON_PREFIX):], clock)
                     else:
                         state[i] = _DONE
                         t_done[i] = t_end

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import pathlib
 import random
+import dataclasses
 from dataclasses import dataclass, field
 
 from kvadmit.traces import load_trace, max_tokens_for
@@ -52,22 +53,25 @@ class Workload:
             return []
         return self.hash_ids[self.hash_offsets[i]:self.hash_offsets[i + 1]]
 
+    def is_open(self, i: int) -> bool:
+        """Request i has a fixed arrival time (no parent turn it waits for)."""
+        return self.parent is None or self.parent[i] < 0
+
     def open_loop_span_s(self) -> float:
-        t = [a for i, a in enumerate(self.arrival_s) if self.parent is None or self.parent[i] < 0]
+        t = [a for i, a in enumerate(self.arrival_s) if self.is_open(i)]
         return (t[-1] - t[0]) if len(t) > 1 else 0.0
 
     def with_oracle_caps(self) -> "Workload":
         """The same requests with max_tokens = the real output length (the oracle's knowledge)."""
-        return Workload(**{**self.__dict__, "max_tokens": list(self.output_tokens)})
+        return dataclasses.replace(self, max_tokens=list(self.output_tokens))
 
     def scaled(self, factor: float) -> "Workload":
         """Arrivals `factor` times as fast (2.0: twice the rate); session delays unchanged."""
         if not factor > 0:
             raise ValueError(f"rate factor={factor}: must be > 0")
         t0 = self.arrival_s[0] if self.arrival_s else 0.0
-        arr = [a if self.parent is not None and self.parent[i] >= 0 else t0 + (a - t0) / factor
-               for i, a in enumerate(self.arrival_s)]
-        return Workload(**{**self.__dict__, "arrival_s": arr})
+        arr = [t0 + (a - t0) / factor if self.is_open(i) else a for i, a in enumerate(self.arrival_s)]
+        return dataclasses.replace(self, arrival_s=arr)
 
 
 def from_trace(path: str | pathlib.Path, limit: int | None = None, rate: float = 1.0,

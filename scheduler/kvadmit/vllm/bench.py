@@ -33,7 +33,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
 from kvadmit._native import POLICIES
 from kvadmit.vllm.scheduler import KvadmitAsyncScheduler, KvadmitScheduler
-from kvadmit.vllm.tiny_model import EOS_TOKEN_ID
+from kvadmit.vllm.tiny_model import DEFAULT_DIR, EOS_TOKEN_ID
 
 COUNTS_ENV = "KVADMIT_BENCH_COUNTS"
 EXPECT_ENV = "KVADMIT_BENCH_EXPECT"
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                          "length (a client that knows it: what peak and reserve assume)")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS),
                     help=f"any of {', '.join(CONFIGS)}, or name=JSON for a kvadmit config")
-    ap.add_argument("--model-dir", default=os.path.expanduser("~/.cache/kvadmit/tiny-llama"),
+    ap.add_argument("--model-dir", default=str(DEFAULT_DIR),
                     help="where the tiny random-weight Llama is built (if missing)")
     ap.add_argument("--model", default=None,
                     help="use this local model instead of the tiny one (its eos id must be 2 "

@@ -133,10 +133,7 @@ class InProcessEngine:
             computed[rid] = req.num_computed_tokens
             # A token is sampled once the request's whole prompt (and output) is computed:
             # vLLM's model runner discards the sample of a partial prefill chunk.
-            chunk = getattr(req, "is_prefill_chunk", None)
-            if chunk is None:
-                chunk = req.num_computed_tokens < req.num_tokens
-            if chunk:
+            if req.is_prefill_chunk:
                 sampled.append([])
                 continue
             k = len(req.output_token_ids)
@@ -159,8 +156,8 @@ class InProcessEngine:
             stats = eco.scheduler_stats
             pc = stats.prefix_cache_stats if stats is not None else None
             if pc is not None:
-                self.log.prefix_query_tokens += pc.queries + getattr(pc, "preempted_queries", 0)
-                self.log.prefix_hit_tokens += pc.hits + getattr(pc, "preempted_hits", 0)
+                self.log.prefix_query_tokens += pc.queries + pc.preempted_queries
+                self.log.prefix_hit_tokens += pc.hits + pc.preempted_hits
             for o in eco.outputs:
                 outputs.append(o)
                 self.log.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)

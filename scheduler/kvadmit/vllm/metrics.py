@@ -6,8 +6,10 @@ live in the engine-core process, where the scheduler runs; `vllm serve`'s
 `/metrics` shows them when Prometheus multiprocess mode is on, i.e. when
 PROMETHEUS_MULTIPROC_DIR is set before `vllm serve` starts (prometheus_client's
 documented route for several processes). Without it they stay in the engine
-process and `/metrics` does not list them. `LLM.get_metrics()` lists only the
-front end's `vllm:` metrics, so offline use reads `scheduler.kvadmit_core.stats()`.
+process and `/metrics` does not list them. `LLM.get_metrics()` lists them as
+`vllm:kvadmit_*` through a collector kvadmit's `vllm.general_plugins` entry point adds
+to the front end's registry (`register_bridge`, same multiprocess mode); in-process
+code can always read `scheduler.kvadmit_core.stats()`.
 """
 from __future__ import annotations
 
@@ -70,15 +72,12 @@ class KvadmitMetrics:
         self.predicted.inc(max(lp["mean_predicted"] * n - lp0.get("mean_predicted", 0) * n0, 0))
         self.actual.inc(max(lp["mean_actual"] * n - lp0.get("mean_actual", 0) * n0, 0))
         self.waiting.set(stats["waiting"])
-        fit = stats.get("step_time_fit")
-        if fit is not None:
-            self.step_a.set(fit["a"])
-            self.step_b.set(fit["b"])
-            self.step_c.set(fit["c"])
-        window = stats.get("agent_window")
-        if window is not None:
-            self.agent_window.set(window["size"])
-            self.active_sessions.set(window["active_sessions"])
+        fit, window = stats["step_time_fit"], stats["agent_window"]
+        self.step_a.set(fit["a"])
+        self.step_b.set(fit["b"])
+        self.step_c.set(fit["c"])
+        self.agent_window.set(window["size"])
+        self.active_sessions.set(window["active_sessions"])
 
 
 def process_metrics() -> KvadmitMetrics | None:

@@ -9,6 +9,7 @@ import json
 import pathlib
 
 EOS_TOKEN_ID = 2
+DEFAULT_DIR = pathlib.Path.home() / ".cache" / "kvadmit" / "tiny-llama"   # built once, reused
 TINY_LLAMA = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096)
 
