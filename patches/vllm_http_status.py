@@ -50,19 +50,16 @@ def rejection_reason(output) -> str | None:
     return None
 
 
-def field_error(sampling_params) -> str | None:
-    """What is wrong with the request's kvadmit fields (extra_args), if anything:
-    the engine refuses such a request as `invalid`; the message names the field."""
-    from kvadmit.request_fields import FieldError, from_extra_args
-
-    try:
-        from_extra_args(getattr(sampling_params, "extra_args", None))
-    except FieldError as e:
-        return str(e)
-    return None
+# kvadmit.vllm.scheduler puts these in a refused output's kv_transfer_params.
+RETRY_AFTER_KEY = "kvadmit_retry_after_s"
+DETAIL_KEY = "kvadmit_detail"
 
 
-RETRY_AFTER_KEY = "kvadmit_retry_after_s"   # kvadmit.vllm.scheduler puts it in kv_transfer_params
+def refusal_detail(output) -> str | None:
+    """What the engine found wrong with a request it refused as `invalid` (the
+    message names the kvadmit field), if it said."""
+    params = getattr(output, "kv_transfer_params", None)
+    return params.get(DETAIL_KEY) if isinstance(params, dict) else None
 
 
 def retry_after_s(output) -> int | None:
@@ -97,11 +94,7 @@ def apply() -> bool:
             async for output in original(self, *args, **kwargs):
                 reason = rejection_reason(output)
                 if reason is not None:
-                    detail = None
-                    if reason == "invalid":   # generate(prompt, sampling_params, request_id, ...)
-                        sp = kwargs.get("sampling_params", args[1] if len(args) > 1 else None)
-                        detail = field_error(sp)
-                    raise error_for(reason, detail, retry_after_s(output))
+                    raise error_for(reason, refusal_detail(output), retry_after_s(output))
                 yield output
         return generate
 

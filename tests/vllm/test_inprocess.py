@@ -327,8 +327,9 @@ def test_tpot_guard_holds_an_admission_until_the_tight_request_finishes(model_di
     ({"kvadmit_deadline_s": 1e13}, "kvadmit_deadline_s"),          # milliseconds
 ])
 def test_a_bad_field_is_refused_as_invalid_naming_it(model_dir, caplog, extra, field):
-    from kvadmit_patches.vllm_http_status import error_for, field_error
-    from vllm.sampling_params import SamplingParams
+    from types import SimpleNamespace
+
+    from kvadmit_patches.vllm_http_status import error_for, refusal_detail
     eng = engine(model_dir, {})
     with caplog.at_level("WARNING", logger="kvadmit.vllm"):
         bad = eng.add([9] * 40, 8, extra_args=extra)
@@ -337,8 +338,10 @@ def test_a_bad_field_is_refused_as_invalid_naming_it(model_dir, caplog, extra, f
     assert eng.log.stop_reasons[bad] == "kvadmit:invalid" and eng.log.outputs[bad] == []
     assert len(eng.log.outputs[ok]) == 8
     assert any(field in r.getMessage() for r in caplog.records), caplog.text
-    # Through `vllm serve` the 400 names the field as well.
-    err = error_for("invalid", field_error(SamplingParams(max_tokens=8, extra_args=extra)))
+    # Through `vllm serve` the 400 names the field as well (the engine's message rides
+    # in the refused output's kv_transfer_params).
+    refused = SimpleNamespace(kv_transfer_params=eng.log.kv_transfer_params.get(bad))
+    err = error_for("invalid", refusal_detail(refused))
     assert err.http_status == 400 and field in err.message
 
 

@@ -41,6 +41,7 @@ class StepLog:
     scheduled_tokens: int = 0
     finished: dict[str, str] = field(default_factory=dict)       # request id -> finish reason
     stop_reasons: dict[str, object] = field(default_factory=dict)
+    kv_transfer_params: dict[str, dict] = field(default_factory=dict)   # of finished requests
     outputs: dict[str, list[int]] = field(default_factory=dict)   # request id -> tokens
     prefix_query_tokens: int = 0      # vLLM's prefix-cache stats (0 without prefix caching)
     prefix_hit_tokens: int = 0
@@ -164,6 +165,8 @@ class InProcessEngine:
                 if o.finish_reason is not None:
                     self.log.finished[o.request_id] = str(o.finish_reason)
                     self.log.stop_reasons[o.request_id] = o.stop_reason
+                    if o.kv_transfer_params is not None:
+                        self.log.kv_transfer_params[o.request_id] = o.kv_transfer_params
                     self._stop_at.pop(o.request_id, None)
                     self._out_ids.pop(o.request_id, None)
         self.last_outputs = outputs

@@ -39,7 +39,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from kvadmit._native import AdmissionCore, BlockObjectQueue
 from kvadmit.config import AdmissionConfig, ConfigError
-from kvadmit.request_fields import from_extra_args, session_int, ttft_target
+from kvadmit.request_fields import FieldError, from_extra_args, session_int, ttft_target
 from kvadmit.vllm.metrics import process_metrics
 
 logger = logging.getLogger("kvadmit.vllm")
@@ -47,6 +47,7 @@ logger = logging.getLogger("kvadmit.vllm")
 CONFIG_KEY = "kvadmit"
 STOP_REASON_PREFIX = "kvadmit:"
 RETRY_AFTER_KEY = "kvadmit_retry_after_s"   # in a refused output's kv_transfer_params
+DETAIL_KEY = "kvadmit_detail"               # there too: what is wrong with an invalid request
 
 
 def config_from_vllm(vllm_config) -> AdmissionConfig:
@@ -277,9 +278,11 @@ class _KvadmitMixin:
                               ttft_slo_s=ttft, tpot_slo_s=fields.tpot_slo_s, session=session)
         except ValueError as e:   # add_request must not raise into the engine loop
             logger.warning("kvadmit: refused %s: %s", request.request_id, e)
+            # A malformed kvadmit field is named to the client (patches/vllm_http_status.py).
             self._kvadmit_rejections.append((request.client_index, EngineCoreOutput(
                 request_id=request.request_id, new_token_ids=[],
-                finish_reason=FinishReason.ABORT, stop_reason=STOP_REASON_PREFIX + "invalid")))
+                finish_reason=FinishReason.ABORT, stop_reason=STOP_REASON_PREFIX + "invalid",
+                kv_transfer_params={DETAIL_KEY: str(e)} if isinstance(e, FieldError) else None)))
             return None
         for slot, rejection in res.shed:
             self._kvadmit_shed(slot, rejection)
