@@ -1,8 +1,8 @@
 """AdmissionConfig: the settings every engine flag and the simulator take.
 
 Each field carries its rule and its documentation in one place (the field's
-metadata); validation, the error messages and the README's key table are all
-derived from it.
+metadata); validation, the error messages and the key table in docs/configuration.md are
+all derived from it.
 """
 from __future__ import annotations
 
@@ -194,7 +194,7 @@ class AdmissionConfig:
 
     @classmethod
     def markdown_table(cls) -> str:
-        """The key table for the README: key, default, allowed values, meaning."""
+        """The key table of docs/configuration.md: key, default, allowed values, meaning."""
         rows = ["| key | default | allowed | meaning |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
             rows.append(f"| `{f.name}` | `{json.dumps(f.default)}` | {_allowed(f.metadata)} | "
