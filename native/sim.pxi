@@ -48,7 +48,7 @@ cdef class NativeEngine:
     then read `results()`, `totals()` and `timeline()`."""
     cdef readonly AdmissionCore core
     cdef readonly BlockAllocator allocator
-    cdef int64_t _bs, _nblocks, _max_seqs, _budget, _hash_block
+    cdef int64_t _bs, _nblocks, _max_seqs, _max_active, _budget, _hash_block, _watermark
     cdef bint _chunked, _prefix, _full_input
     cdef double _ta, _tb, _tc, _sample_dt
     # requests, by index in arrival order
@@ -89,13 +89,19 @@ cdef class NativeEngine:
                  int64_t max_num_seqs, int64_t max_num_batched_tokens, bint chunked_prefill=True,
                  bint prefix_caching=False, double step_a=0.0, double step_b=0.0,
                  double step_c=0.0, int64_t hash_block_tokens=0, double sample_interval_s=1.0,
-                 bint reserve_full_input=True):
+                 bint reserve_full_input=True, int64_t watermark_blocks=0,
+                 int64_t max_num_active_seqs=0):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs}: must be >= 1")
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens}: must be >= 1")
         if max_model_len < 1:
             raise ValueError(f"max_model_len={max_model_len}: must be >= 1")
+        if not 0 <= watermark_blocks < num_blocks:
+            raise ValueError(f"watermark_blocks={watermark_blocks}: must be in [0, num_blocks={num_blocks})")
+        if not 0 <= max_num_active_seqs <= max_num_seqs:
+            raise ValueError(f"max_num_active_seqs={max_num_active_seqs}: must be in "
+                             f"[0, max_num_seqs={max_num_seqs}] (0: max_num_seqs)")
         if not chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens={max_num_batched_tokens}: without chunked prefill it must "
@@ -115,6 +121,8 @@ cdef class NativeEngine:
         self._bs = block_size
         self._nblocks = num_blocks
         self._max_seqs = max_num_seqs
+        self._max_active = max_num_active_seqs if max_num_active_seqs > 0 else max_num_seqs
+        self._watermark = watermark_blocks
         self._budget = max_num_batched_tokens
         self._chunked = chunked_prefill
         self._prefix = prefix_caching
@@ -464,7 +472,7 @@ cdef class NativeEngine:
         self._paused_reqs.clear()
         # 2. waiting requests, only in a step without preemption (as vLLM); the core
         # admits none in a step with paused requests
-        while not preempted and budget > 0 and <int64_t>self._running.size() < self._max_seqs:
+        while not preempted and budget > 0 and <int64_t>self._running.size() < self._max_active:
             s = self.core.c_next_admissible(self.allocator._free._count, False)
             if s < 0:
                 break
@@ -479,8 +487,10 @@ cdef class NativeEngine:
                     break
                 n = budget
             # vLLM 0.32 (scheduler_reserve_full_isl, on by default) admits only if the
-            # whole input fits now, though it allocates for the first chunk only.
+            # whole input fits now, though it allocates for the first chunk only; with
+            # --watermark it also keeps that many blocks free once anything runs.
             if cdiv(tokens if self._full_input else c0 + n, self._bs) - hits + fresh \
+                    + (self._watermark if not self._running.empty() else 0) \
                     > self.allocator._free._count:
                 self._held_blocks += 1
                 break

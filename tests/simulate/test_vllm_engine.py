@@ -203,6 +203,33 @@ def test_matches_the_native_engine(model_dir, config, rate, full_input):
                 pytest.approx((b["first_token_s"][i], b["finish_s"][i], b["preemptions"][i])), i
 
 
+@pytest.mark.parametrize("knob", ["vllm-watermark=0.1", "vllm-watermark=0.05", "vllm-active=2"])
+def test_vllm_knobs_match_the_native_engine(model_dir, knob):
+    """vLLM's own --watermark and --max-num-active-seqs, run by vLLM's real
+    scheduler, give the native engine's schedule exactly (the simulator's
+    baselines for them), and each changes vLLM's default schedule."""
+    from kvadmit.simulate.engine import run_native
+    from kvadmit.simulate.policies import parse_policy
+    spec = parse_policy(knob)
+    w = from_trace(DATA / "azure2023_conv_head200.csv", limit=120, max_model_len=2048,
+                   max_tokens_cap=512)
+    shape = spec.shape(AZURE_SHAPE)
+    ours = run_vllm(w, None, shape, CPU_TINY, model_dir)
+    native = run_native(w, spec.config(AdmissionConfig()), shape, CPU_TINY)
+    plain = run_native(w, AdmissionConfig(policy="overcommit"), AZURE_SHAPE, CPU_TINY)
+    assert (native.totals["steps"], native.totals["preemptions"]) != \
+        (plain.totals["steps"], plain.totals["preemptions"])
+    for k in ("steps", "preemptions", "recomputed_tokens", "output_tokens", "prefill_tokens",
+              "batch_tokens", "finished", "rejected", "free_blocks_at_end"):
+        assert ours.totals[k] == native.totals[k], k
+    a, b = ours.per_request, native.per_request
+    assert a["rejected"] == b["rejected"]
+    for i in range(len(w)):
+        if a["rejected"][i] != "context_length":   # refused at arrival vs at the next step
+            assert (a["first_token_s"][i], a["finish_s"][i], a["preemptions"][i]) == \
+                pytest.approx((b["first_token_s"][i], b["finish_s"][i], b["preemptions"][i])), i
+
+
 def test_full_agent_window_sleeps_until_a_session_expires(model_dir):
     """Session 1 is done but holds the only place in the window: both engines wait
     until it expires (agent_idle_s), then run session 2."""

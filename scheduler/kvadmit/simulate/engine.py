@@ -27,15 +27,29 @@ class EngineShape:
     chunked_prefill: bool = True
     prefix_caching: bool = False
     reserve_full_input: bool = True     # vLLM's scheduler_reserve_full_isl: admit only if the whole input fits
+    watermark: float = 0.0              # vLLM's --watermark: share of the pool kept free at admission
+    max_num_active_seqs: int = 0        # vLLM's --max-num-active-seqs: admission stops here (0: max_num_seqs)
 
     def __post_init__(self) -> None:
         for k, lo in (("num_blocks", 1), ("block_size", 1), ("max_model_len", 1),
                       ("max_num_seqs", 1), ("max_num_batched_tokens", 1)):
             if getattr(self, k) < lo:
                 raise ValueError(f"{k}={getattr(self, k)}: must be >= {lo}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark={self.watermark}: must be in [0, 1) (vLLM's range)")
+        if not 0 <= self.max_num_active_seqs <= self.max_num_seqs:
+            raise ValueError(f"max_num_active_seqs={self.max_num_active_seqs}: must be in "
+                             f"[0, max_num_seqs={self.max_num_seqs}] (0: max_num_seqs)")
         if self.num_blocks * self.block_size < self.max_model_len:
             raise ValueError(f"num_blocks={self.num_blocks} x block_size={self.block_size} tokens "
                              f"must hold max_model_len={self.max_model_len}")
+
+
+    @property
+    def watermark_blocks(self) -> int:
+        """vLLM's `int(watermark * kv_cache_config.num_blocks)`; vLLM's pool counts one
+        more block than is usable (its null block)."""
+        return int(self.watermark * (self.num_blocks + 1))
 
 
 @dataclass
@@ -65,7 +79,9 @@ def run_native(workload: Workload, config: AdmissionConfig, shape: EngineShape,
                        step_a=step.a, step_b=step.b, step_c=step.c,
                        hash_block_tokens=workload.hash_block_tokens if shape.prefix_caching else 0,
                        sample_interval_s=sample_interval_s,
-                       reserve_full_input=shape.reserve_full_input)
+                       reserve_full_input=shape.reserve_full_input,
+                       watermark_blocks=shape.watermark_blocks,
+                       max_num_active_seqs=shape.max_num_active_seqs)
     t0 = time.perf_counter()
     eng.add_requests(workload.arrival_s, workload.prompt_tokens, workload.output_tokens,
                      workload.max_tokens, workload.priority,

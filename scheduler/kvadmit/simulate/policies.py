@@ -6,9 +6,9 @@ every row runs on the same engine model and only the decision differs. With
 """
 from __future__ import annotations
 
+import dataclasses
 import json
-
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvadmit.config import AdmissionConfig
 
@@ -21,6 +21,11 @@ class PolicySpec:
     kvadmit: bool = True           # takes the user's --config (caps etc.)
     oracle: bool = False           # max_tokens := the true output length
     vllm_own: bool = False         # --engine vllm: vLLM's own scheduler class
+    engine: dict = field(default_factory=dict)   # EngineShape fields: vLLM's own knobs
+
+    def shape(self, base):
+        """The engine shape this policy runs on: `base` with its engine knobs set."""
+        return dataclasses.replace(base, **self.engine) if self.engine else base
 
     def config(self, base: AdmissionConfig) -> AdmissionConfig:
         if self.kvadmit:
@@ -50,7 +55,31 @@ BUILTIN: dict[str, PolicySpec] = {p.name: p for p in (
                oracle=True),
 )}
 
+# vLLM 0.32's own knobs, the settings a vLLM user reaches for before kvadmit: its
+# scheduler (overcommit, LIFO) on an engine with --watermark / --max-num-active-seqs.
+VLLM_KNOBS = {
+    "vllm-watermark": ("watermark", float,
+                       "vLLM with --watermark {}: admissions keep that share of the pool free"),
+    "vllm-active": ("max_num_active_seqs", int,
+                    "vLLM with --max-num-active-seqs {}: at most that many running requests"),
+}
+
 DEFAULT_POLICIES = list(BUILTIN)
+
+
+def vllm_knob(name: str, value: str) -> PolicySpec:
+    """`vllm-watermark=F` / `vllm-active=N`: vLLM's own scheduler with that engine flag."""
+    key, kind, doc = VLLM_KNOBS[name]
+    try:
+        v = kind(value)
+    except ValueError:
+        raise ValueError(f"policy {name}={value}: {key} must be a{'n integer' if kind is int else ' number'}") from None
+    if kind is float and not 0.0 <= v < 1.0:
+        raise ValueError(f"policy {name}={value}: {key} must be in [0, 1) (vLLM's range)")
+    if kind is int and v < 1:
+        raise ValueError(f"policy {name}={value}: {key} must be >= 1")
+    return PolicySpec(f"{name}={value}", {"policy": "overcommit", "victim": "lifo"}, doc.format(value),
+                      kvadmit=False, vllm_own=True, engine={key: v})
 
 
 def parse_policy(text: str) -> PolicySpec:
@@ -58,6 +87,8 @@ def parse_policy(text: str) -> PolicySpec:
     if text in BUILTIN:
         return BUILTIN[text]
     name, sep, js = text.partition("=")
+    if sep and name in VLLM_KNOBS:
+        return vllm_knob(name, js)
     if not sep:
         raise ValueError(f"policy {text!r}: not one of {sorted(BUILTIN)} and not NAME=JSON")
     try:

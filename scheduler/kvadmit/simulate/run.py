@@ -33,6 +33,7 @@ def run_policy(workload: Workload, spec: PolicySpec, engine: str, shape: EngineS
                step: StepTimeModel, base: AdmissionConfig, model_dir: str | None = None,
                progress=None) -> RawRun:
     w = workload.with_oracle_caps() if spec.oracle else workload
+    shape = spec.shape(shape)
     if engine == "native":
         return run_native(w, spec.config(base), shape, step, progress=progress)
     if engine == "vllm":

@@ -146,6 +146,9 @@ def run_vllm(workload: Workload, config: AdmissionConfig | None, shape: EngineSh
 
     engine_args = dict(engine_args or {})
     engine_args.setdefault("scheduler_reserve_full_isl", shape.reserve_full_input)
+    engine_args.setdefault("watermark", shape.watermark)
+    if shape.max_num_active_seqs:
+        engine_args.setdefault("max_num_active_seqs", shape.max_num_active_seqs)
     model_len = _model_max_len(model_dir)
     if model_len is not None and shape.max_model_len > model_len:
         # The model is never run: let the context exceed what its config declares.
