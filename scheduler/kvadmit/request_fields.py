@@ -13,6 +13,10 @@ vLLM that is `SamplingParams.extra_args`, in either of two shapes:
   them (kvadmit's own vLLM bench passes "kvadmit_stop_at"), so a misspelt flat
   key is ignored, where a misspelt field in the object is refused.
 
+`check_prompt_tokens` and `check_int` check what every request body carries
+(its prompt's token ids, its priority and max_tokens) against limits the model would otherwise hit
+as a crash; the adapters call them at arrival.
+
 Fields (all optional): `ttft_slo_s`, `tpot_slo_s`, `deadline_s` (absolute UNIX
 time by which the first token is due; `ttft_target` turns it into a TTFT target
 at arrival, the tighter of it and ttft_slo_s) and `session` (an agent/session
@@ -37,7 +41,12 @@ SESSION_INT_LIMIT = 1 << 62   # integer sessions: [0, 2**62); strings map into [
 
 
 class FieldError(ValueError):
-    """A kvadmit request field is malformed; the message names it."""
+    """A kvadmit request field (or a request's prompt, priority, max_tokens) is
+    malformed; the message names it, `field` too where the caller needs it apart."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class RequestFields(NamedTuple):
@@ -50,6 +59,45 @@ class RequestFields(NamedTuple):
 
 
 NONE = RequestFields()
+
+
+INT_LIMIT = 1 << 62          # a request's integers at most: the core's int64, negated by SGLang
+
+
+def check_prompt_tokens(token_ids, vocab_size: int, name: str = "prompt_token_ids",
+                        multimodal: bool = False) -> None:
+    """Raises FieldError naming the first prompt token id outside the model's vocabulary
+    [0, vocab_size): the embedding lookup would index past its table and take the engine
+    down (vLLM checks ids only with a tokenizer; SGLang not at all). A multimodal
+    prompt's placeholder ids may lie above the vocabulary (the engine replaces them by
+    the encoder's embeddings): only negative ids are refused there. `vocab_size` <= 0:
+    unknown, only negative ids are refused."""
+    if token_ids is None or len(token_ids) == 0:
+        return
+    lo, hi = min(token_ids), max(token_ids)
+    upper = vocab_size if vocab_size > 0 and not multimodal else None
+    if lo >= 0 and (upper is None or hi < upper):
+        return
+    for i, t in enumerate(token_ids):
+        if t < 0 or (upper is not None and t >= upper):
+            span = f"[0, {upper})" if upper is not None else "[0, ...)"
+            raise FieldError(f"{name}[{i}]={int(t)}: outside the model's vocabulary {span} "
+                             f"(vocab_size={vocab_size})", name)
+
+
+def check_int(value, name: str, lo: int = -INT_LIMIT, hi: int = INT_LIMIT) -> int:
+    """A request's integer (priority, max_tokens) as the core takes it: FieldError
+    naming it outside [lo, hi] (default [-2**62, 2**62]: the core's int64, with room
+    for SGLang's negation of priorities)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FieldError(f"{name}={value!r}: must be an integer", name)
+    if not lo <= value <= hi:
+        raise FieldError(f"{name}={value}: out of range [{_bound(lo)}, {_bound(hi)}]", name)
+    return value
+
+
+def _bound(v: int) -> str:
+    return {INT_LIMIT: "2**62", -INT_LIMIT: "-2**62"}.get(v, str(v))
 
 
 def session_int(value: Any, name: str = "session") -> int:
@@ -88,7 +136,7 @@ def parse(values: Mapping[str, Any], now_unix: float | None = None,
     def name(f):
         return names.get(f, f)
 
-    unknown = sorted(set(values) - set(FIELDS))
+    unknown = sorted(set(values) - set(FIELDS), key=repr)   # keys may be any type offline
     if unknown:
         raise FieldError(f"unknown kvadmit field {name(unknown[0])!r}; known: {', '.join(FIELDS)}")
     ttft = tpot = -1.0

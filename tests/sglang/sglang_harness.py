@@ -117,6 +117,7 @@ class Harness:
         s.last_batch = None
         s.chunked_req = None
         s.page_size = 1
+        s.model_config = self.model_config
         s.tree_cache = self.tree_cache
         s.token_to_kv_pool_allocator = self.allocator
         s.max_total_num_tokens = pool_tokens
@@ -141,7 +142,8 @@ class Harness:
             self.adapter = SGLangAdmission(config, num_tokens=pool_tokens, page_size=1,
                                            max_model_len=max_context,
                                            low_priority_values_first=low_priority_values_first,
-                                           step_budget=max_prefill_tokens)
+                                           step_budget=max_prefill_tokens,
+                                           vocab_size=VOCAB)
             if step_model is not None:
                 self.adapter.clock = lambda: self.t + clock_skew
             s._kvadmit = self.adapter

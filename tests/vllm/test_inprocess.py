@@ -224,6 +224,43 @@ def test_context_and_invalid_input_rejections(model_dir):
     assert len(eng.log.outputs[ok]) == 5
 
 
+@pytest.mark.parametrize("prompt, kw, words", [
+    ([5, 1024, 7], {}, "prompt_token_ids[1]=1024: outside the model's vocabulary [0, 1024)"),
+    ([5, 99999], {}, "prompt_token_ids[1]=99999"),
+    ([-1, 5], {}, "prompt_token_ids[0]=-1"),
+    ([5] * 10, {"priority": 2 ** 63}, "priority=9223372036854775808: out of range [-2**62, 2**62]"),
+    ([5] * 10, {"priority": -2 ** 70}, "priority=-1180591620717411303424: out of range"),
+])
+def test_a_request_the_model_would_crash_on_is_refused_as_invalid(model_dir, prompt, kw, words):
+    """vLLM checks prompt ids only with a tokenizer (not with --skip-tokenizer-init) and
+    takes any priority offline: an id outside the vocabulary would crash the embedding
+    lookup, a priority beyond int64 the core. Refused as invalid naming the field and the
+    limit; the engine goes on."""
+    from types import SimpleNamespace
+
+    from kvadmit_patches.vllm_http_status import error_for, refusal_detail
+    eng = engine(model_dir, {}, scheduling_policy="priority" if kw else "fcfs")
+    bad = eng.add(prompt, 8, **kw)
+    ok = eng.add([1023] * 10, 8)       # the vocabulary's last id is fine
+    assert bad not in eng.scheduler.requests
+    eng.run()
+    assert eng.log.stop_reasons[bad] == "kvadmit:invalid" and eng.log.outputs[bad] == []
+    assert len(eng.log.outputs[ok]) == 8
+    err = error_for("invalid", refusal_detail(
+        SimpleNamespace(kv_transfer_params=eng.log.kv_transfer_params.get(bad))))
+    assert err.http_status == 400 and words in err.message, err.message
+
+
+def test_max_tokens_beyond_the_cores_integers_is_refused(model_dir):
+    eng = engine(model_dir, {})
+    huge = eng.add([5] * 10, 2 ** 63)
+    long = eng.add([5] * 10, 2 ** 62)          # fits: refused for the context, not overflowed
+    eng.run()
+    assert eng.log.stop_reasons[huge] == "kvadmit:invalid"
+    assert "max_tokens=9223372036854775808" in eng.log.kv_transfer_params[huge]["kvadmit_detail"]
+    assert eng.log.stop_reasons[long] == "kvadmit:context_length"
+
+
 def test_priority_shedding_aborts_the_shed_request(model_dir):
     eng = engine(model_dir, {"policy": "reserve", "max_queued_requests": 1,
                              "shed_lower_priority": True, "queue_order": "priority"})

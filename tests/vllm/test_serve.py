@@ -151,3 +151,20 @@ def test_request_fields_through_vllm_xargs(server):
     with pytest.raises(openai.APIStatusError) as e:
         complete(base, model, 40, 4, 3, {"kvadmit_ttft_slo_s": "soon"})
     assert e.value.status_code == 400 and "kvadmit_ttft_slo_s" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("bad_id, words", [
+    (1024, "prompt_token_ids[2]=1024: outside the model's vocabulary [0, 1024)"),
+    (99999, "prompt_token_ids[2]=99999"),
+])   # a negative id: the OpenAI server's own request validation answers 400
+def test_out_of_vocabulary_prompt_gets_400_and_the_server_lives(server, bad_id, words):
+    """--skip-tokenizer-init: vLLM does not check prompt ids; an id outside the
+    vocabulary crashed the engine (IndexError) and with it the server. kvadmit refuses
+    it at arrival: 400 naming the field and the limit; the server keeps serving."""
+    base, model, _ = server
+    with pytest.raises(openai.APIStatusError) as e:
+        client(base).completions.create(model=model, prompt=[5, 6, bad_id], max_tokens=4)
+    assert e.value.status_code == 400 and "kvadmit:invalid" in str(e.value), str(e.value)
+    assert words in str(e.value), str(e.value)
+    assert urllib.request.urlopen(base + "/health", timeout=10).status == 200
+    assert complete(base, model, 20, 4, 9).usage.completion_tokens == 4

@@ -318,12 +318,13 @@ class SGLangAdmission:
     def __init__(self, config: AdmissionConfig, *, num_tokens: int, page_size: int = 1,
                  max_model_len: int = 0, low_priority_values_first: bool = False,
                  clock: Callable[[], float] = time.time, step_budget: int = 0,
-                 synced_clock: bool = False):
+                 synced_clock: bool = False, vocab_size: int = 0):
         if page_size < 1:
             raise ValueError(f"page_size={page_size}: must be >= 1")
         self.config = config
         self.page_size = page_size
         self.num_tokens = num_tokens
+        self.vocab_size = vocab_size   # prompt token ids are checked against it (0: unknown)
         self.low_priority_values_first = low_priority_values_first
         self.clock = clock
         # Several ranks share the waiting queue and time feeds decisions: every
@@ -371,6 +372,7 @@ class SGLangAdmission:
             low_priority_values_first=bool(scheduler.schedule_low_priority_values_first),
             step_budget=step_budget_of(scheduler),
             synced_clock=clock_decides(config) and _ranks_per_queue(scheduler) > 1,
+            vocab_size=int(getattr(getattr(scheduler, "model_config", None), "vocab_size", 0) or 0),
         )
         if getattr(scheduler, "enable_priority_preemption", False):
             logger.warning("kvadmit: SGLang's priority preemption is off while kvadmit "
@@ -450,6 +452,7 @@ class SGLangAdmission:
                 return EnqueueOutcome(requeued=True)
             return EnqueueOutcome()
         try:
+            self._check_body(req)
             fields = parse_request_params(req.sampling_params.custom_params, now,
                                           _sglang_session(req))
         except request_fields.FieldError as e:
@@ -457,7 +460,7 @@ class SGLangAdmission:
             self._rejected_here["invalid"] += 1
             self.counters["rejected_sent"] += 1
             return EnqueueOutcome(rejection=Rejection(
-                "invalid", str(e), f"custom_params.{PARAMS_KEY}", None, None))
+                "invalid", str(e), e.field or f"custom_params.{PARAMS_KEY}", None, None))
         res = self.core.arrive(len(req.origin_input_ids), self._max_new(req),
                                priority=self._priority(req), cached_tokens=0, now=now,
                                ttft_slo_s=self._ttft_target(fields, now),
@@ -473,6 +476,16 @@ class SGLangAdmission:
         self.counters["shed_sent"] += len(shed)
         self._track(req, res.slot)
         return EnqueueOutcome(shed=shed)
+
+    def _check_body(self, req) -> None:
+        """Refuses (FieldError) what would crash the scheduler further on: a prompt token
+        id outside the vocabulary (SGLang does not check input_ids) and a max_new_tokens
+        beyond the core's integers."""
+        request_fields.check_prompt_tokens(req.origin_input_ids, self.vocab_size, "input_ids",
+                                           multimodal=req.multimodal_inputs is not None)
+        m = req.sampling_params.max_new_tokens
+        if m is not None:
+            request_fields.check_int(m, "max_new_tokens", 0)
 
     def _ttft_target(self, fields, now: float) -> float:
         """ttft_slo_s, tightened by deadline_s - now (the adapter's clock, UNIX

@@ -39,7 +39,14 @@ from vllm.v1.request import Request, RequestStatus
 
 from kvadmit._native import AdmissionCore, BlockObjectQueue
 from kvadmit.config import AdmissionConfig, ConfigError
-from kvadmit.request_fields import FieldError, from_extra_args, session_int, ttft_target
+from kvadmit.request_fields import (
+    FieldError,
+    check_int,
+    check_prompt_tokens,
+    from_extra_args,
+    session_int,
+    ttft_target,
+)
 from kvadmit.vllm.metrics import process_metrics
 
 logger = logging.getLogger("kvadmit.vllm")
@@ -173,6 +180,7 @@ class _KvadmitMixin:
         self.kvadmit_core = AdmissionCore(cfg, pool.num_gpu_blocks - 1, self.block_size,
                                           self.vllm_config.model_config.max_model_len)
         self.kvadmit_slot = {}
+        self._kvadmit_vocab_size = self.vllm_config.model_config.get_vocab_size()
         self._kvadmit_rejections: list[tuple[int, EngineCoreOutput]] = []
         # The SLO guard predicts prefill time from the engine's token budget a step.
         self.kvadmit_core.set_step_budget(sched_cfg.max_num_batched_tokens)
@@ -267,6 +275,7 @@ class _KvadmitMixin:
             # The engine was idle: the time since the last step's schedule() is no step time.
             self._kvadmit_step_tokens = 0
         try:
+            self._kvadmit_check_body(request)
             sp = request.sampling_params
             fields = from_extra_args(sp.extra_args if sp is not None else None)
             session = fields.session
@@ -291,6 +300,15 @@ class _KvadmitMixin:
             return None
         self.kvadmit_slot[request.request_id] = res.slot
         return super().add_request(request)
+
+    def _kvadmit_check_body(self, request: Request) -> None:
+        """Refuses (FieldError) what would crash the engine further on: a prompt token
+        id outside the vocabulary (vLLM checks none with --skip-tokenizer-init), and a
+        priority or max_tokens beyond the core's integers (offline `LLM` passes any)."""
+        check_prompt_tokens(request.prompt_token_ids, self._kvadmit_vocab_size,
+                            multimodal=bool(request.mm_features))
+        check_int(request.priority, "priority")
+        check_int(request.max_tokens, "max_tokens", 1)
 
     def _kvadmit_reject(self, request: Request, rejection) -> None:
         logger.info("kvadmit: refused %s: %s", request.request_id, rejection.message)
