@@ -29,7 +29,10 @@ def test_defaults_and_round_trip():
     ({"drain_window_s": "30"}, "drain_window_s='30': must be a number"),
     ({"adaptive_quantile": 0.99, "adaptive_max_quantile": 0.95}, "adaptive_max_quantile=0.95 must be >="),
     ({"retry_after_default_s": 10, "retry_after_max_s": 5}, "retry_after_max_s=5 must be >="),
-    ({"polcy": "peak"}, "unknown key 'polcy'; known keys: adaptive_bucket_tokens"),
+    ({"polcy": "peak"}, "unknown key 'polcy'; did you mean 'policy'?"),
+    ({"max_queue_requests": 8}, "unknown key 'max_queue_requests'; did you mean 'max_queued_requests'?"),
+    ({"zzz": 1}, "unknown key 'zzz'; see `kvadmit config` for the keys"),
+    ({"kvadmit": {"policy": "peak"}}, "without the 'kvadmit' wrapper"),
 ])
 def test_errors_name_the_field(values, needle):
     with pytest.raises(ConfigError) as e:
@@ -42,6 +45,45 @@ def test_bad_json_and_bad_type():
         AdmissionConfig.from_json("{policy: peak}")
     with pytest.raises(ConfigError, match="must be a JSON object"):
         AdmissionConfig.from_json("[1, 2]")
+    with pytest.raises(ConfigError, match="must be a JSON object of kvadmit's keys, got null"):
+        AdmissionConfig.from_json("null")     # not "defaults": that is no caps
+
+
+def test_unknown_key_error_suggests_one_key_not_all():
+    with pytest.raises(ConfigError) as e:
+        AdmissionConfig.from_dict({"polcy": "peak"})
+    assert "victim" not in str(e.value) and len(str(e.value)) < 120
+
+
+@pytest.mark.parametrize("settings", [
+    {"kvadmitt": {"policy": "peak"}}, {"KVAdmit": {}}, {"kv_admit": {}}, {"kvadmit_config": {}},
+    {"kvadmin": {}}, {"other_plugin": 1, "kvadmitt": {}},
+])
+def test_a_misspelt_section_is_an_error(settings):
+    """vLLM's --additional-config is shared with other plug-ins: a key that looks like
+    "kvadmit" but is not would leave kvadmit on its defaults (no caps), silently."""
+    from kvadmit.config import section_from
+
+    key = next(k for k in settings if k != "other_plugin")
+    with pytest.raises(ConfigError) as e:
+        section_from(settings, "--additional-config")
+    assert f"unknown key {key!r}; did you mean 'kvadmit'?" in str(e.value)
+
+
+@pytest.mark.parametrize("value, got", [(None, "null"), (3, "int"), ([1], "list")])
+def test_a_null_or_scalar_section_is_an_error(value, got):
+    from kvadmit.config import section_from
+
+    with pytest.raises(ConfigError, match=f"'kvadmit' must be an object of kvadmit's keys, got {got}"):
+        section_from({"kvadmit": value}, "--additional-config")
+
+
+def test_other_plugins_keys_and_no_section_pass():
+    from kvadmit.config import section_from
+
+    assert section_from({"other_plugin": {"x": 1}, "admit": 2}, "x") == {}
+    assert section_from(None, "x") == {}
+    assert section_from({"kvadmit": {"policy": "peak"}}, "x") == {"policy": "peak"}
 
 
 def test_docs_list_every_key_with_its_default():

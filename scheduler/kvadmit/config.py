@@ -7,6 +7,7 @@ all derived from it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 from dataclasses import dataclass, field
@@ -171,19 +172,29 @@ class AdmissionConfig:
         if not isinstance(values, Mapping):
             raise ConfigError(
                 f"kvadmit config must be a JSON object / dict, got {type(values).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(known), key=repr)
         if unknown:
-            raise ConfigError(
-                f"kvadmit config: unknown key {unknown[0]!r}; known keys: {', '.join(sorted(known))}")
+            key = unknown[0]
+            if key == SECTION:
+                hint = (f"this is already kvadmit's object: give its keys without the "
+                        f"{SECTION!r} wrapper")
+            else:
+                hint = _did_you_mean(str(key), known) or "see `kvadmit config` for the keys"
+            raise ConfigError(f"kvadmit config: unknown key {key!r}; {hint}")
         return cls(**values)
 
     @classmethod
     def from_json(cls, text: str) -> "AdmissionConfig":
+        """Builds a config from a JSON object; `null` or any other JSON value is an
+        error (it would otherwise mean "defaults", i.e. no caps, by accident)."""
         try:
             values = json.loads(text)
         except json.JSONDecodeError as e:
             raise ConfigError(f"kvadmit config is not valid JSON: {e}") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"kvadmit config must be a JSON object of kvadmit's keys, got "
+                              f"{json.dumps(values)[:80]}")
         return cls.from_dict(values)
 
     def to_dict(self) -> dict[str, Any]:
@@ -200,6 +211,50 @@ class AdmissionConfig:
             rows.append(f"| `{f.name}` | `{json.dumps(f.default)}` | {_allowed(f.metadata)} | "
                         f"{f.metadata['doc']} |")
         return "\n".join(rows)
+
+
+SECTION = "kvadmit"    # kvadmit's key in an engine's shared plug-in settings
+
+
+def _did_you_mean(name: str, options) -> str | None:
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}?" if close else None
+
+
+def _normalized(key: str) -> str:
+    return key.lower().replace("_", "").replace("-", "").replace(" ", "")
+
+
+def looks_like_section(key: Any) -> bool:
+    """Whether a settings key other than "kvadmit" is a misspelling of it ("kvadmitt",
+    "KVAdmit", "kv_admit", "kvadmit_config"), which would leave kvadmit on defaults."""
+    if not isinstance(key, str) or key == SECTION:
+        return False
+    n = _normalized(key)
+    ratio = difflib.SequenceMatcher(None, n, SECTION).ratio()
+    return n.startswith(SECTION) or ratio >= 0.85 or (n.startswith("kv") and ratio >= 0.75)
+
+
+def section_from(settings: Any, where: str) -> Mapping[str, Any] | str:
+    """kvadmit's object in an engine's shared plug-in settings (vLLM's
+    `--additional-config`, named `where` in messages): {} when absent (defaults).
+    A key that looks like a misspelt "kvadmit", or a "kvadmit" that is null or not an
+    object (or JSON text of one), is a ConfigError: either would run without caps."""
+    if settings is None:
+        return {}
+    if not isinstance(settings, Mapping):
+        raise ConfigError(f"{where} must be a JSON object, got {type(settings).__name__}")
+    for key in settings:
+        if looks_like_section(key):
+            raise ConfigError(f"{where}: unknown key {key!r}; did you mean {SECTION!r}? "
+                              f"(kvadmit would run on its defaults, without caps)")
+    if SECTION not in settings:
+        return {}
+    raw = settings[SECTION]
+    if not isinstance(raw, (Mapping, str)):
+        raise ConfigError(f"{where}: {SECTION!r} must be an object of kvadmit's keys, got "
+                          f"{json.dumps(raw) if raw is None else type(raw).__name__}")
+    return raw
 
 
 def _allowed(rule: Mapping[str, Any]) -> str:

@@ -72,6 +72,9 @@ def test_sglang_plugins_whitelist(clean_plugins, monkeypatch):
     ('{"max_queued_requests": -1}', "max_queued_requests"),
     ('{"victim": "lifo", "no_such_key": 1}', "no_such_key"),
     ('{"policy": ', "not valid JSON"),
+    ("null", "must be a JSON object of kvadmit's keys, got null"),
+    ('{"polcy": "peak"}', "did you mean 'policy'?"),
+    ('{"kvadmit": {"policy": "peak"}}', "without the 'kvadmit' wrapper"),   # vLLM's shape
 ])
 def test_bad_config_in_env_stops_startup(clean_plugins, monkeypatch, text, field):
     monkeypatch.setenv("KVADMIT_CONFIG", text)
@@ -79,6 +82,17 @@ def test_bad_config_in_env_stops_startup(clean_plugins, monkeypatch, text, field
         plugins.load_plugins()  # SGLang swallows Exception from a plug-in, not this
     assert isinstance(info.value, SystemExit)
     assert field in str(info.value) and "KVADMIT_CONFIG" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["KVADMIT_CONFG", "KV_ADMIT_CONFIG", "KVADMIT_CONF"])
+def test_a_misspelt_config_variable_stops_startup(clean_plugins, monkeypatch, name):
+    """Without KVADMIT_CONFIG SGLang runs without kvadmit: a variable whose name is a
+    typo of it would turn admission control off without a word."""
+    monkeypatch.setenv(name, '{"policy": "peak"}')
+    with pytest.raises(KvadmitStartupError) as info:
+        plugins.load_plugins()
+    assert f"{name} is set, but kvadmit reads KVADMIT_CONFIG: did you mean KVADMIT_CONFIG?" \
+        in str(info.value)
 
 
 def test_missing_hook_target_raises(clean_plugins, monkeypatch):

@@ -310,8 +310,21 @@ def test_native_free_block_queue_gives_identical_block_ids(model_dir, prefix_cac
 def test_bad_config_stops_start_up(model_dir):
     with pytest.raises(ConfigError, match="policy='fast'"):
         engine(model_dir, {"policy": "fast"})
-    with pytest.raises(ConfigError, match="unknown key 'polic'"):
+    with pytest.raises(ConfigError, match="unknown key 'polic'; did you mean 'policy'"):
         engine(model_dir, {"polic": "peak"})
+
+
+@pytest.mark.parametrize("additional, words", [
+    ({"kvadmitt": {"policy": "peak", "max_queued_requests": 2}}, "unknown key 'kvadmitt'; did you mean 'kvadmit'?"),
+    ({"kvadmit": None}, "'kvadmit' must be an object of kvadmit's keys, got null"),
+])
+def test_a_misspelt_or_null_section_stops_start_up(model_dir, additional, words):
+    """Either would run kvadmit on its defaults (no caps) without a word."""
+    from kvadmit.vllm.inprocess import InProcessEngine
+    with pytest.raises(ConfigError) as e:
+        InProcessEngine(model_dir, scheduler_cls=Scheduler, additional_config=additional,
+                        max_model_len=512, num_blocks=24)
+    assert words in str(e.value)
 
 
 # -- per-request SLO fields, the step-time fit and the agent window ------------------------

@@ -19,6 +19,7 @@ SGLang installed.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import math
@@ -44,9 +45,17 @@ PARAMS_KEY = request_fields.KEY
 
 
 def config_text_from_env() -> Optional[str]:
-    """The JSON in KVADMIT_CONFIG, or None when unset or blank."""
+    """The JSON in KVADMIT_CONFIG, or None when unset or blank. Unset while a
+    variable of a close name is set (KVADMIT_CONFG, KV_ADMIT_CONFIG) is a
+    ConfigError: the typo would leave SGLang without admission control."""
     text = os.environ.get(ENV_VAR)
-    if text is None or not text.strip():
+    if text is None:
+        for name in os.environ:
+            if difflib.SequenceMatcher(None, name.upper(), ENV_VAR).ratio() >= 0.85:
+                raise ConfigError(f"environment variable {name} is set, but kvadmit reads "
+                                  f"{ENV_VAR}: did you mean {ENV_VAR}?")
+        return None
+    if not text.strip():
         return None
     return text
 

@@ -364,8 +364,8 @@ def register() -> None:
     if version != SUPPORTED_SGLANG:
         logger.warning("kvadmit supports SGLang %s; found %s (the hook check decides)",
                        SUPPORTED_SGLANG, version)
-    text = _adapter.config_text_from_env()
     try:
+        text = _adapter.config_text_from_env()
         _adapter.load_config(text)
     except ConfigError as e:
         raise KvadmitStartupError(f"{_adapter.ENV_VAR}: {e}") from None

@@ -38,7 +38,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.request import Request, RequestStatus
 
 from kvadmit._native import AdmissionCore, BlockObjectQueue
-from kvadmit.config import AdmissionConfig, ConfigError
+from kvadmit.config import AdmissionConfig, ConfigError, section_from
 from kvadmit.request_fields import (
     FieldError,
     check_int,
@@ -51,18 +51,15 @@ from kvadmit.vllm.metrics import process_metrics
 
 logger = logging.getLogger("kvadmit.vllm")
 
-CONFIG_KEY = "kvadmit"
 STOP_REASON_PREFIX = "kvadmit:"
 RETRY_AFTER_KEY = "kvadmit_retry_after_s"   # in a refused output's kv_transfer_params
 DETAIL_KEY = "kvadmit_detail"               # there too: what is wrong with an invalid request
 
 
 def config_from_vllm(vllm_config) -> AdmissionConfig:
-    """The `"kvadmit"` object of vLLM's `--additional-config` (a dict or JSON text)."""
-    extra = vllm_config.additional_config or {}
-    if not isinstance(extra, dict):
-        raise ConfigError(f"additional_config must be a JSON object, got {type(extra).__name__}")
-    raw = extra.get(CONFIG_KEY, {})
+    """The `"kvadmit"` object of vLLM's `--additional-config` (a dict or JSON text);
+    a misspelt or null `"kvadmit"` is a ConfigError (kvadmit.config.section_from)."""
+    raw = section_from(vllm_config.additional_config, "--additional-config")
     if isinstance(raw, str):
         return AdmissionConfig.from_json(raw)
     return AdmissionConfig.from_dict(raw)
