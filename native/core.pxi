@@ -11,7 +11,7 @@ cdef enum:
     ST_RUNNING = 2
 
 STATES = ("free", "waiting", "running")
-POLICIES = ("overcommit", "reserve", "peak", "predict", "adaptive")
+POLICIES = ("overcommit", "reserve", "peak", "predict", "adaptive", "auto")
 VICTIMS = ("lifo", "priority", "lcf", "length")
 DECISIONS = ("admit", "hold_blocks", "hold_capacity", "hold_slo", "hold_agent", "hold_paused")
 REJECT_REASONS = ("queue_full", "queued_tokens_full", "context_length", "kv_capacity", "shed",
@@ -23,6 +23,7 @@ cdef enum:  # indexes into POLICIES
     P_PEAK = 2
     P_PREDICT = 3
     P_ADAPTIVE = 4
+    P_AUTO = 5        # adaptive's curves, own constants (AUTO_*), prefix sharing discounted
 
 cdef enum:  # indexes into VICTIMS
     V_LIFO = 0
@@ -46,6 +47,17 @@ cdef enum:  # indexes into REJECT_REASONS
     R_SHED = 4
     R_QUEUE_DELAY = 5
     R_SLO = 6
+
+# `auto`: the zero-config default. Its length quantile and controller settings are
+# fixed here (not the adaptive_* keys): one setting for every workload.
+cdef double AUTO_QUANTILE = 0.4          # starting (and lowest) quantile of the output-length model
+cdef double AUTO_MAX_QUANTILE = 0.95     # ceiling the controller may raise it to
+cdef double AUTO_TARGET_PREEMPTION_RATE = 0.01   # preemptions per admission that raise it
+cdef enum:
+    AUTO_MIN_SAMPLES = 1     # finished lengths before predictions replace max_tokens
+    AUTO_INTERVAL = 64       # admissions per controller window
+    AUTO_MAX_BYPASS = 1000   # head_of_line auto: times a held request may be passed
+    AUTO_LOOKAHEAD = 256     # head_of_line auto: requests examined behind a held head
 
 ctypedef pair[int64_t, int64_t] QKey  # (order key, arrival seq); smaller is served first
 
@@ -179,6 +191,11 @@ cdef class AdmissionCore:
     cdef int64_t _paused_now, _n_pauses   # running requests paused this step; request-steps in all
     cdef OutputLengthModel _lengths
     cdef double _quantile
+    cdef deque[char] _capped_window   # auto: whether each recent finish ran to its max_tokens
+    cdef int64_t _n_capped            # auto: how many in _capped_window did
+    cdef int64_t _lengths_window
+    cdef vector[int64_t] _shared      # auto: prompt tokens a running request shares with others (prefix hits)
+    cdef int64_t _unowned_blocks      # auto: blocks in use that no running request's own part counts
     cdef int64_t _win_admits, _win_preempts
     # drain rate (Retry-After)
     cdef deque[pair[double, int64_t]] _drain   # (backlog clock, prefill tokens) per admission
@@ -224,10 +241,12 @@ cdef class AdmissionCore:
         self._policy = POLICIES.index(config.policy)
         self._victim = VICTIMS.index(config.victim)
         self._priority_order = config.queue_order == "priority"
-        self._bypass = config.head_of_line == "bypass"
-        self._pause_on_shortfall = config.shortfall == "pause"
+        self._bypass = config.bypass_head_of_line
+        self._pause_on_shortfall = config.pause_on_shortfall
         self._max_bypass = config.max_bypass
         self._lookahead = config.bypass_lookahead
+        if config.head_of_line == "auto" and self._bypass:
+            self._max_bypass, self._lookahead = AUTO_MAX_BYPASS, AUTO_LOOKAHEAD
         self._max_q_reqs = config.max_queued_requests
         self._max_q_tokens = config.max_queued_tokens
         self._shed = config.shed_lower_priority
@@ -267,10 +286,17 @@ cdef class AdmissionCore:
         self._cooldown_left = self._n_active = self._activations = 0
         self._iv_steps = self._iv_hit = self._iv_query = self._window_changes = 0
         self._iv_usage = self._last_now = 0.0
+        if self._policy == P_AUTO:
+            self._aq_base, self._aq_max = AUTO_QUANTILE, AUTO_MAX_QUANTILE
+            self._aq_target, self._aq_interval = AUTO_TARGET_PREEMPTION_RATE, AUTO_INTERVAL
+        self._unowned_blocks = 0
+        self._n_capped = 0
+        self._lengths_window = config.adaptive_window
         self._lengths = OutputLengthModel(
             config.adaptive_bucket_tokens,
             max_model_len if max_model_len > 0 else num_blocks * block_size,
-            config.adaptive_window, config.adaptive_min_samples)
+            config.adaptive_window,
+            AUTO_MIN_SAMPLES if self._policy == P_AUTO else config.adaptive_min_samples)
         self._quantile = self._aq_base
         self._ratio = self._pr_init
         self._fen.assign(block_size + 1, 0)
@@ -313,13 +339,29 @@ cdef class AdmissionCore:
     cdef inline Curve _curve(self, int32_t s) noexcept nogil:
         cdef Curve c
         c.tokens = self._tokens(s)
-        if self._policy == P_ADAPTIVE:
-            c.steps = self._lengths.c_predict_remaining(
-                self._generated[s], self._max_new[s], self._quantile)
+        if self._policy == P_AUTO:
+            c.tokens -= self._shared[s]      # counted once, in _unowned_blocks
+        if self._policy == P_ADAPTIVE or self._policy == P_AUTO:
+            c.steps = self._predict_remaining(s)
         else:
             c.steps = self._worst_steps(s)
         c.steps += self._prefill_extra_steps(s)
         return c
+
+    cdef inline int64_t _predict_remaining(self, int32_t s) noexcept nogil:
+        """Output tokens still to come, as adaptive and auto predict them. auto also
+        learns how often requests run to their max_tokens (honest caps): a request
+        stops at its cap with probability h, else at a length from the model of the
+        requests that stopped earlier; the q-quantile of that mixture is the cap when
+        h >= 1 - q, else the model's q / (1 - h) quantile. So honest caps give peak's
+        exact curves, and caps far above the lengths give the length model's."""
+        cdef double h, q = self._quantile
+        if self._policy == P_AUTO and self._capped_window.size() > 0:
+            h = self._n_capped / <double>self._capped_window.size()
+            if h >= 1.0 - q or self._lengths._count < AUTO_MIN_SAMPLES:
+                return self._worst_steps(s)
+            q = q / (1.0 - h)
+        return self._lengths.c_predict_remaining(self._generated[s], self._max_new[s], q)
 
     cdef inline int64_t _reserve_blocks(self, int32_t s) noexcept nogil:
         return cdiv(self._prompt[s] + self._max_new[s], self.block_size)
@@ -389,11 +431,12 @@ cdef class AdmissionCore:
             c.steps = self._worst_steps(s) + self._prefill_extra_steps(s)
             return peak_blocks_sorted(NULL, 0, &c, self.block_size, self.num_blocks,
                                       self._fen) <= self.num_blocks
-        # peak / adaptive (_decide settles overcommit and predict itself)
+        # peak / adaptive / auto (_decide settles overcommit and predict itself)
         self._ensure_profile()
         c = self._curve(s)
         return peak_blocks_sorted(self._profile.data(), self._profile.size(), &c,
-                                  self.block_size, self.num_blocks, self._fen) <= self.num_blocks
+                                  self.block_size, self.num_blocks, self._fen) \
+            + self._unowned_blocks <= self.num_blocks
 
     cdef inline double _running_context(self) noexcept nogil:
         return <double>self._run_ctx
@@ -478,7 +521,7 @@ cdef class AdmissionCore:
         self._prompt.push_back(0); self._cached.push_back(0); self._computed.push_back(0)
         self._generated.push_back(0); self._max_new.push_back(0); self._priority.push_back(0)
         self._arrival.push_back(0); self._admit_seq.push_back(-1); self._admit_step.push_back(-1)
-        self._blocks.push_back(0); self._pred_total.push_back(0)
+        self._blocks.push_back(0); self._pred_total.push_back(0); self._shared.push_back(0)
         self._bypassed.push_back(0); self._preempts.push_back(0); self._run_pos.push_back(-1)
         self._state.push_back(ST_FREE); self._sheddable.push_back(0)
         self._ttft.push_back(0.0); self._tpot.push_back(0.0); self._arrive_t.push_back(0.0)
@@ -688,6 +731,7 @@ cdef class AdmissionCore:
         self._admit_seq[s] = -1
         self._admit_step[s] = -1
         self._blocks[s] = 0
+        self._shared[s] = 0
         self._bypassed[s] = 0
         self._preempts[s] = 0
         self._pred_total[s] = 0
@@ -945,8 +989,8 @@ cdef class AdmissionCore:
         self._offsets_dirty = True
         if self._pred_total[s] == 0:
             self._pred_total[s] = self._generated[s] + (
-                self._lengths.c_predict_remaining(self._generated[s], self._max_new[s], self._quantile)
-                if self._policy == P_ADAPTIVE else self._max_new[s] - self._generated[s])
+                self._predict_remaining(s) if self._policy == P_ADAPTIVE or self._policy == P_AUTO
+                else self._max_new[s] - self._generated[s])
         self._n_admitted += 1
         self._win_admits += 1
         self._drain.push_back(pair[double, int64_t](self._backlog_s, queued))
@@ -976,7 +1020,7 @@ cdef class AdmissionCore:
         self._activated_by[s] = 0
 
     cdef void _maybe_adapt(self) noexcept:
-        if self._policy != P_ADAPTIVE or self._win_admits < self._aq_interval:
+        if (self._policy != P_ADAPTIVE and self._policy != P_AUTO) or self._win_admits < self._aq_interval:
             return
         self._quantile = c_next_quantile(self._quantile, self._aq_base, self._aq_max,
                                          self._win_preempts, self._win_admits, self._aq_target)
@@ -1069,6 +1113,7 @@ cdef class AdmissionCore:
         self._computed[s] = 0
         self._cached[s] = 0
         self._blocks[s] = 0
+        self._shared[s] = 0
         self._preempts[s] += 1
         self._enqueue(s)
         self._n_preempted += 1
@@ -1100,13 +1145,23 @@ cdef class AdmissionCore:
 
     cdef void _finish(self, int32_t s) noexcept nogil:
         self._run_remove(s)
-        self._lengths.c_observe(self._generated[s])
+        if self._policy == P_AUTO:
+            self._observe_capped(self._generated[s] >= self._max_new[s])
+        if self._policy != P_AUTO or self._generated[s] < self._max_new[s]:
+            self._lengths.c_observe(self._generated[s])
         self._n_len_obs += 1
         self._len_abs_err += llabs(self._pred_total[s] - self._generated[s])
         self._len_pred_sum += self._pred_total[s]
         self._len_actual_sum += self._generated[s]
         self._n_finished += 1
         self._release(s)
+
+    cdef void _observe_capped(self, bint capped) noexcept nogil:
+        self._capped_window.push_back(capped)
+        self._n_capped += capped
+        if <int64_t>self._capped_window.size() > self._lengths_window:
+            self._n_capped -= self._capped_window.front()
+            self._capped_window.pop_front()
 
     def abort(self, int64_t slot, double now=0.0):
         """The request is gone (client cancelled, engine error): forget it."""
@@ -1161,6 +1216,8 @@ cdef class AdmissionCore:
 
     cdef void _c_observe_cache(self, int64_t used_blocks, int64_t hit_tokens, int64_t query_tokens,
                                double now) noexcept nogil:
+        if self._policy == P_AUTO:
+            self._unowned_blocks = self._count_unowned(used_blocks)
         if not self._agents:
             return
         self._advance(now)
@@ -1177,6 +1234,32 @@ cdef class AdmissionCore:
             self._pause_excess()
         elif self._n_active >= <int64_t>self._window:
             self._expire_idle()    # a full window: an idle session must not hold a place
+
+    cdef int64_t _count_unowned(self, int64_t used_blocks) noexcept nogil:
+        """Blocks in use beyond the running requests' own parts (their context less the
+        prefix they share): the shared prefixes, counted once and assumed held while
+        anything runs. Under auto a request's curve counts only its own part, so a
+        prefix many requests share is not counted once per request (peak and adaptive
+        count it per request: their bound stays a bound)."""
+        cdef int64_t own = 0
+        cdef size_t i
+        cdef int32_t r
+        for i in range(self._running.size()):
+            r = self._running[i]
+            own += cdiv(self._computed[r], self.block_size) - self._shared[r] // self.block_size
+        return used_blocks - own if used_blocks > own else 0
+
+    def set_shared(self, int64_t slot, int64_t shared_tokens):
+        """At admission: prompt tokens of a request that sit in KV blocks other running
+        requests already hold (prefix-cache hits on blocks in use). Only auto uses it."""
+        self._check_slot(slot, ST_FREE)
+        if shared_tokens < 0 or shared_tokens > self._tokens(<int32_t>slot):
+            raise ValueError(f"shared_tokens={shared_tokens}: must be in [0, {self._tokens(<int32_t>slot)}]")
+        self.c_set_shared(<int32_t>slot, shared_tokens)
+
+    cdef void c_set_shared(self, int32_t s, int64_t shared_tokens) noexcept nogil:
+        self._shared[s] = shared_tokens
+        self._profile_dirty = True
 
     cdef void _agent_update(self, double usage, double hit_rate) noexcept nogil:
         cdef double w = c_next_agent_window(self._window, usage, hit_rate, self._a_alpha, self._a_beta,

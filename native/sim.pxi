@@ -504,6 +504,8 @@ cdef class NativeEngine:
             self._step_hit += c0
             self._step_query += tokens
             self._computed[r] = c0
+            # hits on blocks other requests hold (not the cached-free ones it takes over)
+            self.core.c_set_shared(s, (hits - fresh) * self._bs)
             self.core._admit(s, self._clock)
             self._rstate[r] = RQ_RUNNING
             self._running.push_back(r)

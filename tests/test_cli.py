@@ -18,7 +18,7 @@ def test_lockstep_compares_every_policy(tmp_path):
             "--num-blocks", "256", "--json", str(out))
     assert p.returncode == 0, p.stderr
     rows = {r["policy"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"overcommit", "reserve", "peak", "predict", "adaptive"}
+    assert set(rows) == {"overcommit", "reserve", "peak", "predict", "adaptive", "auto"}
     for r in rows.values():
         assert r["finished"] + sum(r["rejected"].values()) == 200 and r["leaked_blocks"] == 0
     assert rows["reserve"]["preemptions"] == rows["peak"]["preemptions"] == 0

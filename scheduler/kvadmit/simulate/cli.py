@@ -169,7 +169,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                              show_progress=not args.quiet)
         title = f"\nload {load:g}x capacity ({offered_rps(w):.2f} req/s)" if load is not None else ""
         print_table(title, rows)
-        out["runs"].append({"load": load, "offered_rps": offered_rps(w) if len(w) > 1 else None,
+        # A burst (every request at one instant) is a workload like any other; it has no rate.
+        out["runs"].append({"load": load,
+                            "offered_rps": offered_rps(w) if w.open_loop_span_s() > 0 else None,
                             "rows": rows})
         if series is None or (load is not None and abs(load - 1.5) < abs(series[0] - 1.5)):
             series = (load if load is not None else math.nan,

@@ -166,6 +166,16 @@ class _KvadmitMixin:
                 logger.warning("vLLM's priority scheduling picks its own victim (highest "
                                "priority value, latest arrival); kvadmit victim=%r is not used",
                                cfg.victim)
+        if cfg.pause_on_shortfall and not self._kvadmit_can_pause():
+            if cfg.shortfall == "pause":
+                groups = self.kv_cache_config.kv_cache_groups
+                raise ConfigError(
+                    f"kvadmit: shortfall={cfg.shortfall!r} needs one full-attention KV cache group; "
+                    f"this model has {len(groups)} group(s) of "
+                    f"{sorted({type(g.kv_cache_spec).__name__ for g in groups})}: use shortfall='preempt'")
+            logger.info("kvadmit: this model's KV layout cannot pause a request; shortfall=auto "
+                        "preempts instead")
+            cfg = cfg.replace(shortfall="preempt")
         self.kvadmit_config = cfg
         # The core's clock (drain rate, queue delay, step times, sessions): injectable,
         # so the simulator (kvadmit.simulate.vllm_engine) can run it on virtual time.
@@ -199,23 +209,19 @@ class _KvadmitMixin:
         self._kvadmit_hits = self._kvadmit_queries = 0
         self.kvadmit_prefix_hit_tokens = self.kvadmit_prefix_query_tokens = 0   # totals
         self.waiting = GatedWaitingQueue(self)
-        self._kvadmit_req_blocks = self._kvadmit_pause_blocks(cfg) if cfg.shortfall == "pause" else None
+        self._kvadmit_req_blocks = (self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
+                                    if cfg.pause_on_shortfall else None)
         self._kvadmit_metrics = process_metrics()
         logger.info("kvadmit: policy=%s victim=%s on %d blocks of %d tokens", cfg.policy,
                     cfg.victim, pool.num_gpu_blocks - 1, self.block_size)
 
-    def _kvadmit_pause_blocks(self, cfg: AdmissionConfig) -> dict:
-        """Where a request's KV blocks are listed, for the pause plan's block count.
-        The plan counts blocks for one full-attention group; other layouts (sliding
-        window, hybrid, several groups) free and take blocks in ways it does not model."""
+    def _kvadmit_can_pause(self) -> bool:
+        """The pause plan counts blocks for one full-attention group (listed in its
+        manager's req_to_blocks); other layouts (sliding window, hybrid, several groups)
+        free and take blocks in ways it does not model."""
         groups = self.kv_cache_config.kv_cache_groups
-        if len(groups) != 1 or type(groups[0].kv_cache_spec) not in (FullAttentionSpec,
-                                                                     MLAAttentionSpec):
-            raise ConfigError(
-                f"kvadmit: shortfall={cfg.shortfall!r} needs one full-attention KV cache group; "
-                f"this model has {len(groups)} group(s) of "
-                f"{sorted({type(g.kv_cache_spec).__name__ for g in groups})}: use shortfall='preempt'")
-        return self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
+        return len(groups) == 1 and type(groups[0].kv_cache_spec) in (FullAttentionSpec,
+                                                                      MLAAttentionSpec)
 
     def _kvadmit_plan_pauses(self) -> None:
         """shortfall: pause. The core picks which running requests sit this step out

@@ -1,0 +1,326 @@
+"""`kvadmit bench scorecard`: every baseline and every kvadmit config on a fixed
+suite of workloads, on the native engine model, with nothing tuned per workload.
+
+Each cell is one run; each row of a workload's table is compared with vLLM's
+default (`vllm-default`) and with vLLM's best watermark on that workload (the
+`vllm-watermark=F` row with the fewest preemptions, then the fewest steps): the
+strongest one-flag setting a vLLM user has. Steps are the throughput measure of
+a burst (the same work in fewer steps); open-loop workloads also report goodput.
+The goals of the default config (`{}`) are checked per workload and printed.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from kvadmit.config import AdmissionConfig
+from kvadmit.simulate.engine import EngineShape, run_native
+from kvadmit.simulate.metrics import Slo, summarize
+from kvadmit.simulate.policies import PolicySpec, parse_policy
+from kvadmit.simulate.run import at_load, capacity_rps
+from kvadmit.simulate.steptime import CPU_TINY, StepTimeModel, get_preset
+from kvadmit.simulate.workload import Workload, agent_sessions, from_trace, synthetic
+from kvadmit.traces import load_trace
+
+AZURE = "azure2023_conv.csv"
+MOONCAKE = "mooncake_conversation_trace.jsonl"
+WATERMARKS = (0.01, 0.05, 0.1)
+# The rows of every workload: vLLM's default and its own knobs, SGLang's rule, and
+# kvadmit's configs (`default` is the empty config, what `--scheduler-cls` alone gives).
+CONFIGS = (["vllm-default"] + [f"vllm-watermark={w:g}" for w in WATERMARKS] +
+           ["sglang", "peak", "adaptive",
+            'adaptive+pause={"policy": "adaptive", "shortfall": "pause", "adaptive_quantile": 0.4, '
+            '"adaptive_max_quantile": 0.4, "adaptive_min_samples": 1, "head_of_line": "bypass", '
+            '"max_bypass": 1000, "bypass_lookahead": 256}',
+            "default={}"])
+DEFAULT_ROW = "default"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One workload of the suite, on its engine."""
+    name: str
+    about: str
+    workload: Workload
+    shape: EngineShape
+    step: StepTimeModel
+    slo: Slo = Slo()
+
+
+# ---------------------------------------------------------------------------
+# Workloads. Bursts run on the tiny CPU engine's shape (the one `kvadmit bench
+# vllm` runs for real): trace lengths scaled from an 8k to a 1024-token context.
+
+TINY_CONTEXT = 1024
+TRACE_CONTEXT = 8192
+
+
+def tiny_shape(num_blocks: int, max_model_len: int = TINY_CONTEXT) -> EngineShape:
+    return EngineShape(num_blocks=num_blocks, block_size=32, max_model_len=max_model_len,
+                       max_num_seqs=64, max_num_batched_tokens=2048)
+
+
+def azure_burst(path: pathlib.Path, start: int, n: int, caps: str, name: str,
+                context: int = TINY_CONTEXT) -> Workload:
+    """Trace requests [start, start + n) queued at once, scaled to the tiny context.
+    caps: 'context' (no max_tokens: the context left), 'cap' (2048 scaled, at least
+    the real length) or 'real' (max_tokens = the real length)."""
+    scale = context / TRACE_CONTEXT
+    reqs = load_trace(path, limit=start + n)[start:]
+    prompt, out, mx = [], [], []
+    for r in reqs:
+        p = max(1, min(context - 2, round(r.prompt_tokens * scale)))
+        room = context - p
+        o = max(1, min(room, round(r.output_tokens * scale)))
+        m = {"context": room, "cap": max(o, min(room, round(2048 * scale))), "real": o}[caps]
+        prompt.append(p)
+        out.append(o)
+        mx.append(m)
+    return Workload(name=name, arrival_s=[0.0] * len(reqs), prompt_tokens=prompt,
+                    output_tokens=out, max_tokens=mx,
+                    description=f"{path.name} requests {start}-{start + n - 1} at once, scaled "
+                                f"to a {context}-token context, max_tokens rule '{caps}'")
+
+
+def equal_burst(n: int, output: int, seed: int = 0) -> Workload:
+    """n requests at once, prompts 16-128 tokens, every output exactly `output` tokens
+    (ignore_eos), max_tokens = output: honest caps, synchronized lengths."""
+    import random
+    rng = random.Random(seed)
+    prompt = [rng.randint(16, 128) for _ in range(n)]
+    return Workload(name="equal", arrival_s=[0.0] * n, prompt_tokens=prompt,
+                    output_tokens=[output] * n, max_tokens=[output] * n,
+                    description=f"{n} requests at once, every output {output} tokens "
+                                f"(max_tokens = {output}), prompts 16-128")
+
+
+def open_loop(w: Workload, shape: EngineShape, step: StepTimeModel, load: float) -> Workload:
+    return at_load(w, load, capacity_rps(w, shape, step))
+
+
+def suite(traces_dir: str | pathlib.Path, quick: bool = False) -> list[Case]:
+    """The scorecard's workloads. ``quick``: smaller versions (tests)."""
+    d = pathlib.Path(traces_dir)
+    k = 4 if quick else 1                    # quick: a quarter of the requests
+    cases: list[Case] = []
+
+    def add(name, about, build: Callable[[], tuple[Workload, EngineShape, StepTimeModel]], **kw):
+        w, shape, step = build()
+        cases.append(Case(name, about, w, shape, step, **kw))
+
+    add("azure-context", "Azure conversation burst, no max_tokens (caps = context left), 32 blocks",
+        lambda: (azure_burst(d / AZURE, 0, 256 // k, "context", "azure-context"), tiny_shape(32), CPU_TINY))
+    add("azure-cap", "another Azure slice, max_tokens 2048 (scaled) far above real lengths, 32 blocks",
+        lambda: (azure_burst(d / AZURE, 6000, 256 // k, "cap", "azure-cap"), tiny_shape(32), CPU_TINY))
+    add("azure-honest", "a third Azure slice with honest caps (max_tokens = real length), 32 blocks",
+        lambda: (azure_burst(d / AZURE, 12000, 256 // k, "real", "azure-honest"), tiny_shape(32), CPU_TINY))
+    add("equal-burst", "64 requests of exactly 200 output tokens (ignore_eos, honest caps), 24 blocks",
+        lambda: (equal_burst(64 // k, 200), tiny_shape(24, 512), CPU_TINY))
+    add("tight-pool", "Azure burst scaled to a 512-token context, caps = context left, on a tight "
+        "pool (16 blocks: 1 context)",
+        lambda: (azure_burst(d / AZURE, 2000, 256 // k, "context", "tight", 512), tiny_shape(16, 512),
+                 CPU_TINY))
+    add("loose-pool", "Azure burst, caps = context left, on a pool where vLLM never preempts (512 blocks)",
+        lambda: (azure_burst(d / AZURE, 0, 256 // k, "context", "loose"), tiny_shape(512), CPU_TINY))
+
+    h100 = get_preset("h100-8b")
+    big = EngineShape(num_blocks=h100.num_blocks // 8, block_size=h100.block_size,
+                      max_model_len=h100.max_model_len, max_num_seqs=1024, max_num_batched_tokens=8192)
+
+    def gamma():
+        w = synthetic(2000 // k, rate=10.0, seed=1, burst_cv=4.0, max_model_len=big.max_model_len)
+        return open_loop(w, big, h100, 1.2), big, h100
+    add("gamma-bursty", "synthetic Gamma-burst arrivals (CV 4) at 1.2x capacity, lognormal lengths, "
+        "caps = min(2048, context left); h100-8b step model, 1/8 of its KV pool", gamma)
+
+    def mooncake():
+        shape = dataclasses.replace(big, prefix_caching=True, max_model_len=131072,
+                                    num_blocks=h100.num_blocks)
+        w = from_trace(d / MOONCAKE, limit=1500 // k, max_tokens_rule="context",
+                       max_model_len=shape.max_model_len)
+        return open_loop(w, shape, h100, 1.0), shape, h100
+    add("mooncake-prefix", "Mooncake conversation trace with prefix caching at 1.0x capacity, "
+        "caps = min(2048, context left); h100-8b", mooncake, slo=Slo(10.0, 0.1))
+
+    def agents():
+        shape = dataclasses.replace(big, prefix_caching=True, max_model_len=32768)
+        w = agent_sessions(200 // k, rate=2.0, seed=3, max_model_len=shape.max_model_len,
+                           block_tokens=shape.block_size)
+        return w, shape, h100
+    add("agents", "multi-turn agent sessions with a shared system prompt, prefix caching; "
+        "h100-8b, 1/8 of its KV pool", agents, slo=Slo(5.0, 0.1))
+    return cases
+
+
+# ---------------------------------------------------------------------------
+
+def run_cell(case: Case, spec: PolicySpec) -> dict:
+    w = case.workload.with_oracle_caps() if spec.oracle else case.workload
+    raw = run_native(w, spec.config(AdmissionConfig()), spec.shape(case.shape), case.step)
+    t = raw.totals
+    s = summarize(raw.per_request, t, case.slo)
+    if t["finished"] + t["rejected"] != len(w) or t["free_blocks_at_end"] != case.shape.num_blocks:
+        raise AssertionError(f"{case.name}/{spec.name}: lost a request or a block")
+    return {"steps": t["steps"], "preemptions": t["preemptions"],
+            "recomputed_tokens": t["recomputed_tokens"], "paused": raw.extra["core"].get("paused", 0),
+            "goodput": s["goodput"], "throughput_tok_s": s["throughput_tok_s"],
+            "makespan_s": t["makespan_s"], "ttft_p99_s": s["ttft_p99_s"],
+            "finished": t["finished"], "rejected": t["rejected"], "wall_s": raw.wall_s}
+
+
+def best_watermark(cells: dict[str, dict]) -> str:
+    marks = [n for n in cells if n.startswith("vllm-watermark=")]
+    return min(marks, key=lambda n: (cells[n]["preemptions"], cells[n]["steps"]))
+
+
+def ratios(cell: dict, ref: dict) -> dict:
+    def r(k):
+        a, b = cell[k], ref[k]
+        return a / b if b else (1.0 if a == b else math.inf)
+    return {"steps": r("steps"), "preemptions": r("preemptions"),
+            "recomputed_tokens": r("recomputed_tokens"), "goodput": r("goodput")}
+
+
+def goals(cells: dict[str, dict], honest: bool, loose: bool) -> dict[str, bool]:
+    """Issue 12's goals for the default config on one workload."""
+    d, v = cells[DEFAULT_ROW], cells["vllm-default"]
+    wm = cells[best_watermark(cells)]
+    g = {
+        "preemptions<=10%_of_vllm": d["preemptions"] <= 0.1 * v["preemptions"],
+        "fewer_preemptions_than_best_watermark_at_its_steps":
+            (d["preemptions"] < wm["preemptions"] or d["preemptions"] == 0)
+            and d["steps"] <= wm["steps"],
+        "steps<=vllm": d["steps"] <= v["steps"],
+        "recomputed<=vllm": d["recomputed_tokens"] <= v["recomputed_tokens"],
+    }
+    if honest:
+        g["honest_caps_no_preemption"] = d["preemptions"] == 0
+    if loose:
+        g["loose_pool_same_steps"] = abs(d["steps"] - v["steps"]) <= 0.01 * v["steps"]
+    return g
+
+
+def score(cases: list[Case], configs: list[str], progress=None) -> dict:
+    specs = [parse_policy(c) for c in configs]
+    out = {"configs": {s.name: s.doc for s in specs}, "workloads": []}
+    for case in cases:
+        cells = {}
+        for spec in specs:
+            if progress:
+                progress(f"{case.name} / {spec.name}")
+            cells[spec.name] = run_cell(case, spec)
+        entry = {"name": case.name, "about": case.about, "workload": case.workload.description,
+                 "requests": len(case.workload), "shape": dataclasses.asdict(case.shape),
+                 "step_time": case.step.name, "slo": dataclasses.asdict(case.slo), "cells": cells}
+        if "vllm-default" in cells and any(n.startswith("vllm-watermark=") for n in cells):
+            wm = best_watermark(cells)
+            entry["best_watermark"] = wm
+            entry["vs_vllm_default"] = {n: ratios(c, cells["vllm-default"]) for n, c in cells.items()}
+            entry["vs_best_watermark"] = {n: ratios(c, cells[wm]) for n, c in cells.items()}
+            if DEFAULT_ROW in cells:
+                entry["goals"] = goals(cells, honest=case.workload.max_tokens == case.workload.output_tokens,
+                                       loose=cells["vllm-default"]["preemptions"] == 0)
+        out["workloads"].append(entry)
+    return out
+
+
+def print_scorecard(out: dict) -> None:
+    for e in out["workloads"]:
+        print(f"\n== {e['name']}: {e['about']} ({e['requests']} requests)")
+        wm = e.get("best_watermark")
+        print(f"{'config':18} {'steps':>7} {'preempt':>7} {'recomp':>7} {'paused':>7} {'goodput':>7}"
+              f" {'steps/vllm':>10} {'steps/wm':>8} {'pre/vllm':>8} {'pre/wm':>7}")
+        for name, c in e["cells"].items():
+            rv = e.get("vs_vllm_default", {}).get(name, {})
+            rw = e.get("vs_best_watermark", {}).get(name, {})
+            mark = " *" if name == wm else ""
+            print(f"{name + mark:18} {c['steps']:7d} {c['preemptions']:7d} {c['recomputed_tokens']:7d} "
+                  f"{c['paused']:7d} {c['goodput'] * 100:6.1f}% {rv.get('steps', math.nan):10.3f} "
+                  f"{rw.get('steps', math.nan):8.3f} {rv.get('preemptions', math.nan):8.3f} "
+                  f"{rw.get('preemptions', math.nan):7.3f}")
+        if "goals" in e:
+            missed = [k for k, ok in e["goals"].items() if not ok]
+            print(f"default config goals: {'all met' if not missed else 'MISSED ' + ', '.join(missed)}")
+    print("\n* = vLLM's best watermark on that workload (fewest preemptions, then fewest steps)")
+
+
+def plot_heatmap(out: dict, path: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("kvadmit: the scorecard's PNG needs matplotlib; none written", file=sys.stderr)
+        return False
+    ws = [e for e in out["workloads"] if "vs_vllm_default" in e]
+    names = list(ws[0]["cells"])
+    fig, axes = plt.subplots(1, 2, figsize=(2.2 + 1.3 * len(ws) * 2, 0.5 * len(names) + 2.5))
+    for ax, key, title in ((axes[0], "steps", "steps / vLLM default (throughput cost; < 1 is better)"),
+                           (axes[1], "preemptions", "preemptions / vLLM default (< 1 is better)")):
+        grid = [[min(e["vs_vllm_default"][n][key], 3.0) for e in ws] for n in names]
+        im = ax.imshow(grid, cmap="RdYlGn_r", vmin=0.0 if key == "preemptions" else 0.8,
+                       vmax=1.2 if key == "steps" else 1.0, aspect="auto")
+        ax.set_xticks(range(len(ws)), [e["name"] for e in ws], rotation=35, ha="right", fontsize=8)
+        ax.set_yticks(range(len(names)), names, fontsize=8)
+        for i, n in enumerate(names):
+            for j, e in enumerate(ws):
+                c = e["cells"][n]
+                txt = (f"{e['vs_vllm_default'][n]['steps']:.2f}" if key == "steps"
+                       else f"{c['preemptions']}")
+                ax.text(j, i, txt, ha="center", va="center", fontsize=7)
+        ax.set_title(title, fontsize=9)
+        fig.colorbar(im, ax=ax, fraction=0.03)
+    fig.suptitle("kvadmit scorecard (native engine model); right: cells show preemption counts", fontsize=10)
+    fig.tight_layout()
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvadmit bench scorecard", description=__doc__.splitlines()[0])
+    ap.add_argument("--traces", default="../shared/traces", help="folder with the Azure and Mooncake traces")
+    ap.add_argument("--configs", nargs="+", default=CONFIGS, metavar="CONFIG",
+                    help="rows: simulator policy names (vllm-default, vllm-watermark=F, vllm-active=N, "
+                         "sglang, peak, adaptive, ...) or NAME=JSON kvadmit configs")
+    ap.add_argument("--only", nargs="+", metavar="WORKLOAD", help="run only these workloads")
+    ap.add_argument("--quick", action="store_true", help="a quarter of each workload's requests")
+    ap.add_argument("--json", default="bench/results/scorecard.json")
+    ap.add_argument("--plot", default="bench/results/scorecard.png")
+    args = ap.parse_args(argv)
+    try:
+        cases = suite(args.traces, quick=args.quick)
+    except FileNotFoundError as e:
+        print(f"kvadmit bench scorecard: {e} (pass --traces)", file=sys.stderr)
+        return 2
+    if args.only:
+        unknown = set(args.only) - {c.name for c in cases}
+        if unknown:
+            print(f"kvadmit bench scorecard: unknown workload(s) {sorted(unknown)}; "
+                  f"known: {[c.name for c in cases]}", file=sys.stderr)
+            return 2
+        cases = [c for c in cases if c.name in args.only]
+    t0 = time.perf_counter()
+
+    def progress(what):
+        print(f"\r  {what:60}", end="", file=sys.stderr, flush=True)
+    out = score(cases, list(args.configs), progress)
+    print("\r" + " " * 64 + "\r", end="", file=sys.stderr)
+    out["command"] = "kvadmit bench scorecard " + " ".join(argv if argv is not None else sys.argv[3:])
+    out["seconds"] = time.perf_counter() - t0
+    print_scorecard(out)
+    print(f"\n{len(cases)} workloads x {len(out['configs'])} configs in {out['seconds']:.1f} s")
+    if args.json:
+        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
+        print(f"saved {args.json}")
+    if args.plot and plot_heatmap(out, args.plot):
+        print(f"saved {args.plot}")
+    return 0
