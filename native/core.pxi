@@ -1216,8 +1216,6 @@ cdef class AdmissionCore:
 
     cdef void _c_observe_cache(self, int64_t used_blocks, int64_t hit_tokens, int64_t query_tokens,
                                double now) noexcept nogil:
-        if self._policy == P_AUTO:
-            self._unowned_blocks = self._count_unowned(used_blocks)
         if not self._agents:
             return
         self._advance(now)
@@ -1248,6 +1246,17 @@ cdef class AdmissionCore:
             r = self._running[i]
             own += cdiv(self._computed[r], self.block_size) - self._shared[r] // self.block_size
         return used_blocks - own if used_blocks > own else 0
+
+    def observe_used_blocks(self, int64_t used_blocks):
+        """Once per engine step, after `update_many`: KV blocks in use (auto counts the
+        prefixes running requests share once)."""
+        if used_blocks < 0:
+            raise ValueError(f"used_blocks={used_blocks}: must be >= 0")
+        self.c_observe_used_blocks(used_blocks)
+
+    cdef void c_observe_used_blocks(self, int64_t used_blocks) noexcept nogil:
+        if self._policy == P_AUTO:
+            self._unowned_blocks = self._count_unowned(used_blocks)
 
     def set_shared(self, int64_t slot, int64_t shared_tokens):
         """At admission: prompt tokens of a request that sit in KV blocks other running

@@ -563,6 +563,7 @@ cdef class NativeEngine:
         self.core._c_note_step_tokens(batch)
         self.core._c_observe_cache(self._nblocks - self.allocator._free._count, self._step_hit,
                                    self._step_query, t_end)
+        self.core.c_observe_used_blocks(self._nblocks - self.allocator._free._count)
         self._step_hit = self._step_query = 0
         self._demote_paused()
         while self._clock >= self._next_sample:

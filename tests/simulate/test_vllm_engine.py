@@ -168,7 +168,8 @@ PAUSE = AdmissionConfig(policy="adaptive", shortfall="pause", adaptive_quantile=
     (None, 1.0),
     (AdmissionConfig(policy="peak", max_queue_delay_s=2.0), 3.0),
     (PAUSE, 1.0),
-], ids=["vllm-own", "peak-queue-delay", "adaptive-pause"])
+    (AdmissionConfig(), 1.0),
+], ids=["vllm-own", "peak-queue-delay", "adaptive-pause", "auto-default"])
 def test_matches_the_native_engine(model_dir, config, rate, full_input):
     """With vLLM's full-input admission check on (its default) or off
     (`scheduler_reserve_full_isl`, `EngineShape.reserve_full_input`), vLLM's
@@ -184,7 +185,7 @@ def test_matches_the_native_engine(model_dir, config, rate, full_input):
     native = run_native(w, config or AdmissionConfig(policy="overcommit"), shape, CPU_TINY)
     if config is None:
         assert native.totals["preemptions"] > 0
-    elif config is PAUSE:
+    elif config is PAUSE or config.policy == "auto":
         # Both engines paused the same requests in the same steps.
         assert native.extra["core"]["paused"] > 0
         assert ours.extra["core"]["paused"] == native.extra["core"]["paused"]
@@ -228,6 +229,27 @@ def test_vllm_knobs_match_the_native_engine(model_dir, knob):
         if a["rejected"][i] != "context_length":   # refused at arrival vs at the next step
             assert (a["first_token_s"][i], a["finish_s"][i], a["preemptions"][i]) == \
                 pytest.approx((b["first_token_s"][i], b["finish_s"][i], b["preemptions"][i])), i
+
+
+def test_auto_with_prefix_caching_matches_the_native_engine(model_dir):
+    """The default (auto) counts a prefix that running requests share once: vLLM's
+    adapter finds the shared blocks by reference count, the native engine by its
+    prefix hits on blocks in use; both give the same schedule."""
+    from kvadmit.simulate.engine import run_native
+    w = from_trace(DATA / "azure2023_conv_head200.csv", limit=120, max_model_len=2048,
+                   max_tokens_cap=512)
+    # every request shares a 512-token system prompt (16 blocks)
+    w = dataclasses.replace(w, hash_block_tokens=512, hash_offsets=list(range(len(w) + 1)),
+                            hash_ids=[7] * len(w), hashed_tokens=[min(512, p) for p in w.prompt_tokens])
+    shape = dataclasses.replace(AZURE_SHAPE, prefix_caching=True)
+    ours = run_vllm(w, AdmissionConfig(), shape, CPU_TINY, model_dir)
+    native = run_native(w, AdmissionConfig(), shape, CPU_TINY)
+    counted_per_request = run_native(w, AdmissionConfig(policy="adaptive"), shape, CPU_TINY)
+    assert native.totals["steps"] < counted_per_request.totals["steps"]
+    for k in ("steps", "preemptions", "recomputed_tokens", "output_tokens", "finished", "rejected",
+              "free_blocks_at_end", "prefix_hit_tokens"):
+        assert ours.totals.get(k) == native.totals[k], k
+    assert ours.extra["core"]["paused"] == native.extra["core"]["paused"]
 
 
 def test_full_agent_window_sleeps_until_a_session_expires(model_dir):

@@ -101,6 +101,9 @@ class GatedWaitingQueue(RequestQueue):
         self._candidate = None
         slot = self._sched.kvadmit_slot[req.request_id]
         del self._by_slot[slot]
+        shared = self._sched._kvadmit_shared_tokens(req)
+        if shared:
+            self._sched.kvadmit_core.set_shared(slot, shared)
         self._sched.kvadmit_core.admit(slot, self._sched.kvadmit_clock())
         popped = self._sched._kvadmit_popped
         if popped is not None:
@@ -211,9 +214,21 @@ class _KvadmitMixin:
         self.waiting = GatedWaitingQueue(self)
         self._kvadmit_req_blocks = (self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
                                     if cfg.pause_on_shortfall else None)
+        # auto counts a prefix that running requests share once (one full-attention group).
+        self._kvadmit_count_shared = (cfg.policy == "auto" and self.kv_cache_manager.enable_caching
+                                      and self._kvadmit_can_pause())
         self._kvadmit_metrics = process_metrics()
         logger.info("kvadmit: policy=%s victim=%s on %d blocks of %d tokens", cfg.policy,
                     cfg.victim, pool.num_gpu_blocks - 1, self.block_size)
+
+    def _kvadmit_shared_tokens(self, request: Request) -> int:
+        """Tokens of a just-allocated request in blocks other requests also hold
+        (prefix-cache hits on blocks in use: reference count above one)."""
+        if not self._kvadmit_count_shared:
+            return 0
+        blocks = self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks.get(
+            request.request_id, ())
+        return sum(1 for b in blocks if b.ref_cnt > 1) * self.block_size
 
     def _kvadmit_can_pause(self) -> bool:
         """The pause plan counts blocks for one full-attention group (listed in its
@@ -362,6 +377,9 @@ class _KvadmitMixin:
                 if core.state(slot) == "waiting":
                     core.admit(slot, now)
         core.update_many(slots, computed, generated)
+        if self._kvadmit_count_shared:
+            core.observe_used_blocks(
+                self._kvadmit_pool_blocks - self.kv_cache_manager.block_pool.get_num_free_blocks())
         # vLLM preempts running[-1] first: put the core's victim order in place.
         order = [by_slot[s] for s in core.victim_order() if s in by_slot]
         if len(order) == len(self.running):
