@@ -68,6 +68,9 @@ class InProcessEngine:
                           additional_config=additional_config or {},
                           async_scheduling=async_scheduling, scheduling_policy=scheduling_policy,
                           num_gpu_blocks_override=num_blocks,
+                          # Named in the config as `--scheduler-cls` would (kvadmit's start-up
+                          # check reads it); the class is built here, below.
+                          **({"scheduler_cls": scheduler_cls} if scheduler_cls is not None else {}),
                           **({"enable_chunked_prefill": enable_chunked_prefill}
                              if enable_chunked_prefill is not None else {}),
                           **(engine_args or {}))
