@@ -182,6 +182,22 @@ def test_out_of_vocabulary_prompt_gets_400_and_the_server_lives(server, bad_id, 
 ENGINE_LINES = ("(EngineCore", "Loading weights", "KV cache", "Engine core initialization")
 
 
+def _serve_until_exit(cmd):
+    """Runs `cmd` to its exit: (start time, when the API server logged its first line,
+    i.e. its imports were done, the non-blank output lines, exit status)."""
+    t0 = time.monotonic()
+    up = None
+    lines = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
+        for line in p.stdout:
+            if up is None and line.startswith("(APIServer"):
+                up = time.monotonic()
+            if line.strip():
+                lines.append(line.rstrip())
+        rc = p.wait(300)
+    return t0, up, lines, rc
+
+
 @pytest.mark.parametrize("additional_config, scheduler_cls, words", [
     ({"kvadmit": {"policy": "nonsense"}}, "kvadmit.vllm.Scheduler",
      "kvadmit config: policy='nonsense': must be one of"),
@@ -194,17 +210,11 @@ def test_bad_config_exits_in_seconds_with_its_message_last(model_dir, additional
                                                            scheduler_cls, words):
     """The API-server process checks kvadmit's settings when vLLM builds its config:
     the server exits before any engine process starts, the message naming the key last."""
-    cmd = serve_command(model_dir, free_port(), additional_config, scheduler_cls)
-    t0 = time.monotonic()
-    up = None           # when the API server logged its first line (its imports done)
-    lines = []
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
-        for line in p.stdout:
-            if up is None and line.startswith("(APIServer"):
-                up = time.monotonic()
-            if line.strip():
-                lines.append(line.rstrip())
-        rc = p.wait(300)
+    for _ in range(3):   # vLLM binds its port before building its config: a port taken
+        t0, up, lines, rc = _serve_until_exit(       # meanwhile is another failure: retry
+            serve_command(model_dir, free_port(), additional_config, scheduler_cls))
+        if "Address already in use" not in lines[-1]:
+            break
     end = time.monotonic()
     print(f"vllm serve with {additional_config}: exit {end - t0:.1f} s after start, "
           f"{end - (up or t0):.1f} s after the API server's first line")
