@@ -15,7 +15,7 @@ POLICIES = ("overcommit", "reserve", "peak", "predict", "adaptive", "auto")
 VICTIMS = ("lifo", "priority", "lcf", "length")
 DECISIONS = ("admit", "hold_blocks", "hold_capacity", "hold_slo", "hold_agent", "hold_paused")
 REJECT_REASONS = ("queue_full", "queued_tokens_full", "context_length", "kv_capacity", "shed",
-                  "queue_delay", "slo_infeasible")
+                  "queue_delay", "slo_infeasible", "invalid")
 
 cdef enum:  # indexes into POLICIES
     P_OVERCOMMIT = 0
@@ -38,6 +38,7 @@ cdef enum:  # indexes into DECISIONS
     D_HOLD_SLO = 3        # the TPOT guard: the step would be too slow for a running request
     D_HOLD_AGENT = 4      # its session is outside the active-agent window
     D_HOLD_PAUSED = 5     # running requests are paused this step (shortfall: pause)
+    N_DECISIONS = 6
 
 cdef enum:  # indexes into REJECT_REASONS
     R_QUEUE_FULL = 0
@@ -47,6 +48,8 @@ cdef enum:  # indexes into REJECT_REASONS
     R_SHED = 4
     R_QUEUE_DELAY = 5
     R_SLO = 6
+    R_INVALID = 7         # malformed request (its engine fields, its numbers)
+    N_REJECT_REASONS = 8
 
 # `auto`: the zero-config default. Its length quantile and controller settings are
 # fixed here (not the adaptive_* keys): one setting for every workload.
@@ -204,8 +207,12 @@ cdef class AdmissionCore:
     cdef bint _seen_time
     # counters
     cdef int64_t _n_arrived, _n_admitted, _n_preempted, _n_finished, _n_aborted
-    cdef int64_t _held[6]
-    cdef int64_t _rejected[7]
+    cdef int64_t _held[N_DECISIONS]           # (request, step) pairs held at the queue head
+    cdef vector[int64_t] _held_step           # per slot: the step its last hold was counted in
+    cdef int64_t _rejected[N_REJECT_REASONS]
+    # Retry-After line: refused clients are told to come back one after another
+    cdef double _retry_line_end               # when the last refused client was told to return
+    cdef int64_t _retry_line_len              # refused clients told to return after now
     # SLO guard
     cdef bint _slo_guard, _deadline_order
     cdef double _def_ttft, _def_tpot
@@ -309,10 +316,12 @@ cdef class AdmissionCore:
         self._preempted_this_step = False
         self._paused_now = self._n_pauses = 0
         cdef int i
-        for i in range(6):
+        for i in range(N_DECISIONS):
             self._held[i] = 0
-        for i in range(7):
+        for i in range(N_REJECT_REASONS):
             self._rejected[i] = 0
+        self._retry_line_end = 0.0
+        self._retry_line_len = 0
         self._len_abs_err = self._len_pred_sum = self._len_actual_sum = 0.0
         self._seen_time = False
         self._t_last = self._backlog_s = 0.0
@@ -521,6 +530,7 @@ cdef class AdmissionCore:
         self._prompt.push_back(0); self._cached.push_back(0); self._computed.push_back(0)
         self._generated.push_back(0); self._max_new.push_back(0); self._priority.push_back(0)
         self._arrival.push_back(0); self._admit_seq.push_back(-1); self._admit_step.push_back(-1)
+        self._held_step.push_back(-1)
         self._blocks.push_back(0); self._pred_total.push_back(0); self._shared.push_back(0)
         self._bypassed.push_back(0); self._preempts.push_back(0); self._run_pos.push_back(-1)
         self._state.push_back(ST_FREE); self._sheddable.push_back(0)
@@ -684,9 +694,44 @@ cdef class AdmissionCore:
             wait = max(wait, (ahead_tokens + queued) / rt)
         return wait
 
+    cdef double _in_line(self, double wait, double now):
+        """Spreads a burst's Retry-After hints: a refused client is told to come back
+        no earlier than its own predicted wait and one admission after the client
+        refused before it (at the recent admission rate; with none observed yet,
+        retry_after_default_s / max_queued_requests), so a refused burst returns as
+        a line, not all at once. Deterministic: the k-th refusal gets the k-th place."""
+        cdef double rr, rt, spacing, at = now + wait
+        if self._retry_line_end > now:
+            if self._drain_rates(now, &rr, &rt) and rr > 0:
+                spacing = 1.0 / rr
+            else:
+                spacing = self._retry_default / max(self._max_q_reqs, 1)
+            at = max(at, self._retry_line_end + spacing)
+            self._retry_line_len += 1
+        else:
+            self._retry_line_len = 1
+        at = min(at, now + self._retry_max)
+        self._retry_line_end = at
+        return at - now
+
     cdef Rejection _reject(self, int code, str message, str limit, object value, object retry):
+        """Counts a refusal; a retryable one gets its place in the retry line and its
+        message the numbers a client needs (the message names the queue and the cap)."""
+        cdef double now = self._t_last, wait
         self._rejected[code] += 1
+        if retry is not None:
+            wait = self._in_line(retry, now)
+            message = (f"{message}; room expected in {retry:.3g} s, retry in {wait:.3g} s "
+                       f"(place {self._retry_line_len} in the retry line)")
+            retry = wait
         return Rejection(REJECT_REASONS[code], message, limit, value, retry)
+
+    def refuse_invalid(self, str message, str limit=None):
+        """Counts the refusal of a malformed request (reason 'invalid', never
+        retryable) and returns it: one an engine adapter found before `arrive`
+        (its fields, its token ids), or that `arrive` raised ValueError for.
+        Not counted as an arrival: it never reached the queue."""
+        return self._reject(R_INVALID, message, limit, None, None)
 
     # ------------------------------------------------------------------
     # Public API: arrivals
@@ -730,6 +775,7 @@ cdef class AdmissionCore:
         self._seq += 1
         self._admit_seq[s] = -1
         self._admit_step[s] = -1
+        self._held_step[s] = -1
         self._blocks[s] = 0
         self._shared[s] = 0
         self._bypassed[s] = 0
@@ -920,7 +966,11 @@ cdef class AdmissionCore:
     def next_admissible(self, int64_t free_blocks, bint check_blocks=True):
         """The waiting request to admit next, or -1: the head, or under
         head_of_line='bypass' a later one that fits while the held ones ahead of it
-        have been passed fewer than max_bypass times."""
+        have been passed fewer than max_bypass times.
+
+        A look that changes no decision; it counts the hold of the request at the
+        head (stats()["held"], by reason) once per request per step (`on_step`),
+        however often an engine looks within a step."""
         return self.c_next_admissible(free_blocks, check_blocks)
 
     cdef int32_t c_next_admissible(self, int64_t free_blocks, bint check_blocks) noexcept:
@@ -928,7 +978,7 @@ cdef class AdmissionCore:
             return -1
         if self._paused_now:
             # Paused running requests have the first claim on blocks as they free up.
-            self._held[D_HOLD_PAUSED] += 1
+            self._count_hold(deref(self._waiting.begin()).second, D_HOLD_PAUSED)
             return -1
         cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
         cdef int32_t s
@@ -941,7 +991,7 @@ cdef class AdmissionCore:
             if d == D_ADMIT:
                 return s
             if head:
-                self._held[d] += 1
+                self._count_hold(s, d)
             # A request outside the agent window never blocks the queue; any other
             # held request does, unless bypass lets later ones pass it.
             if d != D_HOLD_AGENT:
@@ -954,6 +1004,13 @@ cdef class AdmissionCore:
             head = False
             inc(it)
         return -1
+
+    cdef inline void _count_hold(self, int32_t s, int d) noexcept nogil:
+        """Counts a hold once per request and step: held_total means (request, step)
+        pairs in which the request at the head of the queue could not start."""
+        if self._held_step[s] != self._step:
+            self._held_step[s] = self._step
+            self._held[d] += 1
 
     def admit(self, int64_t slot, double now=0.0):
         """Commits: the waiting request starts running. Requests it passed count a bypass."""
@@ -996,6 +1053,18 @@ cdef class AdmissionCore:
         self._drain.push_back(pair[double, int64_t](self._backlog_s, queued))
         self._drain_tokens += queued
         self._maybe_adapt()
+
+    def withdraw(self, int64_t slot):
+        """Takes back an accepted arrival that never waited on its own: a sample of a
+        parallel-sampling request whose sibling was refused (the request is one unit,
+        refused once). Not counted as an arrival nor as an abort."""
+        self._check_slot(slot, ST_WAITING)
+        cdef int32_t s = <int32_t>slot
+        if self._state[s] != ST_WAITING or self._admit_seq[s] >= 0:
+            raise ValueError(f"slot {slot}: only a never-admitted waiting request can be withdrawn")
+        self._dequeue(s)
+        self._n_arrived -= 1
+        self._release(s)
 
     def cancel_admit(self, int64_t slot, double now=0.0):
         """Undoes an admission the engine did not carry out (it put the request
@@ -1496,8 +1565,8 @@ cdef class AdmissionCore:
             "arrived": self._n_arrived, "admitted": self._n_admitted,
             "preempted": self._n_preempted, "paused": self.paused,
             "finished": self._n_finished, "aborted": self._n_aborted,
-            "held": {DECISIONS[i]: self._held[i] for i in range(1, 6)},
-            "rejected": {REJECT_REASONS[i]: self._rejected[i] for i in range(7)},
+            "held": {DECISIONS[i]: self._held[i] for i in range(1, N_DECISIONS)},
+            "rejected": {REJECT_REASONS[i]: self._rejected[i] for i in range(N_REJECT_REASONS)},
             "waiting": self._waiting.size(), "running": self._running.size(),
             "queued_tokens": self._queued_tokens,
             "new_token_ratio": self._ratio, "quantile": self._quantile,

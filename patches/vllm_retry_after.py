@@ -2,7 +2,7 @@
 
 vLLM's error responses carry no headers (GracefulHTTPError has a message and a
 status only). kvadmit's HTTP patch (vllm_http_status.py) writes the engine's
-hint into the message as "(retry after N s)"; this patch adds an ASGI middleware,
+hint into the message as "(retry after N s)" (kvadmit.protocol); this patch adds an ASGI middleware,
 installed with vLLM's own ones when the API server app is built, that copies N
 into a `Retry-After: N` header on 503 responses whose body is a kvadmit refusal.
 Every other response passes through untouched (the body is not buffered beyond
@@ -13,13 +13,12 @@ server loads it before it builds its app (the engine client comes first).
 """
 from __future__ import annotations
 
-import re
-
+from kvadmit.protocol import RETRY_HINT_RE
 from kvadmit_patches import wrap
 
 TARGET = "vllm.entrypoints.launchers.app.init_entrypoints_middleware"
 VERSIONS = ("0.32.0",)
-HINT = re.compile(rb"kvadmit:[a-z_]+:[^\"]*?\(retry after (\d+) s\)")
+HINT = RETRY_HINT_RE
 
 
 class RetryAfterMiddleware:

@@ -66,7 +66,7 @@ def test_retract_decode_takes_the_cores_victim(kvadmit_hooks, victim):
 
     h, batch = running_set(victim)
     core = h.adapter.core
-    expected = h.adapter._rid_of[core.victim()]
+    expected = h.adapter.bridge.key(core.victim())
     # Use up the pool so the next decode step does not fit.
     assert h.tree_cache.evictable_size() == 0
     taken = h.allocator.alloc(h.allocator.available_size())

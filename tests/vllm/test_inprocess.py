@@ -377,9 +377,8 @@ def test_tpot_guard_holds_an_admission_until_the_tight_request_finishes(model_di
     ({"kvadmit_deadline_s": 1e13}, "kvadmit_deadline_s"),          # milliseconds
 ])
 def test_a_bad_field_is_refused_as_invalid_naming_it(model_dir, caplog, extra, field):
-    from types import SimpleNamespace
-
-    from kvadmit_patches.vllm_http_status import error_for, refusal_detail
+    from kvadmit.protocol import Refusal
+    from kvadmit_patches.vllm_http_status import error_for
     eng = engine(model_dir, {})
     with caplog.at_level("WARNING", logger="kvadmit.vllm"):
         bad = eng.add([9] * 40, 8, extra_args=extra)
@@ -390,9 +389,11 @@ def test_a_bad_field_is_refused_as_invalid_naming_it(model_dir, caplog, extra, f
     assert any(field in r.getMessage() for r in caplog.records), caplog.text
     # Through `vllm serve` the 400 names the field as well (the engine's message rides
     # in the refused output's kv_transfer_params).
-    refused = SimpleNamespace(kv_transfer_params=eng.log.kv_transfer_params.get(bad))
-    err = error_for("invalid", refusal_detail(refused))
+    refusal = Refusal.from_output(eng.log.stop_reasons[bad], eng.log.kv_transfer_params.get(bad))
+    err = error_for(refusal)
     assert err.http_status == 400 and field in err.message
+    # Counted by the core as every reason is (kvadmit_rejected_total{reason="invalid"}).
+    assert eng.scheduler.kvadmit_core.stats()["rejected"]["invalid"] == 1
 
 
 def test_agent_window_holds_other_sessions_without_blocking_the_queue(model_dir):

@@ -22,14 +22,15 @@ from __future__ import annotations
 import difflib
 import json
 import logging
-import math
 import os
 import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from kvadmit import AdmissionConfig, AdmissionCore, ConfigError, Rejection, request_fields
+from kvadmit import AdmissionConfig, AdmissionCore, ConfigError, request_fields
+from kvadmit.bridge import EngineBridge
+from kvadmit.protocol import Refusal
 
 logger = logging.getLogger("kvadmit.sglang")
 
@@ -89,36 +90,27 @@ def explicit_keys(text: Optional[str]) -> frozenset:
 class EnqueueOutcome:
     """What `SGLangAdmission.on_enqueue` decided for one request."""
 
-    rejection: Optional[Rejection] = None            # refuse the incoming request
-    shed: list = field(default_factory=list)         # [(Req, Rejection)] waiting requests to abort
+    rejection: Optional[Refusal] = None              # refuse the incoming request
+    shed: list = field(default_factory=list)         # [(Req, Refusal)] waiting requests to abort
     requeued: bool = False                           # a running request came back (retraction)
 
 
-def rejection_finish_reason(rejection: Rejection) -> dict:
-    """SGLang's abort finish-reason dict for a kvadmit rejection.
-
-    Overload (retryable) is HTTP 503 like SGLang's own full-queue abort; a
-    request this server can never take is HTTP 400. The message names
-    kvadmit's reason and limit; ``retry_after`` (whole seconds) rides along
-    for streaming clients, who read the finish reason itself."""
-    from http import HTTPStatus
-
-    if rejection.retryable:
-        status = HTTPStatus.SERVICE_UNAVAILABLE
-        seconds = max(1, math.ceil(rejection.retry_after_s))
-        tail = f"; retry after {seconds} s"
-    else:
-        status = HTTPStatus.BAD_REQUEST
-        seconds = None
-        tail = "; retrying will not help"
+def rejection_finish_reason(refusal) -> dict:
+    """SGLang's abort finish-reason dict for a kvadmit refusal (a `Refusal`, or the
+    core's `Rejection`): status and message as `kvadmit.protocol` defines them for
+    both engines (503 when retrying can help, like SGLang's own full-queue abort,
+    else 400); ``retry_after`` (whole seconds) rides along for streaming clients,
+    who read the finish reason itself."""
+    if not isinstance(refusal, Refusal):
+        refusal = Refusal.of(refusal)
     reason = {
         "type": "abort",
-        "status_code": status,
-        "message": f"kvadmit rejected the request ({rejection.reason}): {rejection.message}{tail}",
-        "kvadmit_reason": rejection.reason,
+        "status_code": refusal.status,
+        "message": refusal.client_message(),
+        "kvadmit_reason": refusal.reason,
     }
-    if seconds is not None:
-        reason["retry_after"] = seconds
+    if refusal.retryable:
+        reason["retry_after"] = refusal.retry_after
     return reason
 
 
@@ -312,7 +304,7 @@ def adapter_for_reqs(reqs: Iterable[Any]) -> Optional["SGLangAdmission"]:
     """The adapter tracking these requests (by object, not only rid), or None."""
     for req in reqs:
         for adapter in list(_ADAPTERS):
-            if adapter._req.get(req.rid) is req:
+            if adapter.bridge.obj(req.rid) is req:
                 return adapter
     return None
 
@@ -344,18 +336,12 @@ class SGLangAdmission:
         self.core = AdmissionCore(config, max(num_tokens // page_size, 1), page_size, max_model_len)
         self.step_budget = max(int(step_budget), 0)
         self.core.set_step_budget(self.step_budget)
-        self._slot: dict = {}     # rid -> core slot
-        self._rid_of: dict = {}   # core slot -> rid
-        self._req: dict = {}      # rid -> Req (strong ref while tracked)
+        # rids <-> core slots, arrivals, leaving, step timing, cache signals.
+        self.bridge = EngineBridge(self.core)
         self.counters = {"rejected_sent": 0, "shed_sent": 0, "requeued": 0, "adopted": 0,
-                         "untracked": 0, "steps": 0, "observed_steps": 0, "ticks": 0}
-        self._rejected_here = {"invalid": 0}   # refused before the core (malformed fields)
+                         "untracked": 0, "steps": 0, "ticks": 0}
         self._tick_t: Optional[float] = None   # rank 0's clock, latest tick
-        self._step_t: Optional[float] = None   # clock at the start of the last step
         self._step_tick = 0                    # ticks seen at the start of the last step
-        self._last_shape = None                # (tokens, context) of the last step's batch
-        self._hit_tokens = 0                   # prefix-cache hits of this step's admissions
-        self._query_tokens = 0
         self.adder_class = type("KvadmitPrefillAdder", (_sglang_classes()["adder"],),
                                 {"kvadmit": self})
         self.exporter = None
@@ -429,23 +415,16 @@ class SGLangAdmission:
         return max(int(m), 1) if m is not None else 1
 
     def slot_for(self, req) -> Optional[int]:
-        return self._slot.get(req.rid)
+        return self.bridge.slot(req.rid)
 
-    def _track(self, req, slot: int) -> None:
-        self._slot[req.rid] = slot
-        self._rid_of[slot] = req.rid
-        self._req[req.rid] = req
-
-    def _untrack(self, slot: int):
-        rid = self._rid_of.pop(slot)
-        del self._slot[rid]
-        return self._req.pop(rid, None)
-
-    def _update(self, slot: int, req) -> None:
+    def _progress(self, slot: int, req) -> tuple[int, int]:
+        """(computed, generated) tokens of a tracked request, as the core counts them."""
         generated = len(req.output_ids)
         prompt = self.core.info(slot)["prompt_tokens"]
-        computed = min(max(int(req.kv.kv_committed_len), 0), prompt + generated)
-        self.core.update(slot, computed, generated)
+        return min(max(int(req.kv.kv_committed_len), 0), prompt + generated), generated
+
+    def _update(self, slot: int, req) -> None:
+        self.core.update(slot, *self._progress(slot, req))
 
     # ------------------------------------------------------------------
     # Arrival: Scheduler._abort_on_queued_limit
@@ -453,40 +432,41 @@ class SGLangAdmission:
         """A request enters SGLang's waiting queue: a new arrival (caps, maybe
         shedding) or a running request coming back (retraction, preemption)."""
         now = self.now() if now is None else now
-        slot = self._slot.get(req.rid)
+        slot = self.bridge.slot(req.rid)
         if slot is not None:
-            self._req[req.rid] = req
+            self.bridge.set_obj(req.rid, req)
             if self.core.state(slot) == "running":
                 self._update(slot, req)
                 self.core.preempt(slot, now)
                 self.counters["requeued"] += 1
                 return EnqueueOutcome(requeued=True)
             return EnqueueOutcome()
+        # A malformed kvadmit field (or count) is refused as invalid: retrying the same
+        # request cannot help (HTTP 400).
+        arrival = self.bridge.arrive(req.rid, req, lambda: self._numbers(req, now, strict=True), now)
+        if not arrival.accepted:
+            self.counters["rejected_sent"] += 1
+            return EnqueueOutcome(rejection=arrival.refusal)
+        shed = [(victim, refusal) for victim, refusal in arrival.shed if victim is not None]
+        self.counters["shed_sent"] += len(shed)
+        return EnqueueOutcome(shed=shed)
+
+    def _numbers(self, req, now: float, strict: bool) -> dict:
+        """The core's arrival numbers of an SGLang request. ``strict``: a malformed
+        kvadmit field or request body raises FieldError (naming it); else the fields
+        fall back to the defaults."""
         try:
             self._check_body(req)
             fields = parse_request_params(req.sampling_params.custom_params, now,
                                           _sglang_session(req))
-        except request_fields.FieldError as e:
-            # Retrying the same request cannot help: a client error (HTTP 400).
-            self._rejected_here["invalid"] += 1
-            self.counters["rejected_sent"] += 1
-            return EnqueueOutcome(rejection=Rejection(
-                "invalid", str(e), e.field or f"custom_params.{PARAMS_KEY}", None, None))
-        res = self.core.arrive(len(req.origin_input_ids), self._max_new(req),
-                               priority=self._priority(req), cached_tokens=0, now=now,
-                               ttft_slo_s=self._ttft_target(fields, now),
-                               tpot_slo_s=fields.tpot_slo_s, session=fields.session)
-        if not res.accepted:
-            self.counters["rejected_sent"] += 1
-            return EnqueueOutcome(rejection=res.rejection)
-        shed = []
-        for victim_slot, rejection in res.shed:
-            victim = self._untrack(victim_slot)
-            if victim is not None:
-                shed.append((victim, rejection))
-        self.counters["shed_sent"] += len(shed)
-        self._track(req, res.slot)
-        return EnqueueOutcome(shed=shed)
+        except request_fields.FieldError:
+            if strict:
+                raise
+            fields = request_fields.NONE
+        return dict(prompt_tokens=len(req.origin_input_ids), max_new_tokens=self._max_new(req),
+                    priority=self._priority(req), cached_tokens=0,
+                    ttft_slo_s=self._ttft_target(fields, now), tpot_slo_s=fields.tpot_slo_s,
+                    session=fields.session)
 
     def _check_body(self, req) -> None:
         """Refuses (FieldError) what would crash the scheduler further on: a prompt token
@@ -506,33 +486,22 @@ class SGLangAdmission:
 
     def forget(self, req) -> None:
         """SGLang dropped a request kvadmit had accepted (e.g. its own queue cap)."""
-        slot = self._slot.get(req.rid)
-        if slot is not None:
-            self._untrack(slot)
-            self.core.abort(slot)
+        self.bridge.leave(req.rid, finished=False)
 
     def _adopt(self, req, now: float) -> Optional[int]:
         """A request reached the queue or batch by a path kvadmit did not see.
-        The core has no cap-free arrival, so one refused here stays untracked."""
-        try:  # no refusal here: a malformed field falls back to the defaults
-            fields = parse_request_params(req.sampling_params.custom_params, now,
-                                          _sglang_session(req))
-        except request_fields.FieldError:
-            fields = request_fields.NONE
-        res = self.core.arrive(len(req.origin_input_ids), self._max_new(req),
-                               priority=self._priority(req), now=now,
-                               ttft_slo_s=self._ttft_target(fields, now),
-                               tpot_slo_s=fields.tpot_slo_s, session=fields.session)
-        if not res.accepted or res.shed:
-            for victim_slot, _ in res.shed:  # cannot happen without shedding config
-                self._untrack(victim_slot)
+        The core has no cap-free arrival, so one refused here stays untracked
+        (a malformed field falls back to the defaults: no refusal here)."""
+        arrival = self.bridge.arrive(req.rid, req, lambda: self._numbers(req, now, strict=False), now)
+        if not arrival.accepted or arrival.shed:   # shed: cannot happen without shedding config
             self.counters["untracked"] += 1
-            logger.warning("kvadmit: request %s bypassed the queue hook and is not tracked (%s)",
-                           req.rid, res.rejection)
-            return None
-        self._track(req, res.slot)
+            logger.warning("kvadmit: request %s bypassed the queue hook and is %s (%s)", req.rid,
+                           "tracked but shed others" if arrival.accepted else "not tracked",
+                           arrival.refusal)
+            if not arrival.accepted:
+                return None
         self.counters["adopted"] += 1
-        return res.slot
+        return arrival.slot
 
     # ------------------------------------------------------------------
     # Admission: get_prefill_adder_class + the adder
@@ -542,7 +511,8 @@ class SGLangAdmission:
         requests in that order. Untracked requests keep their place at the end."""
         pos = {s: i for i, s in enumerate(self.core.waiting())}
         end = len(pos)
-        waiting_queue.sort(key=lambda r: pos.get(self._slot.get(r.rid), end))
+        slots = self.bridge.slots
+        waiting_queue.sort(key=lambda r: pos.get(slots.get(r.rid), end))
 
     def prepare_decision(self, slot: int, req) -> None:
         """The waiting request as the core must see it when SGLang offers it.
@@ -572,8 +542,8 @@ class SGLangAdmission:
         (tokens SGLang's radix cache matched) counts toward this step's hit rate."""
         self.core.admit(slot, self.now())
         if req is not None:
-            self._hit_tokens += max(int(prefix_tokens), 0)
-            self._query_tokens += len(req.origin_input_ids) + len(req.output_ids)
+            self.bridge.note_prefix_hits(max(int(prefix_tokens), 0),
+                                         len(req.origin_input_ids) + len(req.output_ids))
 
     # ------------------------------------------------------------------
     # Step timing: the interval between consecutive scheduler iterations
@@ -588,13 +558,8 @@ class SGLangAdmission:
         now = self.now()
         fresh = (not self.synced_clock
                  or (self._tick_t is not None and self.counters["ticks"] == self._step_tick + 1))
-        shape = self._last_shape
-        if shape is not None and fresh and self._step_t is not None and now >= self._step_t:
-            self.core.observe_step(shape[0], shape[1], now - self._step_t)
-            self.counters["observed_steps"] += 1
-        self._step_t = now
+        self.bridge.begin_step(now, fresh)
         self._step_tick = self.counters["ticks"]
-        self._last_shape = None
         return now
 
     # ------------------------------------------------------------------
@@ -617,39 +582,35 @@ class SGLangAdmission:
         for rid, r in live.items():
             if rid in waiting_rids:
                 continue
-            slot = self._slot.get(rid)
+            slot = self.bridge.slot(rid)
             if slot is None:
                 slot = self._adopt(r, now)
                 if slot is None:
                     continue
-            self._req[rid] = r
+            self.bridge.set_obj(rid, r)
             if core.state(slot) == "waiting":
                 core.admit(slot, now)
             self._update(slot, r)
+        key = self.bridge.key
         for slot in core.running():
-            if self._rid_of[slot] not in live:
-                self._leave(slot, now)
+            if key(slot) not in live:
+                self._leave(key(slot), now)
         for slot in core.waiting():
-            rid = self._rid_of[slot]
+            rid = key(slot)
             if rid not in waiting_rids and rid not in live:
-                self._leave(slot, now)
+                self._leave(rid, now)
         for r in waiting_queue:
-            if r.rid not in self._slot:
+            if r.rid not in self.bridge.slots:
                 self._adopt(r, now)
 
-    def _leave(self, slot: int, now: float) -> None:
+    def _leave(self, rid, now: float) -> None:
+        """SGLang is done with a tracked request: finished on its own, or aborted."""
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-        state = self.core.state(slot)
-        req = self._req.get(self._rid_of[slot])
-        if (state == "running" and req is not None and req.finished()
-                and not isinstance(req.finished_reason, FINISH_ABORT)):
-            self._update(slot, req)
-            self._untrack(slot)
-            self.core.finish(slot, now)
-        else:
-            self._untrack(slot)
-            self.core.abort(slot)
+        req = self.bridge.obj(rid)
+        natural = (req is not None and req.finished()
+                   and not isinstance(req.finished_reason, FINISH_ABORT))
+        self.bridge.leave(rid, natural, lambda slot: self._progress(slot, req), now)
 
     def observe_kv(self, free_tokens: int, now: Optional[float] = None) -> None:
         """Once per step, after `begin_step` and before admission (the agent
@@ -659,15 +620,17 @@ class SGLangAdmission:
         prompt + output tokens)."""
         now = self.now() if now is None else now
         used = self.num_tokens - max(int(free_tokens), 0)
-        used_blocks = min(max(used // self.page_size, 0), self.core.num_blocks)
-        self.core.observe_cache(used_blocks, self._hit_tokens, self._query_tokens, now)
-        self._hit_tokens = self._query_tokens = 0
+        self.bridge.observe_cache(used // self.page_size, now)
 
     def end_step(self, now: Optional[float] = None, batch=None) -> None:
         """After the scheduler chose ``batch``: remembers its shape (the step
         timing charges the next interval to it) and steps the core."""
         now = self.now() if now is None else now
-        self._last_shape = _batch_shape(batch)
+        shape = _batch_shape(batch)
+        if shape is None:
+            self.bridge.engine_idle()
+        else:
+            self.bridge.end_step(*shape)
         self.core.on_step(now)
         self.counters["steps"] += 1
         if self.exporter is not None:
@@ -680,7 +643,7 @@ class SGLangAdmission:
         victims off the end), in the core's victim order."""
         slots = []
         for r in reqs:
-            slot = self._slot.get(r.rid)
+            slot = self.bridge.slot(r.rid)
             if slot is not None and self.core.state(slot) == "running":
                 self._update(slot, r)
                 slots.append(slot)
@@ -693,10 +656,7 @@ class SGLangAdmission:
     # ------------------------------------------------------------------
     def stats(self) -> dict:
         out = self.core.stats()
-        rejected = out["rejected"]
-        for reason, n in self._rejected_here.items():
-            rejected[reason] = rejected.get(reason, 0) + n
-        out.update(self.counters)
+        out.update(self.counters, observed_steps=self.bridge.observed_steps)
         out.update(policy=self.config.policy, victim=self.config.victim,
                    num_blocks=self.core.num_blocks, block_size=self.core.block_size,
                    step_budget=self.step_budget,

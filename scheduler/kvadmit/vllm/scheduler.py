@@ -38,9 +38,10 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.request import Request, RequestStatus
 
 from kvadmit._native import AdmissionCore, BlockObjectQueue
+from kvadmit.bridge import EngineBridge
 from kvadmit.config import AdmissionConfig, ConfigError, section_from
+from kvadmit.protocol import PREFIX as STOP_REASON_PREFIX, Refusal, sample_group
 from kvadmit.request_fields import (
-    FieldError,
     check_int,
     check_prompt_tokens,
     from_extra_args,
@@ -51,9 +52,6 @@ from kvadmit.vllm.metrics import process_metrics
 
 logger = logging.getLogger("kvadmit.vllm")
 
-STOP_REASON_PREFIX = "kvadmit:"
-RETRY_AFTER_KEY = "kvadmit_retry_after_s"   # in a refused output's kv_transfer_params
-DETAIL_KEY = "kvadmit_detail"               # there too: what is wrong with an invalid request
 
 
 def config_from_vllm(vllm_config) -> AdmissionConfig:
@@ -153,7 +151,7 @@ class _KvadmitMixin:
     """The kvadmit behaviour, shared by the sync and async scheduler flavours."""
 
     kvadmit_core: AdmissionCore
-    kvadmit_slot: dict[str, int]
+    kvadmit_bridge: EngineBridge
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -189,19 +187,18 @@ class _KvadmitMixin:
         # Block 0 is vLLM's null block: never handed to a request.
         self.kvadmit_core = AdmissionCore(cfg, pool.num_gpu_blocks - 1, self.block_size,
                                           self.vllm_config.model_config.max_model_len)
-        self.kvadmit_slot = {}
         self._kvadmit_vocab_size = self.vllm_config.model_config.get_vocab_size()
+        # Request ids <-> core slots, arrivals, leaving, step timing, cache signals.
+        self.kvadmit_bridge = EngineBridge(self.kvadmit_core)
         self._kvadmit_rejections: list[tuple[int, EngineCoreOutput]] = []
+        # Samples of parallel-sampling requests that arrived before their siblings:
+        # parent id -> [Request]; the request arrives once all n are here.
+        self._kvadmit_samples: dict[str, list[Request]] = {}
         # The SLO guard predicts prefill time from the engine's token budget a step.
         self.kvadmit_core.set_step_budget(sched_cfg.max_num_batched_tokens)
-        # The previous step, for observe_step: its scheduled tokens (0: none, or the
-        # engine was idle since), its context and when its schedule() started.
-        self._kvadmit_step_tokens = 0
-        self._kvadmit_step_context = 0
-        self._kvadmit_step_start = 0.0
         # Agent window: the requests the gate started this step (for their prefix-cache
-        # hits) and the hits/queries of the previous step, for observe_cache. Prefix
-        # hits count only with prefix caching (without it the core sees 0/0: no signal).
+        # hits, reported to the bridge). Prefix hits count only with prefix caching
+        # (without it the core sees 0/0: no signal).
         # kvadmit decides which sessions may run; which cached blocks are evicted stays
         # vLLM's LRU (BlockPool's free-block queue): kvadmit cannot keep a paused
         # session's prefix warm without patching vLLM's eviction, and does not.
@@ -209,8 +206,6 @@ class _KvadmitMixin:
         self._kvadmit_pool_blocks = pool.num_gpu_blocks - 1
         self._kvadmit_popped: list[Request] | None = (
             [] if cfg.agent_window and self.kv_cache_manager.enable_caching else None)
-        self._kvadmit_hits = self._kvadmit_queries = 0
-        self.kvadmit_prefix_hit_tokens = self.kvadmit_prefix_query_tokens = 0   # totals
         self.waiting = GatedWaitingQueue(self)
         self._kvadmit_req_blocks = (self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
                                     if cfg.pause_on_shortfall else None)
@@ -285,39 +280,50 @@ class _KvadmitMixin:
         pool.free_block_queue = queue
 
     # -- arrivals -----------------------------------------------------------
+    @property
+    def kvadmit_slot(self):
+        """Request id -> core slot of every request kvadmit tracks (read-only view)."""
+        return self.kvadmit_bridge.slots
+
+    @property
+    def kvadmit_prefix_hit_tokens(self) -> int:
+        return self.kvadmit_bridge.prefix_hit_tokens
+
+    @property
+    def kvadmit_prefix_query_tokens(self) -> int:
+        return self.kvadmit_bridge.prefix_query_tokens
+
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:   # streaming input for a live request
             return super().add_request(request)
-        core = self.kvadmit_core
         if not self.requests:
-            # The engine was idle: the time since the last step's schedule() is no step time.
-            self._kvadmit_step_tokens = 0
-        try:
-            self._kvadmit_check_body(request)
-            sp = request.sampling_params
-            fields = from_extra_args(sp.extra_args if sp is not None else None)
-            session = fields.session
-            if session < 0 and request.session_id:   # vLLM's session_id (X-Session-ID)
-                session = session_int(request.session_id, "session_id")
-            ttft = ttft_target(fields, self.kvadmit_config.default_ttft_slo_s)
-            res = core.arrive(request.num_prompt_tokens, request.max_tokens,
-                              priority=request.priority, now=self.kvadmit_clock(),
-                              ttft_slo_s=ttft, tpot_slo_s=fields.tpot_slo_s, session=session)
-        except ValueError as e:   # add_request must not raise into the engine loop
-            logger.warning("kvadmit: refused %s: %s", request.request_id, e)
-            # A malformed kvadmit field is named to the client (patches/vllm_http_status.py).
-            self._kvadmit_rejections.append((request.client_index, EngineCoreOutput(
-                request_id=request.request_id, new_token_ids=[],
-                finish_reason=FinishReason.ABORT, stop_reason=STOP_REASON_PREFIX + "invalid",
-                kv_transfer_params={DETAIL_KEY: str(e)} if isinstance(e, FieldError) else None)))
+            self.kvadmit_bridge.engine_idle()
+        sp = request.sampling_params
+        group = sample_group(request.request_id, sp.extra_args if sp is not None else None)
+        if group is None:
+            members = [request]
+        else:
+            # One of n samples (vLLM's parallel sampling): the request arrives as one
+            # unit once all of its samples are here.
+            parent, n = group
+            members = self._kvadmit_samples.setdefault(parent, [])
+            members.append(request)
+            if len(members) < n:
+                return None
+            del self._kvadmit_samples[parent]
+        arrival = self.kvadmit_bridge.arrive_group(
+            [(r.request_id, r) for r in members], lambda: self._kvadmit_numbers(request),
+            self.kvadmit_clock())
+        for victim, refusal in arrival.shed:
+            self.finish_requests(victim.request_id, RequestStatus.FINISHED_ABORTED)
+            self._kvadmit_refuse(victim, refusal)
+        if not arrival.accepted:
+            for r in members:
+                self._kvadmit_refuse(r, arrival.refusal, log=r is request)
             return None
-        for slot, rejection in res.shed:
-            self._kvadmit_shed(slot, rejection)
-        if not res.accepted:
-            self._kvadmit_reject(request, res.rejection)
-            return None
-        self.kvadmit_slot[request.request_id] = res.slot
-        return super().add_request(request)
+        for r in members:
+            super().add_request(r)
+        return None
 
     def _kvadmit_check_body(self, request: Request) -> None:
         """Refuses (FieldError) what would crash the engine further on: a prompt token
@@ -328,42 +334,57 @@ class _KvadmitMixin:
         check_int(request.priority, "priority")
         check_int(request.max_tokens, "max_tokens", 1)
 
-    def _kvadmit_reject(self, request: Request, rejection) -> None:
-        logger.info("kvadmit: refused %s: %s", request.request_id, rejection.message)
-        # The Retry-After hint rides in kv_transfer_params, the one free-form field of an
-        # engine output that reaches the API server (patches/vllm_http_status.py reads it).
-        retry = ({RETRY_AFTER_KEY: rejection.retry_after_s}
-                 if rejection.retry_after_s is not None else None)
+    def _kvadmit_numbers(self, request: Request) -> dict:
+        """The core's arrival numbers of a request (FieldError names a malformed field
+        or what would crash the engine)."""
+        self._kvadmit_check_body(request)
+        sp = request.sampling_params
+        fields = from_extra_args(sp.extra_args if sp is not None else None)
+        session = fields.session
+        if session < 0 and request.session_id:   # vLLM's session_id (X-Session-ID)
+            session = session_int(request.session_id, "session_id")
+        return dict(prompt_tokens=request.num_prompt_tokens, max_new_tokens=request.max_tokens,
+                    priority=request.priority,
+                    ttft_slo_s=ttft_target(fields, self.kvadmit_config.default_ttft_slo_s),
+                    tpot_slo_s=fields.tpot_slo_s, session=session)
+
+    def _kvadmit_refuse(self, request: Request, refusal: Refusal, log: bool = True) -> None:
+        """Finishes a request kvadmit refused (it never enters or has left the scheduler):
+        its client gets an output with the refusal (kvadmit.protocol; the API-server
+        patch turns it into the HTTP answer)."""
+        if log:
+            logger.log(logging.WARNING if refusal.reason == "invalid" else logging.INFO,
+                       "%s", refusal.log_line(request.request_id))
         self._kvadmit_rejections.append((request.client_index, EngineCoreOutput(
             request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
-            stop_reason=STOP_REASON_PREFIX + rejection.reason, kv_transfer_params=retry)))
+            stop_reason=refusal.stop_reason, kv_transfer_params=refusal.to_params())))
 
-    def _kvadmit_shed(self, slot: int, rejection) -> None:
-        rid = next(r for r, s in self.kvadmit_slot.items() if s == slot)
-        request = self.requests[rid]
-        del self.kvadmit_slot[rid]   # the core already forgot it
-        self.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-        self._kvadmit_reject(request, rejection)
+    def finish_requests(self, request_ids, finished_status):
+        if self._kvadmit_samples and request_ids is not None:
+            # Samples waiting for their siblings are not in the scheduler yet: drop them.
+            ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+            for parent, members in list(self._kvadmit_samples.items()):
+                members[:] = [r for r in members if r.request_id not in ids]
+                if not members:
+                    del self._kvadmit_samples[parent]
+        return super().finish_requests(request_ids, finished_status)
 
     # -- every step ------------------------------------------------------------
     def schedule(self, *args, **kwargs):
-        core = self.kvadmit_core
+        core, bridge = self.kvadmit_core, self.kvadmit_bridge
         now = self.kvadmit_clock()
-        if self._kvadmit_step_tokens and now >= self._kvadmit_step_start:
-            # From the previous schedule() to this one: that step's scheduling, forward
-            # pass and output processing (with async scheduling, the pipeline's period).
-            core.observe_step(self._kvadmit_step_tokens, self._kvadmit_step_context,
-                              now - self._kvadmit_step_start)
+        # From the previous schedule() to this one: that step's scheduling, forward
+        # pass and output processing (with async scheduling, the pipeline's period).
+        bridge.begin_step(now)
         if self._kvadmit_agents:
             used = self._kvadmit_pool_blocks - self.kv_cache_manager.block_pool.get_num_free_blocks()
-            core.observe_cache(used, self._kvadmit_hits, self._kvadmit_queries, now)
-            self._kvadmit_hits = self._kvadmit_queries = 0
+            bridge.observe_cache(used, now)
         # The window, the running set and the step-time fit may have changed since the
         # gate last chose: choose again.
         self.waiting.invalidate()
         slots, computed, generated, by_slot = [], [], [], {}
         for req in self.running:
-            slot = self.kvadmit_slot.get(req.request_id)
+            slot = bridge.slot(req.request_id)
             if slot is None:
                 continue
             prompt = req.num_prompt_tokens
@@ -388,13 +409,11 @@ class _KvadmitMixin:
             self._kvadmit_plan_pauses()
         out = super().schedule(*args, **kwargs)
         tokens = out.total_num_scheduled_tokens
-        self._kvadmit_step_tokens = tokens
-        self._kvadmit_step_start = now
         if tokens:
             reqs = self.requests
             scheduled = out.num_scheduled_tokens
             # schedule() has advanced num_computed_tokens by the step's tokens.
-            self._kvadmit_step_context = sum([reqs[r].num_computed_tokens for r in scheduled])
+            bridge.end_step(tokens, sum([reqs[r].num_computed_tokens for r in scheduled]))
             popped = self._kvadmit_popped
             if popped:
                 # Started this step: the tokens computed before it are prefix-cache hits
@@ -406,10 +425,7 @@ class _KvadmitMixin:
                     if n is not None and lookup(req):
                         hits += req.num_computed_tokens - n
                         queries += req.num_tokens
-                self._kvadmit_hits += hits
-                self._kvadmit_queries += queries
-                self.kvadmit_prefix_hit_tokens += hits
-                self.kvadmit_prefix_query_tokens += queries
+                bridge.note_prefix_hits(hits, queries)
         if self._kvadmit_popped:
             self._kvadmit_popped.clear()
         core.on_step(self.kvadmit_clock())
@@ -418,24 +434,23 @@ class _KvadmitMixin:
         return out
 
     def _preempt_request(self, request: Request, timestamp: float, *args, **kwargs) -> None:
-        slot = self.kvadmit_slot.get(request.request_id)
+        slot = self.kvadmit_bridge.slot(request.request_id)
         if slot is not None:
             self.kvadmit_core.preempt(slot, self.kvadmit_clock())
         return super()._preempt_request(request, timestamp, *args, **kwargs)
 
     def _free_request(self, request: Request, *args, **kwargs):
-        slot = self.kvadmit_slot.pop(request.request_id, None)
-        if slot is not None:
-            core = self.kvadmit_core
+        if request.request_id in self.kvadmit_bridge.slots:
             natural = request.status in (RequestStatus.FINISHED_STOPPED,
                                          RequestStatus.FINISHED_LENGTH_CAPPED)
-            if core.state(slot) == "running" and natural:
+
+            def progress(slot):
                 prompt = request.num_prompt_tokens
                 gen = request.num_tokens - prompt
-                core.update(slot, min(request.num_computed_tokens, prompt + gen), gen)
-                core.finish(slot, self.kvadmit_clock())
-            else:
-                core.abort(slot)
+                return min(request.num_computed_tokens, prompt + gen), gen
+
+            self.kvadmit_bridge.leave(request.request_id, natural, progress,
+                                      self.kvadmit_clock() if natural else 0.0)
         return super()._free_request(request, *args, **kwargs)
 
     # -- outputs ---------------------------------------------------------------

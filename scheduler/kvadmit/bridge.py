@@ -1,0 +1,184 @@
+"""What every engine adapter does with the core, once: the engine bridge.
+
+An adapter (kvadmit.vllm.scheduler, kvadmit.sglang.adapter) translates its
+engine's objects into numbers; `EngineBridge` does the rest, the same way for
+every engine:
+
+- request tracking: the engine's request id <-> the core's slot, and the engine's
+  request object while the core tracks it;
+- arrival through the core: the numbers, or a malformed request refused as
+  `invalid` (counted by the core, as every reason is), or a refusal with the
+  client's answer (`kvadmit.protocol.Refusal`), and the waiting requests shed
+  for it; a parallel-sampling request's samples arrive as one unit
+  (`arrive_group`: all accepted, or the request refused once);
+- leaving: a request that finished on its own reports its final progress and
+  finishes; any other (client abort, engine error, shed) is an abort;
+- step timing: the interval between two step starts is the previous step's time
+  for the core's step-time fit, charged to that step's scheduled tokens and
+  context (not observed: a step without tokens, or after the engine was idle);
+- cache signals: KV blocks in use and the prefix-cache hits of the requests
+  admitted since the previous step (the agent window's inputs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Hashable, Optional
+
+from kvadmit.protocol import Refusal
+
+
+@dataclass
+class Arrival:
+    """The core's answer to an arrival: accepted (slots, one per sample) or refused."""
+    slots: list = field(default_factory=list)
+    refusal: Optional[Refusal] = None
+    shed: list = field(default_factory=list)   # [(engine object, Refusal)] waiting ones shed for it
+
+    @property
+    def accepted(self) -> bool:
+        return self.refusal is None
+
+    @property
+    def slot(self) -> int:
+        return self.slots[0]
+
+
+class EngineBridge:
+    """One engine's requests in one `AdmissionCore` (see the module docstring)."""
+
+    def __init__(self, core):
+        self.core = core
+        self._slot: dict = {}     # engine request id -> slot
+        self._key: dict = {}      # slot -> engine request id
+        self._obj: dict = {}      # engine request id -> engine object (a strong ref while tracked)
+        self._step_start: Optional[float] = None
+        self._step_shape: Optional[tuple[float, float]] = None   # (tokens, context) of the last step
+        self.observed_steps = 0
+        self._hit_tokens = self._query_tokens = 0            # since the last observe_cache
+        self.prefix_hit_tokens = self.prefix_query_tokens = 0   # totals
+
+    # -- tracking ------------------------------------------------------------
+    def slot(self, key: Hashable) -> Optional[int]:
+        return self._slot.get(key)
+
+    def key(self, slot: int) -> Hashable:
+        return self._key[slot]
+
+    def obj(self, key: Hashable) -> Any:
+        return self._obj.get(key)
+
+    def set_obj(self, key: Hashable, obj: Any) -> None:
+        """The engine replaced its object for a tracked request."""
+        self._obj[key] = obj
+
+    @property
+    def slots(self):
+        """Engine request id -> slot of every tracked request (a read-only view)."""
+        return MappingProxyType(self._slot)
+
+    def track(self, key: Hashable, slot: int, obj: Any) -> None:
+        self._slot[key] = slot
+        self._key[slot] = key
+        self._obj[key] = obj
+
+    def untrack(self, slot: int) -> Any:
+        """Forgets a slot's request (the core's side is the caller's); returns its object."""
+        key = self._key.pop(slot)
+        del self._slot[key]
+        return self._obj.pop(key, None)
+
+    # -- arrival -------------------------------------------------------------
+    def refuse_invalid(self, error: Exception) -> Refusal:
+        """A malformed request (its error names the field): counted by the core."""
+        return Refusal.of(self.core.refuse_invalid(str(error), getattr(error, "field", None)))
+
+    def arrive(self, key: Hashable, obj: Any, numbers: Callable[[], dict], now: float) -> Arrival:
+        """One request arrives. ``numbers()`` gives `AdmissionCore.arrive`'s keywords
+        (prompt_tokens, max_new_tokens, priority, ...) from the engine's request; a
+        ValueError from it or from the core (a malformed field or count) refuses the
+        request as `invalid`."""
+        try:
+            res = self.core.arrive(now=now, **numbers())
+        except ValueError as e:
+            return Arrival(refusal=self.refuse_invalid(e))
+        shed = [(self.untrack(s), Refusal.of(rejection)) for s, rejection in res.shed]
+        if not res.accepted:
+            return Arrival(refusal=Refusal.of(res.rejection), shed=shed)
+        self.track(key, res.slot, obj)
+        return Arrival(slots=[res.slot], shed=shed)
+
+    def arrive_group(self, members: list, numbers: Callable[[], dict], now: float) -> Arrival:
+        """The samples of one parallel-sampling request, [(key, obj)], arrive as one
+        unit: all accepted (as many slots, in order, each sample its own sequence in
+        the queue, caps counting all of them), or the request refused once (the
+        samples accepted before the refusal are withdrawn, uncounted)."""
+        slots, shed = [], []
+        for key, obj in members:
+            one = self.arrive(key, obj, numbers, now)
+            shed += one.shed
+            if not one.accepted:
+                for s in slots:
+                    self.untrack(s)
+                    self.core.withdraw(s)
+                return Arrival(refusal=one.refusal, shed=shed)
+            slots.append(one.slot)
+        return Arrival(slots=slots, shed=shed)
+
+    # -- leaving -------------------------------------------------------------
+    def leave(self, key: Hashable, finished: bool,
+              progress: Optional[Callable[[int], tuple[int, int]]] = None,
+              now: float = 0.0) -> Any:
+        """The engine is done with a tracked request (None if it was not tracked).
+        ``finished``: it ended on its own (stop, length); a running one then reports
+        ``progress(slot)`` = (computed tokens, generated tokens) and finishes at
+        ``now``. Anything else, or a request that never ran, is an abort."""
+        slot = self._slot.get(key)
+        if slot is None:
+            return None
+        obj = self.untrack(slot)
+        core = self.core
+        if finished and core.state(slot) == "running":
+            if progress is not None:
+                computed, generated = progress(slot)
+                core.update(slot, computed, generated)
+            core.finish(slot, now)
+        else:
+            core.abort(slot)
+        return obj
+
+    # -- step timing ---------------------------------------------------------
+    def begin_step(self, now: float, fresh: bool = True) -> None:
+        """At the start of every engine step: the time since the previous start is
+        the previous step's time (``fresh`` False: an interval the caller cannot
+        vouch for, e.g. one that skipped an iteration)."""
+        shape, start = self._step_shape, self._step_start
+        if shape is not None and fresh and start is not None and now >= start:
+            self.core.observe_step(shape[0], shape[1], now - start)
+            self.observed_steps += 1
+        self._step_start = now
+        self._step_shape = None
+
+    def end_step(self, tokens: float, context: float) -> None:
+        """The step just scheduled ``tokens`` tokens over ``context`` KV tokens (0
+        tokens: nothing ran, so the next interval is not observed)."""
+        self._step_shape = (tokens, context) if tokens > 0 else None
+
+    def engine_idle(self) -> None:
+        """The engine had nothing to run: the time until the next step is no step time."""
+        self._step_shape = None
+
+    # -- cache signals -------------------------------------------------------
+    def note_prefix_hits(self, hit_tokens: int, query_tokens: int) -> None:
+        """Prefix-cache hits of admitted requests: tokens found cached, out of their
+        prompt + output tokens."""
+        self._hit_tokens += hit_tokens
+        self._query_tokens += query_tokens
+        self.prefix_hit_tokens += hit_tokens
+        self.prefix_query_tokens += query_tokens
+
+    def observe_cache(self, used_blocks: int, now: float) -> None:
+        """Once per step, before admission: KV blocks in use and the hits noted since."""
+        used = min(max(int(used_blocks), 0), self.core.num_blocks)
+        self.core.observe_cache(used, self._hit_tokens, self._query_tokens, now)
+        self._hit_tokens = self._query_tokens = 0

@@ -1,0 +1,169 @@
+"""How kvadmit refuses a request, defined once for every engine and patch.
+
+A refusal has a reason (one of `REASONS`), a message naming the limit and the
+numbers behind it, and a Retry-After hint in seconds when retrying can help.
+The core decides all three (`kvadmit.Rejection`); this module says what each
+engine shows the client, so vLLM and SGLang answer the same refusal the same way:
+
+- HTTP status: 503 Service Unavailable for a retryable refusal (overload: the
+  queue, the backlog, the predicted wait or TTFT, shedding), 400 Bad Request for
+  a request this server can never take (context, KV pool, a prompt larger than
+  ``max_queued_tokens``, an invalid request field). Retryability belongs to the
+  refusal, not only to its reason: ``queued_tokens_full`` is retryable when the
+  backlog is full, not when the prompt alone exceeds the cap.
+- Every retryable refusal carries ``Retry-After: N`` (whole seconds, at least 1);
+  a non-retryable one never does.
+- The client's message is ``kvadmit:<reason>: <message> (retry after N s)`` (or
+  ``(retrying will not help)``), the same text in both engines.
+
+vLLM's engine core cannot raise to the client: it finishes a refused request with
+``stop_reason = "kvadmit:<reason>"`` and the refusal in the output's
+``kv_transfer_params`` (`Refusal.to_params`), and the API-server patch
+(kvadmit_patches/vllm_http_status.py) rebuilds it there (`Refusal.from_output`).
+
+Pure Python, no engine import: the patches and both adapters import it.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, Mapping, Optional
+
+# A refused vLLM output's stop_reason, and the start of every client message.
+PREFIX = "kvadmit:"
+# Keys of a refused vLLM output's kv_transfer_params (the one free-form field of an
+# engine output that reaches the API server).
+RETRY_AFTER_KEY = "kvadmit_retry_after_s"   # the hint in seconds; present iff retryable
+DETAIL_KEY = "kvadmit_detail"               # the refusal's message (limit and numbers)
+
+# In a vLLM sample's SamplingParams.extra_args: "<n>/<parent request id>", set by the
+# API-server patch when vLLM fans a parallel-sampling request (n > 1) out into n
+# engine requests "<i>_<parent request id>" (each says n = 1 itself).
+SAMPLES_KEY = "kvadmit_samples"
+
+RETRYABLE_STATUS = HTTPStatus.SERVICE_UNAVAILABLE
+FINAL_STATUS = HTTPStatus.BAD_REQUEST
+
+
+@dataclass(frozen=True)
+class ReasonInfo:
+    """One refusal reason: whether it is retryable (True: always, False: never,
+    None: it depends on the refusal) and the message a client sees when the engine
+    did not say more."""
+    retryable: Optional[bool]
+    message: str
+
+
+# Every reason kvadmit refuses with; the core's REJECT_REASONS plus none other.
+REASONS: dict[str, ReasonInfo] = {
+    "queue_full": ReasonInfo(True, "the engine's waiting queue is full (kvadmit max_queued_requests)"),
+    "queued_tokens_full": ReasonInfo(
+        None, "the engine's prefill backlog is full, or the prompt alone exceeds it "
+              "(kvadmit max_queued_tokens)"),
+    "queue_delay": ReasonInfo(True, "the predicted wait in the engine's queue exceeds kvadmit "
+                                    "max_queue_delay_s"),
+    "shed": ReasonInfo(True, "the request was shed from a full queue for a higher-priority request"),
+    "slo_infeasible": ReasonInfo(True, "the predicted time to first token exceeds the request's "
+                                       "TTFT target (ttft_slo_s / deadline_s, or the server's default)"),
+    "context_length": ReasonInfo(False, "prompt tokens + max_tokens exceed the model's context length"),
+    "kv_capacity": ReasonInfo(False, "the request needs more KV cache than this server's whole pool holds"),
+    "invalid": ReasonInfo(False, "the request's token counts or kvadmit fields are invalid"),
+}
+
+RETRY_TAIL = "(retry after {} s)"
+FINAL_TAIL = "(retrying will not help)"
+# What patches/vllm_retry_after.py finds in a 503 body to set the Retry-After header.
+RETRY_HINT_RE = re.compile(rb"kvadmit:[a-z_]+:[^\"]*?\(retry after (\d+) s\)")
+
+
+def retry_after_header(seconds: Optional[float]) -> Optional[int]:
+    """A hint in seconds as a Retry-After value: whole seconds, at least 1 (None: none)."""
+    if seconds is None:
+        return None
+    return max(1, math.ceil(float(seconds)))
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """What a client is told about a refused request."""
+    reason: str
+    message: str
+    retry_after_s: Optional[float] = None   # None: retrying cannot help
+
+    @classmethod
+    def of(cls, rejection) -> "Refusal":
+        """From the core's `kvadmit.Rejection` (or anything with its three fields)."""
+        return cls(rejection.reason, rejection.message, rejection.retry_after_s)
+
+    @property
+    def retryable(self) -> bool:
+        return self.retry_after_s is not None
+
+    @property
+    def status(self) -> HTTPStatus:
+        return RETRYABLE_STATUS if self.retryable else FINAL_STATUS
+
+    @property
+    def retry_after(self) -> Optional[int]:
+        """The Retry-After header's value (None: no header)."""
+        return retry_after_header(self.retry_after_s)
+
+    @property
+    def stop_reason(self) -> str:
+        return PREFIX + self.reason
+
+    def client_message(self) -> str:
+        """The one text both engines send: reason, the limit and numbers, retry hint."""
+        tail = RETRY_TAIL.format(self.retry_after) if self.retryable else FINAL_TAIL
+        return f"{PREFIX}{self.reason}: {self.message} {tail}"
+
+    def log_line(self, request_id: Any) -> str:
+        return f"kvadmit refused {request_id}: {self.client_message()}"
+
+    # -- vLLM: engine core -> API server -------------------------------------
+    def to_params(self) -> dict:
+        """The refusal as a vLLM output's kv_transfer_params."""
+        params = {DETAIL_KEY: self.message}
+        if self.retry_after_s is not None:
+            params[RETRY_AFTER_KEY] = float(self.retry_after_s)
+        return params
+
+    @classmethod
+    def from_output(cls, stop_reason: Any, params: Optional[Mapping]) -> Optional["Refusal"]:
+        """The refusal a vLLM completion carries (stop_reason "kvadmit:<reason>" and
+        its kv_transfer_params), or None when it is not a kvadmit refusal."""
+        if not isinstance(stop_reason, str) or not stop_reason.startswith(PREFIX):
+            return None
+        reason = stop_reason[len(PREFIX):]
+        params = params if isinstance(params, Mapping) else {}
+        info = REASONS.get(reason)
+        message = params.get(DETAIL_KEY) or (info.message if info else "refused by kvadmit")
+        retry = params.get(RETRY_AFTER_KEY)
+        return cls(reason, str(message), None if retry is None else float(retry))
+
+
+def invalid(message: str) -> Refusal:
+    """A request this server refuses as malformed (400, never retryable)."""
+    return Refusal("invalid", message, None)
+
+
+def samples_marker(n: int, parent_id: str) -> dict:
+    """The extra_args entry that tells the engine a request is one of n samples."""
+    return {SAMPLES_KEY: f"{int(n)}/{parent_id}"}
+
+
+def sample_group(request_id: str, extra_args: Optional[Mapping]) -> Optional[tuple[str, int]]:
+    """(parent id, n) when this engine request is one of n > 1 samples of one client
+    request, else None. The id must be the sample's own ("<i>_<parent>", i < n), so a
+    client cannot group requests by sending the key itself."""
+    value = extra_args.get(SAMPLES_KEY) if isinstance(extra_args, Mapping) else None
+    if not isinstance(value, str) or "/" not in value:
+        return None
+    n_text, parent = value.split("/", 1)
+    index, sep, rest = request_id.partition("_")
+    if not (n_text.isdigit() and index.isdigit() and sep and rest == parent):
+        return None
+    n = int(n_text)
+    return (parent, n) if n > 1 and int(index) < n else None
