@@ -236,9 +236,8 @@ def test_a_request_the_model_would_crash_on_is_refused_as_invalid(model_dir, pro
     takes any priority offline: an id outside the vocabulary would crash the embedding
     lookup, a priority beyond int64 the core. Refused as invalid naming the field and the
     limit; the engine goes on."""
-    from types import SimpleNamespace
-
-    from kvadmit_patches.vllm_http_status import error_for, refusal_detail
+    from kvadmit.protocol import Refusal
+    from kvadmit_patches.vllm_http_status import error_for
     eng = engine(model_dir, {}, scheduling_policy="priority" if kw else "fcfs")
     bad = eng.add(prompt, 8, **kw)
     ok = eng.add([1023] * 10, 8)       # the vocabulary's last id is fine
@@ -246,8 +245,8 @@ def test_a_request_the_model_would_crash_on_is_refused_as_invalid(model_dir, pro
     eng.run()
     assert eng.log.stop_reasons[bad] == "kvadmit:invalid" and eng.log.outputs[bad] == []
     assert len(eng.log.outputs[ok]) == 8
-    err = error_for("invalid", refusal_detail(
-        SimpleNamespace(kv_transfer_params=eng.log.kv_transfer_params.get(bad))))
+    err = error_for(Refusal.from_output(eng.log.stop_reasons[bad],
+                                        eng.log.kv_transfer_params.get(bad)))
     assert err.http_status == 400 and words in err.message, err.message
 
 
