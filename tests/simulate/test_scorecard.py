@@ -1,0 +1,77 @@
+"""`kvadmit bench scorecard`: every workload x config cell, ratios and goals."""
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from kvadmit.simulate.scorecard import (Case, azure_burst, equal_burst, score, tiny_shape,
+                                        print_scorecard)
+from kvadmit.simulate.steptime import CPU_TINY
+
+DATA = pathlib.Path(__file__).resolve().parent.parent / "data"
+TRACES = pathlib.Path(__file__).resolve().parents[3] / "shared" / "traces"
+CONFIGS = ["vllm-default", "vllm-watermark=0.05", "vllm-watermark=0.1", "peak", "default={}"]
+
+
+def tiny_suite():
+    return [Case("azure", "Azure excerpt, no max_tokens", azure_burst(
+                DATA / "azure2023_conv_head200.csv", 0, 96, "context", "azure"), tiny_shape(32), CPU_TINY),
+            Case("honest", "Azure excerpt, honest caps", azure_burst(
+                DATA / "azure2023_conv_head200.csv", 100, 96, "real", "honest"), tiny_shape(32), CPU_TINY),
+            Case("equal", "equal lengths", equal_burst(16, 100), tiny_shape(24, 512), CPU_TINY),
+            Case("loose", "a pool vLLM never runs dry", azure_burst(
+                DATA / "azure2023_conv_head200.csv", 0, 192, "context", "loose"), tiny_shape(512), CPU_TINY)]
+
+
+def test_every_cell_and_its_ratios(capsys):
+    out = score(tiny_suite(), CONFIGS)
+    json.dumps(out)                                  # the JSON the command saves
+    names = ["vllm-default", "vllm-watermark=0.05", "vllm-watermark=0.1", "peak", "default"]
+    for e in out["workloads"]:
+        assert list(e["cells"]) == names
+        for name, cell in e["cells"].items():
+            assert cell["finished"] + cell["rejected"] == e["requests"], (e["name"], name)
+            assert e["vs_vllm_default"][name]["steps"] == pytest.approx(
+                cell["steps"] / e["cells"]["vllm-default"]["steps"])
+        wm = e["best_watermark"]
+        assert (e["cells"][wm]["preemptions"], e["cells"][wm]["steps"]) == min(
+            (e["cells"][n]["preemptions"], e["cells"][n]["steps"]) for n in names if "watermark" in n)
+        assert e["vs_best_watermark"][wm]["steps"] == 1.0
+    goals = {e["name"]: e["goals"] for e in out["workloads"]}
+    # Honest caps: the default never preempts; a loose pool: it takes vLLM's steps.
+    assert goals["honest"]["honest_caps_no_preemption"] and goals["equal"]["honest_caps_no_preemption"]
+    assert out["workloads"][1]["cells"]["default"]["preemptions"] == 0
+    assert goals["loose"]["loose_pool_same_steps"]
+    assert "honest_caps_no_preemption" not in goals["azure"]
+    # Requests far below their caps: the default packs far better than peak, and
+    # preempts less than vLLM.
+    azure = out["workloads"][0]["cells"]
+    assert azure["default"]["steps"] < azure["peak"]["steps"]
+    assert azure["default"]["preemptions"] < azure["vllm-default"]["preemptions"]
+    print_scorecard(out)
+    assert "default config goals" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not (TRACES / "azure2023_conv.csv").exists(), reason="needs ../shared/traces")
+def test_command_saves_json_and_heat_map(tmp_path):
+    js, png = tmp_path / "s.json", tmp_path / "s.png"
+    p = subprocess.run([sys.executable, "-m", "kvadmit.cli", "bench", "scorecard", "--quick",
+                        "--traces", str(TRACES), "--only", "azure-context", "equal-burst",
+                        "--configs", *CONFIGS, "--json", str(js), "--plot", str(png)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(js.read_text())
+    assert [e["name"] for e in out["workloads"]] == ["azure-context", "equal-burst"]
+    assert all(len(e["cells"]) == len(CONFIGS) for e in out["workloads"])
+    assert "equal-burst" in p.stdout and "steps/vllm" in p.stdout
+    pytest.importorskip("matplotlib")
+    assert png.stat().st_size > 10_000
+
+
+def test_unknown_workload_is_a_clear_error():
+    p = subprocess.run([sys.executable, "-m", "kvadmit.cli", "bench", "scorecard", "--only", "nope",
+                        "--traces", str(TRACES)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert "nope" in p.stderr
