@@ -24,7 +24,7 @@ def ignore_eos_rows(model_dir, tmp_path_factory):
                  "--max-tokens", "128",
                  "--configs",
                  "vllm-default", "overcommit", "reserve", "peak", "predict", "adaptive",
-                 "adaptive+pause", 'native={"policy": "overcommit", "native_allocator": true}')
+                 "adaptive+pause", "auto", 'native={"policy": "overcommit", "native_allocator": true}')
 
 
 def test_every_request_finishes_with_its_tokens(ignore_eos_rows):
@@ -44,6 +44,9 @@ def test_preemptions(ignore_eos_rows):
     rows = ignore_eos_rows
     assert rows["vllm-default"]["preemptions"] > 0            # the pool is really too small
     assert rows["reserve"]["preemptions"] == rows["peak"]["preemptions"] == 0
+    # ignore_eos: every request runs to its max_tokens (honest caps): auto learns it
+    # from the first finished request and never preempts.
+    assert rows["auto"]["preemptions"] == 0
     assert rows["reserve"]["recomputed_tokens"] == rows["peak"]["recomputed_tokens"] == 0
     for name in ("overcommit", "native"):                      # pass-through, Python or native queue
         assert rows[name]["preemptions"] == rows["vllm-default"]["preemptions"]
@@ -56,7 +59,7 @@ def test_real_lengths_below_the_cap(model_dir, tmp_path):
     cannot know it in advance, and the adaptive policy learns it."""
     rows = bench(model_dir, tmp_path, "--workload", "synthetic", "--requests", "64",
                  "--num-blocks", "24", "--max-model-len", "512", "--max-tokens", "256",
-                 "--configs", "vllm-default", "adaptive", "adaptive+pause")
+                 "--configs", "vllm-default", "adaptive", "adaptive+pause", "auto")
     for name, r in rows.items():
         assert r["wrong_length"] == 0 and r["rejected"] == {}, name
         assert r["tokens"] == rows["vllm-default"]["tokens"], name
@@ -64,6 +67,8 @@ def test_real_lengths_below_the_cap(model_dir, tmp_path):
     # Pausing (keeping KV) instead of preempting: paused steps, few preemptions.
     assert rows["adaptive+pause"]["paused"] > 0
     assert rows["adaptive+pause"]["preemptions"] <= rows["vllm-default"]["preemptions"] / 4
+    # The default (auto) pauses too, with no setting tuned to this workload.
+    assert rows["auto"]["preemptions"] <= rows["vllm-default"]["preemptions"] / 4
     # The simulator's native engine model replays the same workload with the same
     # decisions: its steps and preemptions match the real engine's (issue 5: +-15%).
     from kvadmit.config import AdmissionConfig
@@ -74,7 +79,8 @@ def test_real_lengths_below_the_cap(model_dir, tmp_path):
                         max_num_batched_tokens=2048)          # vLLM keeps 1 of the 24 blocks
     for name, cfg in (("vllm-default", AdmissionConfig(policy="overcommit")),
                       ("adaptive", AdmissionConfig(policy="adaptive")),
-                      ("adaptive+pause", AdmissionConfig(**CONFIGS["adaptive+pause"]))):
+                      ("adaptive+pause", AdmissionConfig(**CONFIGS["adaptive+pause"])),
+                      ("auto", AdmissionConfig())):
         sim = run_native(w, cfg, shape, get_preset("cpu-tiny")).totals
         real = rows[name]
         assert abs(sim["steps"] - real["steps"]) <= 0.15 * real["steps"], (name, sim, real)

@@ -266,23 +266,38 @@ def plot_heatmap(out: dict, path: str) -> bool:
         return False
     ws = [e for e in out["workloads"] if "vs_vllm_default" in e]
     names = list(ws[0]["cells"])
-    fig, axes = plt.subplots(1, 2, figsize=(2.2 + 1.3 * len(ws) * 2, 0.5 * len(names) + 2.5))
-    for ax, key, title in ((axes[0], "steps", "steps / vLLM default (throughput cost; < 1 is better)"),
-                           (axes[1], "preemptions", "preemptions / vLLM default (< 1 is better)")):
-        grid = [[min(e["vs_vllm_default"][n][key], 3.0) for e in ws] for n in names]
-        im = ax.imshow(grid, cmap="RdYlGn_r", vmin=0.0 if key == "preemptions" else 0.8,
+    fig, axes = plt.subplots(2, 1, figsize=(1.25 * len(ws) + 3.5, 0.9 * len(names) + 2.5))
+    for ax, key, title in ((axes[0], "steps", "steps / vLLM default's (< 1: same work in fewer steps)"),
+                           (axes[1], "preemptions", "preemptions (colour: / vLLM default's)")):
+        grid, text = [], []
+        for n in names:
+            row, trow = [], []
+            for e in ws:
+                c, v = e["cells"][n], e["cells"]["vllm-default"]
+                if c["finished"] == 0:            # refused everything (e.g. could never run)
+                    row.append(math.nan)
+                    trow.append("refused")
+                elif key == "steps":
+                    row.append(e["vs_vllm_default"][n]["steps"])
+                    trow.append(f"{row[-1]:.2f}")
+                else:
+                    row.append(c["preemptions"] / max(v["preemptions"], 1))
+                    trow.append(str(c["preemptions"]))
+            grid.append(row)
+            text.append(trow)
+        cmap = plt.get_cmap("RdYlGn_r").copy()
+        cmap.set_bad("lightgrey")
+        im = ax.imshow(grid, cmap=cmap, vmin=0.8 if key == "steps" else 0.0,
                        vmax=1.2 if key == "steps" else 1.0, aspect="auto")
-        ax.set_xticks(range(len(ws)), [e["name"] for e in ws], rotation=35, ha="right", fontsize=8)
+        ax.set_xticks(range(len(ws)), [e["name"] for e in ws], rotation=25, ha="right", fontsize=8)
         ax.set_yticks(range(len(names)), names, fontsize=8)
-        for i, n in enumerate(names):
-            for j, e in enumerate(ws):
-                c = e["cells"][n]
-                txt = (f"{e['vs_vllm_default'][n]['steps']:.2f}" if key == "steps"
-                       else f"{c['preemptions']}")
-                ax.text(j, i, txt, ha="center", va="center", fontsize=7)
+        for i in range(len(names)):
+            for j in range(len(ws)):
+                ax.text(j, i, text[i][j], ha="center", va="center", fontsize=7)
         ax.set_title(title, fontsize=9)
         fig.colorbar(im, ax=ax, fraction=0.03)
-    fig.suptitle("kvadmit scorecard (native engine model); right: cells show preemption counts", fontsize=10)
+    fig.suptitle("kvadmit bench scorecard (native engine model); 'default' = kvadmit with no configuration",
+                 fontsize=10)
     fig.tight_layout()
     pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
