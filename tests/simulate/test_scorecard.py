@@ -75,3 +75,34 @@ def test_unknown_workload_is_a_clear_error():
                         "--traces", str(TRACES)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert "nope" in p.stderr
+
+
+def test_vllms_real_scheduler_gives_the_same_cells(model_dir):
+    """--engine vllm: vLLM's real V1 scheduler in-process, the same cells as the
+    native engine model (the simulator's verdicts hold on vLLM's scheduler)."""
+    pytest.importorskip("vllm.v1", reason="vLLM is not installed (see .ci/run)")
+    cases = tiny_suite()[:3]
+    configs = ["vllm-default", "vllm-watermark=0.1", "default={}"]
+    native = score(cases, configs)
+    real = score(cases, configs, model_dir=model_dir)
+    assert real["engine"] == "vllm"
+    for a, b in zip(native["workloads"], real["workloads"]):
+        for name in a["cells"]:
+            for k in ("steps", "preemptions", "recomputed_tokens", "paused", "finished"):
+                assert a["cells"][name][k] == b["cells"][name][k], (a["name"], name, k)
+
+
+def test_sglang_conservativeness_is_sglangs_rule_with_its_ratio():
+    from kvadmit.simulate.policies import parse_policy
+    spec = parse_policy("sglang-conservativeness=0.5")
+    cfg = spec.config(None)
+    assert (cfg.policy, cfg.victim, cfg.predict_init_ratio) == ("predict", "length", 0.35)
+    assert parse_policy("sglang-conservativeness=2").config(None).predict_init_ratio == 1.0
+    with pytest.raises(ValueError, match="must be > 0"):
+        parse_policy("sglang-conservativeness=0")
+    # On a loose pool a less conservative SGLang packs more at once, a more
+    # conservative one less: fewer and more steps than its default.
+    loose = score([tiny_suite()[3]], ["sglang", "sglang-conservativeness=0.3",
+                                      "sglang-conservativeness=2"])["workloads"][0]["cells"]
+    assert loose["sglang-conservativeness=0.3"]["steps"] < loose["sglang"]["steps"] < \
+        loose["sglang-conservativeness=2"]["steps"]

@@ -67,6 +67,20 @@ VLLM_KNOBS = {
 DEFAULT_POLICIES = list(BUILTIN)
 
 
+def sglang_conservativeness(value: str) -> PolicySpec:
+    """`sglang-conservativeness=F`: SGLang's rule with --schedule-conservativeness F (its
+    initial new_token_ratio is min(0.7 F, 1); floor and decay follow from it)."""
+    try:
+        f = float(value)
+    except ValueError:
+        raise ValueError(f"policy sglang-conservativeness={value}: must be a number") from None
+    if not f > 0:
+        raise ValueError(f"policy sglang-conservativeness={value}: must be > 0")
+    return PolicySpec(f"sglang-conservativeness={value}",
+                      {"policy": "predict", "victim": "length", "predict_init_ratio": min(0.7 * f, 1.0)},
+                      f"SGLang 0.5.23 with --schedule-conservativeness {value}", kvadmit=False)
+
+
 def vllm_knob(name: str, value: str) -> PolicySpec:
     """`vllm-watermark=F` / `vllm-active=N`: vLLM's own scheduler with that engine flag."""
     key, kind, doc = VLLM_KNOBS[name]
@@ -89,6 +103,8 @@ def parse_policy(text: str) -> PolicySpec:
     name, sep, js = text.partition("=")
     if sep and name in VLLM_KNOBS:
         return vllm_knob(name, js)
+    if sep and name == "sglang-conservativeness":
+        return sglang_conservativeness(js)
     if not sep:
         raise ValueError(f"policy {text!r}: not one of {sorted(BUILTIN)} and not NAME=JSON")
     try:

@@ -161,15 +161,23 @@ def suite(traces_dir: str | pathlib.Path, quick: bool = False) -> list[Case]:
 
 # ---------------------------------------------------------------------------
 
-def run_cell(case: Case, spec: PolicySpec) -> dict:
+def run_cell(case: Case, spec: PolicySpec, model_dir: str | None = None) -> dict:
+    """One run on the native engine model, or (``model_dir``) on vLLM's real
+    scheduler in-process (`kvadmit.simulate.vllm_engine`)."""
     w = case.workload.with_oracle_caps() if spec.oracle else case.workload
-    raw = run_native(w, spec.config(AdmissionConfig()), spec.shape(case.shape), case.step)
+    if model_dir is None:
+        raw = run_native(w, spec.config(AdmissionConfig()), spec.shape(case.shape), case.step)
+    else:
+        from kvadmit.simulate.vllm_engine import run_vllm
+        raw = run_vllm(w, None if spec.vllm_own else spec.config(AdmissionConfig()),
+                       spec.shape(case.shape), case.step, model_dir)
     t = raw.totals
     s = summarize(raw.per_request, t, case.slo)
     if t["finished"] + t["rejected"] != len(w) or t["free_blocks_at_end"] != case.shape.num_blocks:
         raise AssertionError(f"{case.name}/{spec.name}: lost a request or a block")
     return {"steps": t["steps"], "preemptions": t["preemptions"],
-            "recomputed_tokens": t["recomputed_tokens"], "paused": raw.extra["core"].get("paused", 0),
+            "recomputed_tokens": t["recomputed_tokens"],
+            "paused": raw.extra.get("core", {}).get("paused", 0),
             "goodput": s["goodput"], "throughput_tok_s": s["throughput_tok_s"],
             "makespan_s": t["makespan_s"], "ttft_p99_s": s["ttft_p99_s"],
             "finished": t["finished"], "rejected": t["rejected"], "wall_s": raw.wall_s}
@@ -211,15 +219,16 @@ def goals(cells: dict[str, dict], honest: bool, loose: bool) -> dict[str, bool]:
     return g
 
 
-def score(cases: list[Case], configs: list[str], progress=None) -> dict:
+def score(cases: list[Case], configs: list[str], progress=None, model_dir: str | None = None) -> dict:
     specs = [parse_policy(c) for c in configs]
-    out = {"configs": {s.name: s.doc for s in specs}, "workloads": []}
+    out = {"engine": "native" if model_dir is None else "vllm",
+           "configs": {s.name: s.doc for s in specs}, "workloads": []}
     for case in cases:
         cells = {}
         for spec in specs:
             if progress:
                 progress(f"{case.name} / {spec.name}")
-            cells[spec.name] = run_cell(case, spec)
+            cells[spec.name] = run_cell(case, spec, model_dir)
         entry = {"name": case.name, "about": case.about, "workload": case.workload.description,
                  "requests": len(case.workload), "shape": dataclasses.asdict(case.shape),
                  "step_time": case.step.name, "slo": dataclasses.asdict(case.slo), "cells": cells}
@@ -312,9 +321,16 @@ def main(argv: list[str] | None = None) -> int:
                          "sglang, peak, adaptive, ...) or NAME=JSON kvadmit configs")
     ap.add_argument("--only", nargs="+", metavar="WORKLOAD", help="run only these workloads")
     ap.add_argument("--quick", action="store_true", help="a quarter of each workload's requests")
-    ap.add_argument("--json", default="bench/results/scorecard.json")
-    ap.add_argument("--plot", default="bench/results/scorecard.png")
+    ap.add_argument("--engine", choices=("native", "vllm"), default="native",
+                    help="vllm: vLLM's real V1 scheduler in-process on the virtual clock (needs vLLM; "
+                         "by default only the bursts on the tiny CPU engine's shape)")
+    ap.add_argument("--model-dir", help="--engine vllm: the tiny model (built there if missing)")
+    ap.add_argument("--json", help="default: bench/results/scorecard[_vllm].json")
+    ap.add_argument("--plot", help="default: bench/results/scorecard[_vllm].png ('' for none)")
     args = ap.parse_args(argv)
+    suffix = "" if args.engine == "native" else "_vllm"
+    args.json = f"bench/results/scorecard{suffix}.json" if args.json is None else args.json
+    args.plot = f"bench/results/scorecard{suffix}.png" if args.plot is None else args.plot
     try:
         cases = suite(args.traces, quick=args.quick)
     except FileNotFoundError as e:
@@ -327,11 +343,21 @@ def main(argv: list[str] | None = None) -> int:
                   f"known: {[c.name for c in cases]}", file=sys.stderr)
             return 2
         cases = [c for c in cases if c.name in args.only]
+    elif args.engine == "vllm":
+        cases = [c for c in cases if c.step is CPU_TINY]
+    model_dir = None
+    if args.engine == "vllm":
+        try:
+            from kvadmit.vllm.tiny_model import DEFAULT_DIR, build_tiny_llama
+        except ImportError as e:
+            print(f"kvadmit bench scorecard: --engine vllm needs vLLM ({e})", file=sys.stderr)
+            return 2
+        model_dir = str(build_tiny_llama(args.model_dir or DEFAULT_DIR))
     t0 = time.perf_counter()
 
     def progress(what):
         print(f"\r  {what:60}", end="", file=sys.stderr, flush=True)
-    out = score(cases, list(args.configs), progress)
+    out = score(cases, list(args.configs), progress, model_dir)
     print("\r" + " " * 64 + "\r", end="", file=sys.stderr)
     out["command"] = "kvadmit bench scorecard " + " ".join(argv if argv is not None else sys.argv[3:])
     out["seconds"] = time.perf_counter() - t0
