@@ -58,14 +58,13 @@ import numpy as np
 
 from kvadmit.config import AdmissionConfig
 from kvadmit.simulate.engine import EngineShape, RawRun
+from kvadmit.simulate.record import IN_ENGINE, RunRecord
 from kvadmit.simulate.steptime import StepTimeModel
 from kvadmit.simulate.workload import Workload
 
 _SALT_BLOCK = 0x6B766164          # seeds for a prefix id's tokens: [id, _SALT_BLOCK]
 _SALT_REQUEST = 0x72657175        # seeds for a request's own tokens: [seed, index, _SALT_REQUEST]
 PROGRESS_EVERY = 200
-
-_PENDING, _IN_ENGINE, _DONE, _REJECTED = 0, 1, 2, 3
 
 
 class _VirtualTime:
@@ -114,277 +113,250 @@ def run_vllm(workload: Workload, config: AdmissionConfig | None, shape: EngineSh
     fields (e.g. ``{"scheduler_reserve_full_isl": False}``: admit a waiting request
     when its first chunk fits, as the native engine does, instead of vLLM 0.32's
     default of requiring its whole input to fit)."""
-    import kvadmit.vllm.scheduler as kvadmit_sched
-    from kvadmit.vllm.inprocess import InProcessEngine
+    return VllmReplay(workload, config, shape, step, model_dir, sample_interval_s, seed,
+                      engine_args).run(progress)
 
-    if workload.hash_block_tokens and workload.hash_block_tokens % shape.block_size:
-        raise ValueError(f"workload {workload.name}: prefix-id blocks of {workload.hash_block_tokens} "
-                         f"tokens are not a multiple of block_size={shape.block_size}")
-    if sample_interval_s is None:
-        sample_interval_s = max(workload.open_loop_span_s() / 500.0, 0.05)
-    if not (math.isfinite(sample_interval_s) and sample_interval_s > 0):
-        raise ValueError(f"sample_interval_s={sample_interval_s}: must be > 0")
-    if not shape.chunked_prefill and shape.max_num_batched_tokens < shape.max_model_len:
-        raise ValueError(
-            f"max_num_batched_tokens={shape.max_num_batched_tokens}: without chunked prefill it "
-            f"must be >= max_model_len={shape.max_model_len}, or a long prompt never fits a step")
 
-    n = len(workload)
-    parent = workload.parent
-    is_open = [workload.is_open(i) for i in range(n)]
-    if n and not any(is_open):
-        raise ValueError("no request has a fixed arrival time (every one has a parent)")
-    children: list[list[int]] = [[] for _ in range(n)]
-    if parent is not None:
-        for i, p in enumerate(parent):
+class VllmReplay:
+    """One replay (see the module's docstring): the engine, the arrival queue,
+    the virtual clock and the run's record."""
+
+    def __init__(self, workload: Workload, config: AdmissionConfig | None, shape: EngineShape,
+                 step: StepTimeModel, model_dir: str, sample_interval_s: float | None = None,
+                 seed: int = 0, engine_args: dict | None = None):
+        import kvadmit.vllm.scheduler as kvadmit_sched
+        from kvadmit.vllm.inprocess import InProcessEngine
+
+        if workload.hash_block_tokens and workload.hash_block_tokens % shape.block_size:
+            raise ValueError(f"workload {workload.name}: prefix-id blocks of {workload.hash_block_tokens} "
+                             f"tokens are not a multiple of block_size={shape.block_size}")
+        if sample_interval_s is None:
+            sample_interval_s = max(workload.open_loop_span_s() / 500.0, 0.05)
+        if not (math.isfinite(sample_interval_s) and sample_interval_s > 0):
+            raise ValueError(f"sample_interval_s={sample_interval_s}: must be > 0")
+        if not shape.chunked_prefill and shape.max_num_batched_tokens < shape.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={shape.max_num_batched_tokens}: without chunked prefill it "
+                f"must be >= max_model_len={shape.max_model_len}, or a long prompt never fits a step")
+        n = len(workload)
+        is_open = [workload.is_open(i) for i in range(n)]
+        if n and not any(is_open):
+            raise ValueError("no request has a fixed arrival time (every one has a parent)")
+        self.children: list[list[int]] = [[] for _ in range(n)]
+        for i, p in enumerate(workload.parent or ()):
             if p >= i:
                 raise ValueError(f"parent[{i}]={p}: must be -1 or an earlier request's index")
             if p >= 0:
-                children[p].append(i)
-    delay = workload.delay_s or [0.0] * n
-    prio = workload.priority or [0] * n
+                self.children[p].append(i)
+        self.workload, self.shape, self.step_time, self.seed = workload, shape, step, seed
+        self.kvadmit = config is not None
+        self.delay = workload.delay_s or [0.0] * n
+        self.prio = workload.priority or [0] * n
+        self.stop_prefix = kvadmit_sched.STOP_REASON_PREFIX
 
-    engine_args = dict(engine_args or {})
-    engine_args.setdefault("scheduler_reserve_full_isl", shape.reserve_full_input)
-    engine_args.setdefault("watermark", shape.watermark)
-    if shape.max_num_active_seqs:
-        engine_args.setdefault("max_num_active_seqs", shape.max_num_active_seqs)
-    model_len = _model_max_len(model_dir)
-    if model_len is not None and shape.max_model_len > model_len:
-        # The model is never run: let the context exceed what its config declares.
-        engine_args["hf_overrides"] = {**engine_args.get("hf_overrides", {}),
-                                       "max_position_embeddings": shape.max_model_len}
-    eng = InProcessEngine(
-        model_dir, scheduler_cls=kvadmit_sched.KvadmitScheduler if config is not None else None,
-        num_blocks=shape.num_blocks + 1, block_size=shape.block_size,
-        max_model_len=shape.max_model_len, max_num_seqs=shape.max_num_seqs,
-        max_num_batched_tokens=shape.max_num_batched_tokens,
-        additional_config={"kvadmit": config.to_dict()} if config is not None else None,
-        enable_prefix_caching=shape.prefix_caching, enable_chunked_prefill=shape.chunked_prefill,
-        engine_args=engine_args)
-    sched = eng.scheduler
-    pool = sched.kv_cache_manager.block_pool
-    nb = pool.num_gpu_blocks - 1            # usable blocks (== shape.num_blocks)
-    vocab = eng.vllm_config.model_config.get_vocab_size()
-    hbt = workload.hash_block_tokens if shape.prefix_caching and workload.hash_ids is not None else 0
-    pending_rejections = getattr(sched, "_kvadmit_rejections", None)   # kvadmit's refusals at add
+        engine_args = dict(engine_args or {})
+        engine_args.setdefault("scheduler_reserve_full_isl", shape.reserve_full_input)
+        engine_args.setdefault("watermark", shape.watermark)
+        if shape.max_num_active_seqs:
+            engine_args.setdefault("max_num_active_seqs", shape.max_num_active_seqs)
+        model_len = _model_max_len(model_dir)
+        if model_len is not None and shape.max_model_len > model_len:
+            # The model is never run: let the context exceed what its config declares.
+            engine_args["hf_overrides"] = {**engine_args.get("hf_overrides", {}),
+                                           "max_position_embeddings": shape.max_model_len}
+        self.eng = InProcessEngine(
+            model_dir, scheduler_cls=kvadmit_sched.KvadmitScheduler if config is not None else None,
+            num_blocks=shape.num_blocks + 1, block_size=shape.block_size,
+            max_model_len=shape.max_model_len, max_num_seqs=shape.max_num_seqs,
+            max_num_batched_tokens=shape.max_num_batched_tokens,
+            additional_config={"kvadmit": config.to_dict()} if config is not None else None,
+            enable_prefix_caching=shape.prefix_caching, enable_chunked_prefill=shape.chunked_prefill,
+            engine_args=engine_args)
+        self.sched = self.eng.scheduler
+        self.pool = self.sched.kv_cache_manager.block_pool
+        self.nb = self.pool.num_gpu_blocks - 1            # usable blocks (== shape.num_blocks)
+        self.vocab = self.eng.vllm_config.model_config.get_vocab_size()
+        self.hbt = (workload.hash_block_tokens
+                    if shape.prefix_caching and workload.hash_ids is not None else 0)
+        # kvadmit's refusals at add_request (the next update_from_output hands them out)
+        self.pending_rejections = getattr(self.sched, "_kvadmit_rejections", None)
+        self.rejections_seen = 0
+        self.heap = [(workload.arrival_s[i], i) for i in range(n) if is_open[i]]
+        heapq.heapify(self.heap)
+        self.clock = self.heap[0][0] if self.heap else 0.0
+        self.rec = RunRecord(n, self.nb, self.clock, sample_interval_s)
+        self.vt = _VirtualTime(self.clock)
+        if config is not None:
+            self.sched.kvadmit_clock = self.vt.now
 
-    # per request
-    arrival = [-1.0] * n
-    t_first = [-1.0] * n
-    t_done = [-1.0] * n
-    gen = [0] * n
-    npre = [0] * n
-    maxcomp = [0] * n
-    reason: list[str | None] = [None] * n
-    state = [_PENDING] * n
-    # totals
-    steps = preemptions = recomputed = out_tokens = prefill_tokens = batch_tokens = 0
-    peak_used = 0
-    kv_block_s = busy_s = 0.0
-    n_done = n_rejected = 0
-    tl = {"t": [], "used_blocks": [], "running": [], "waiting": [], "preemptions": []}
-
-    heap: list[tuple[float, int]] = [(workload.arrival_s[i], i) for i in range(n) if is_open[i]]
-    heapq.heapify(heap)
-    clock = t0 = heap[0][0] if heap else 0.0
-    next_sample = t0
-
-    def release_children(i: int, t: float) -> None:
-        for c in children[i]:
-            heapq.heappush(heap, (t + delay[c], c))
-
-    def reject(i: int, why: str, t: float) -> None:
-        nonlocal n_rejected
-        state[i] = _REJECTED
-        reason[i] = why
-        t_done[i] = t
-        n_rejected += 1
-        release_children(i, t)
-
-    def tokens_of(i: int) -> tuple[list[int], list[int] | None]:
-        p, o = workload.prompt_tokens[i], workload.output_tokens[i]
-        if not hbt:
-            return _own_tokens(seed, i, p, vocab), None
-        ids = workload.hash_ids_of(i)
-        hashed = workload.hashed_tokens[i] if workload.hashed_tokens is not None else p
-        h = max(0, min(hashed, len(ids) * hbt, p + o))
+    # -- requests ---------------------------------------------------------------
+    def tokens_of(self, i: int) -> tuple[list[int], list[int] | None]:
+        """Request i's prompt tokens, and the output tokens the fake model emits
+        (None: pseudo-random) where its prefix-block ids cover the output."""
+        w = self.workload
+        p, o = w.prompt_tokens[i], w.output_tokens[i]
+        if not self.hbt:
+            return _own_tokens(self.seed, i, p, self.vocab), None
+        ids = w.hash_ids_of(i)
+        hashed = w.hashed_tokens[i] if w.hashed_tokens is not None else p
+        h = max(0, min(hashed, len(ids) * self.hbt, p + o))
         toks: list[int] = []
-        for k in range(-(-h // hbt)):
-            toks.extend(_block_tokens(int(ids[k]), hbt, vocab))
+        for k in range(-(-h // self.hbt)):
+            toks.extend(_block_tokens(int(ids[k]), self.hbt, self.vocab))
         del toks[h:]
-        toks.extend(_own_tokens(seed, i, p + o - h, vocab))
+        toks.extend(_own_tokens(self.seed, i, p + o - h, self.vocab))
         return toks[:p], toks[p:]
 
-    rej_seen = 0
+    def reject(self, i: int, why: str, t: float) -> None:
+        self.rec.reject(i, why, t)
+        self.release_children(i, t)
 
-    def take_rejections() -> None:
-        """kvadmit's refusals (and priority sheds) at add_request, at the arrival clock
-        (the next update_from_output hands them out and clears the list)."""
-        nonlocal rej_seen
-        fresh = pending_rejections[rej_seen:]
-        rej_seen = len(pending_rejections)
+    def release_children(self, i: int, t: float) -> None:
+        for c in self.children[i]:
+            heapq.heappush(self.heap, (t + self.delay[c], c))
+
+    def take_rejections(self) -> None:
+        """kvadmit's refusals (and priority sheds) at add_request, at the arrival clock."""
+        fresh = self.pending_rejections[self.rejections_seen:]
+        self.rejections_seen = len(self.pending_rejections)
         for _, o in fresh:
             i = int(o.request_id)
-            if state[i] == _IN_ENGINE:
-                reject(i, str(o.stop_reason)[len(kvadmit_sched.STOP_REASON_PREFIX):], clock)
+            if self.rec.state[i] == IN_ENGINE:
+                self.reject(i, str(o.stop_reason)[len(self.stop_prefix):], self.clock)
 
-    def arrivals() -> None:
-        while heap and heap[0][0] <= clock:
-            t, i = heapq.heappop(heap)
-            arrival[i] = t
-            p, m = workload.prompt_tokens[i], workload.max_tokens[i]
-            if p + m > shape.max_model_len:
+    def arrivals(self) -> None:
+        """Every request due by the clock reaches vLLM (or its front end's refusal)."""
+        w = self.workload
+        while self.heap and self.heap[0][0] <= self.clock:
+            t, i = heapq.heappop(self.heap)
+            self.rec.arrive(i, t)
+            p, m = w.prompt_tokens[i], w.max_tokens[i]
+            if p + m > self.shape.max_model_len:
                 # vLLM's front end refuses it (HTTP 400) before it reaches the engine.
-                reject(i, "context_length", t)
+                self.reject(i, "context_length", t)
                 continue
-            prompt_ids, out_ids = tokens_of(i)
-            state[i] = _IN_ENGINE
-            vt.t = t
+            prompt_ids, out_ids = self.tokens_of(i)
+            self.vt.t = t
             fields = {}
-            if workload.ttft_slo_s is not None:
-                fields["ttft_slo_s"] = workload.ttft_slo_s[i]
-            if workload.tpot_slo_s is not None:
-                fields["tpot_slo_s"] = workload.tpot_slo_s[i]
-            if workload.session is not None:
-                fields["session"] = workload.session[i]
-            eng.add(prompt_ids, m, priority=prio[i], request_id=str(i),
-                    output_tokens=workload.output_tokens[i], output_token_ids=out_ids,
-                    extra_args={"kvadmit": fields} if fields else None)
-            if pending_rejections:
-                take_rejections()
+            if w.ttft_slo_s is not None:
+                fields["ttft_slo_s"] = w.ttft_slo_s[i]
+            if w.tpot_slo_s is not None:
+                fields["tpot_slo_s"] = w.tpot_slo_s[i]
+            if w.session is not None:
+                fields["session"] = w.session[i]
+            self.eng.add(prompt_ids, m, priority=self.prio[i], request_id=str(i),
+                         output_tokens=w.output_tokens[i], output_token_ids=out_ids,
+                         extra_args={"kvadmit": fields} if fields else None)
+            if self.pending_rejections:
+                self.take_rejections()
 
-    wall0 = time.perf_counter()
-    since = 0
-    stalls = 0
-    vt = _VirtualTime(clock)
-    if config is not None:
-        sched.kvadmit_clock = vt.now
-    while True:
-        arrivals()
-        if sched.has_requests():
-            vt.t = clock
-            out = eng.step()
-            rej_seen = 0
-            tokens = out.total_num_scheduled_tokens
-            preempted = out.preempted_req_ids or ()
-            for rid in preempted:
-                npre[int(rid)] += 1
-            preemptions += len(preempted)
-            t_end = clock
-            if tokens > 0:
-                computed = eng.last_computed
-                dt = step.step_s(tokens, sum(computed.values()))
-                t_end = clock + dt
-                used = nb - eng.last_free_blocks
-                if used > peak_used:
-                    peak_used = used
-                kv_block_s += used * dt
-                busy_s += dt
-                batch_tokens += tokens
-                for rid, k in out.num_scheduled_tokens.items():
-                    i = int(rid)
-                    c1 = computed[rid]
-                    c0 = c1 - k
-                    if c0 < maxcomp[i]:
-                        recomputed += min(c1, maxcomp[i]) - c0
-                    if c1 > maxcomp[i]:
-                        maxcomp[i] = c1
-                    p = workload.prompt_tokens[i]
-                    if c0 < p:
-                        prefill_tokens += min(c1, p) - c0
-            for o in eng.last_outputs:
-                i = int(o.request_id)
-                if state[i] != _IN_ENGINE:
-                    continue          # refused at add_request: already recorded
-                if o.new_token_ids:
-                    gen[i] += len(o.new_token_ids)
-                    out_tokens += len(o.new_token_ids)
-                    if t_first[i] < 0:
-                        t_first[i] = t_end
-                if o.finish_reason is not None:
-                    sr = o.stop_reason
-                    if isinstance(sr, str) and sr.startswith(kvadmit_sched.STOP_REASON_PREFIX):
-                        reject(i, sr[len(kvadmit_sched.STOP_REASON_PREFIX):], clock)
-                    else:
-                        state[i] = _DONE
-                        t_done[i] = t_end
-                        n_done += 1
-                        release_children(i, t_end)
-            if tokens > 0:
-                clock = t_end
-                steps += 1
-                stalls = 0
-                if clock >= next_sample:
-                    used_now = nb - pool.get_num_free_blocks()
-                    running, waiting = sched.get_request_counts()
-                    while clock >= next_sample:
-                        tl["t"].append(next_sample)
-                        tl["used_blocks"].append(used_now)
-                        tl["running"].append(running)
-                        tl["waiting"].append(waiting)
-                        tl["preemptions"].append(preemptions)
-                        next_sample += sample_interval_s
-                since += 1
-                if progress is not None and since >= PROGRESS_EVERY:
-                    since = 0
-                    progress(n_done + n_rejected, n)
-                continue
-            if preempted or eng.last_outputs:
-                stalls = 0
-                continue              # preemptions or flushed outputs, no time passed
+    # -- steps ------------------------------------------------------------------
+    def step(self) -> tuple[bool, bool]:
+        """One schedule() + update_from_output(): (time passed, anything happened)."""
+        rec, eng = self.rec, self.eng
+        self.vt.t = self.clock
+        out = eng.step()
+        self.rejections_seen = 0
+        tokens = out.total_num_scheduled_tokens
+        preempted = out.preempted_req_ids or ()
+        for rid in preempted:
+            rec.preempt(int(rid))
+        t_end = self.clock
+        if tokens > 0:
+            computed = eng.last_computed
+            dt = self.step_time.step_s(tokens, sum(computed.values()))
+            t_end = self.clock + dt
+            rec.step(tokens, dt, self.nb - eng.last_free_blocks)
+            for rid, k in out.num_scheduled_tokens.items():
+                i = int(rid)
+                rec.compute(i, computed[rid] - k, computed[rid], self.workload.prompt_tokens[i])
+        for o in eng.last_outputs:
+            i = int(o.request_id)
+            if rec.state[i] != IN_ENGINE:
+                continue          # refused at add_request: already recorded
+            if o.new_token_ids:
+                rec.emit(i, len(o.new_token_ids), t_end)
+            if o.finish_reason is not None:
+                sr = o.stop_reason
+                if isinstance(sr, str) and sr.startswith(self.stop_prefix):
+                    self.reject(i, sr[len(self.stop_prefix):], self.clock)
+                else:
+                    rec.complete(i, t_end)
+                    self.release_children(i, t_end)
+        if tokens > 0:
+            self.clock = t_end
+            if rec.due_sample(self.clock):
+                running, waiting = self.sched.get_request_counts()
+                rec.sample(self.clock, self.nb - self.pool.get_num_free_blocks(), running, waiting)
+        return tokens > 0, bool(tokens or preempted or eng.last_outputs)
+
+    def wait(self) -> str:
+        """Nothing ran: moves the clock to what comes next ("moved"), or says that
+        everything is done ("done") or that requests are left with nothing to run."""
         # Only requests held outside a full agent window wait: sleep until an idle
         # session leaves it (the adapter expires it at the next schedule()).
-        core = getattr(sched, "kvadmit_core", None)
+        core = getattr(self.sched, "kvadmit_core", None)
         expiry = core.next_session_expiry() if core is not None else math.inf
-        if expiry < math.inf and (not heap or expiry <= heap[0][0]) and expiry > clock:
-            clock = expiry
-            continue
-        if heap:
-            clock = max(clock, heap[0][0])
-            continue
-        if not sched.has_requests():
-            break
-        stalls += 1
-        if stalls > 3:
-            running, waiting = sched.get_request_counts()
-            raise RuntimeError(
-                f"vLLM engine stuck at t={clock:.3f}s: {waiting} waiting, {running} running, "
-                f"{pool.get_num_free_blocks()} free blocks, nothing schedulable")
-    wall = time.perf_counter() - wall0
-    if progress is not None:
-        progress(n_done + n_rejected, n)
+        if expiry < math.inf and (not self.heap or expiry <= self.heap[0][0]) and expiry > self.clock:
+            self.clock = expiry
+            return "moved"
+        if self.heap:
+            self.clock = max(self.clock, self.heap[0][0])
+            return "moved"
+        return "stalled" if self.sched.has_requests() else "done"
 
-    missing = [i for i in range(n) if state[i] not in (_DONE, _REJECTED)]
-    if missing:
-        raise AssertionError(f"{len(missing)} requests neither finished nor rejected "
-                             f"(first: {missing[:5]})")
-    free = pool.get_num_free_blocks()
-    if free != nb or sched.get_num_unfinished_requests():
-        raise AssertionError(f"leak: {nb - free} of {nb} blocks still used at idle, "
-                             f"{sched.get_num_unfinished_requests()} requests still in vLLM")
+    def run(self, progress=None) -> RawRun:
+        rec, n = self.rec, len(self.workload)
+        wall0 = time.perf_counter()
+        since = stalls = 0
+        while True:
+            self.arrivals()
+            if self.sched.has_requests():
+                ran, moved = self.step()
+                if ran:
+                    stalls = 0
+                    since += 1
+                    if progress is not None and since >= PROGRESS_EVERY:
+                        since = 0
+                        progress(rec.done, n)
+                    continue
+                if moved:
+                    stalls = 0
+                    continue              # preemptions or flushed outputs, no time passed
+            waited = self.wait()
+            if waited == "done":
+                break
+            if waited == "stalled":
+                stalls += 1
+                if stalls > 3:
+                    running, waiting = self.sched.get_request_counts()
+                    raise RuntimeError(
+                        f"vLLM engine stuck at t={self.clock:.3f}s: {waiting} waiting, {running} "
+                        f"running, {self.pool.get_num_free_blocks()} free blocks, nothing schedulable")
+        wall = time.perf_counter() - wall0
+        if progress is not None:
+            progress(rec.done, n)
+        return self.result(wall)
 
-    span = clock - t0
-    totals = {
-        "steps": steps, "preemptions": preemptions, "recomputed_tokens": recomputed,
-        "output_tokens": out_tokens, "prefill_tokens": prefill_tokens, "batch_tokens": batch_tokens,
-        # vLLM's own prefix-cache counters (queries and hits at each admission,
-        # including re-admissions after preemption): 0 without prefix caching.
-        "prefix_hit_tokens": eng.log.prefix_hit_tokens,
-        "prefix_query_tokens": eng.log.prefix_query_tokens,
-        "held_for_blocks": 0,          # vLLM does not say why a waiting request did not start
-        "makespan_s": span, "busy_s": busy_s,
-        "kv_util_mean": kv_block_s / (span * nb) if span > 0 else 0.0,
-        "kv_util_peak": peak_used / nb,
-        "finished": n_done, "rejected": n_rejected,
-        "free_blocks_at_end": free,
-    }
-    per_request = {
-        "arrival_s": arrival, "first_token_s": t_first, "finish_s": t_done,
-        "output_tokens": gen, "preemptions": npre, "rejected": reason,
-    }
-    extra = {"scheduler": "kvadmit" if config is not None else "vllm",
-             "vllm_num_gpu_blocks": pool.num_gpu_blocks}
-    if config is not None:
-        extra["core"] = sched.kvadmit_core.stats()
-    return RawRun("vllm", per_request, totals, tl, wall, extra=extra)
+    def result(self, wall: float) -> RawRun:
+        rec = self.rec
+        missing = rec.unfinished()
+        if missing:
+            raise AssertionError(f"{len(missing)} requests neither finished nor rejected "
+                                 f"(first: {missing[:5]})")
+        free = self.pool.get_num_free_blocks()
+        if free != self.nb or self.sched.get_num_unfinished_requests():
+            raise AssertionError(f"leak: {self.nb - free} of {self.nb} blocks still used at idle, "
+                                 f"{self.sched.get_num_unfinished_requests()} requests still in vLLM")
+        totals = rec.totals(
+            self.clock, free,
+            # vLLM's own prefix-cache counters (queries and hits at each admission,
+            # including re-admissions after preemption): 0 without prefix caching.
+            prefix_hit_tokens=self.eng.log.prefix_hit_tokens,
+            prefix_query_tokens=self.eng.log.prefix_query_tokens,
+            held_for_blocks=0)          # vLLM does not say why a waiting request did not start
+        extra = {"scheduler": "kvadmit" if self.kvadmit else "vllm",
+                 "vllm_num_gpu_blocks": self.pool.num_gpu_blocks}
+        if self.kvadmit:
+            extra["core"] = self.sched.kvadmit_core.stats()
+        return RawRun("vllm", rec.per_request(), totals, rec.timeline, wall, extra=extra)
