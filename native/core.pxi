@@ -733,6 +733,19 @@ cdef class AdmissionCore:
         Not counted as an arrival: it never reached the queue."""
         return self._reject(R_INVALID, message, limit, None, None)
 
+    def refuse_oversized_group(self, int64_t samples):
+        """Counts and returns the refusal of a parallel-sampling request whose
+        `samples` sequences could never be queued together (more than
+        max_queued_requests): queue_full, never retryable. An arrival, as the
+        request's other refusals are (None when it fits the cap)."""
+        if self._max_q_reqs <= 0 or samples <= self._max_q_reqs:
+            return None
+        self._n_arrived += 1
+        return self._reject(
+            R_QUEUE_FULL, f"the request's n={samples} samples exceed max_queued_requests="
+            f"{self._max_q_reqs}: they can never be queued together",
+            "max_queued_requests", self._max_q_reqs, None)
+
     # ------------------------------------------------------------------
     # Public API: arrivals
     def arrive(self, int64_t prompt_tokens, int64_t max_new_tokens, int64_t priority=0,

@@ -138,3 +138,80 @@ def test_queue_delay_cap_from_the_admission_rate():
     # A long prompt is judged on its prefill tokens too: (16 + 40) tokens at 8/s = 7 s.
     assert core.arrive(40, 4, now=4.0).rejection.reason == "queue_delay"
     assert core.stats()["rejected"]["queue_delay"] == 2
+
+
+def test_retry_after_spreads_a_burst_in_line():
+    """A refused burst is told to come back one after another, at the engine's pace,
+    not all after the same second; the message says the room expected, the hint and
+    the place in line (issue 13 item 5)."""
+    core = make_core("overcommit", num_blocks=1000, max_queued_requests=2, drain_window_s=100)
+    add_waiting(core, 4, 4, now=0.0)
+    add_waiting(core, 4, 4, now=0.0)
+    # No admission seen yet: the default 1 s, then one place per default / cap (0.5 s).
+    burst = [core.arrive(4, 4, now=0.5).rejection for _ in range(4)]
+    assert [r.retry_after_s for r in burst] == pytest.approx([1.0, 1.5, 2.0, 2.5])
+    assert "place 3 in the retry line" in burst[2].message
+    for t in (1.0, 2.0, 3.0, 4.0):
+        core.admit(core.waiting()[0], t)
+        add_waiting(core, 4, 4, now=t)
+    # 4 admissions over 10 s of backlog: 0.4/s, one request too many -> 2.5 s, and each
+    # client of the burst one admission (2.5 s) after the one before it.
+    burst = [core.arrive(4, 4, now=10.0).rejection for _ in range(4)]
+    assert [r.retry_after_s for r in burst] == pytest.approx([2.5, 5.0, 7.5, 10.0])
+    last = burst[-1].message
+    for words in ("2 requests waiting", "max_queued_requests=2", "room expected in 2.5 s",
+                  "retry in 10 s", "place 4 in the retry line"):
+        assert words in last, last
+    # Once the line has passed, a refusal gets its own predicted wait again.
+    assert core.arrive(4, 4, now=30.0).rejection.retry_after_s == pytest.approx(30 / 4)
+    # The line never pushes a hint past retry_after_max_s.
+    capped = make_core("overcommit", num_blocks=1000, max_queued_requests=1, retry_after_max_s=2)
+    add_waiting(capped, 4, 4)
+    assert max(capped.arrive(4, 4).rejection.retry_after_s for _ in range(10)) == 2
+
+
+def test_invalid_is_a_core_reason():
+    core = make_core()
+    r = core.refuse_invalid("kvadmit field ttft_slo_s='soon': must be a number", "ttft_slo_s")
+    assert (r.reason, r.limit, r.retryable) == ("invalid", "ttft_slo_s", False)
+    st = core.stats()
+    assert st["rejected"]["invalid"] == 1 and st["arrived"] == 0   # it never reached the queue
+
+
+def test_a_group_larger_than_the_queue_cap_can_never_be_queued():
+    core = make_core(max_queued_requests=2)
+    assert core.refuse_oversized_group(2) is None
+    r = core.refuse_oversized_group(3)
+    assert (r.reason, r.retryable, r.limit_value) == ("queue_full", False, 2)
+    assert "n=3 samples exceed max_queued_requests=2" in r.message
+    assert core.stats()["arrived"] == 1 and core.stats()["rejected"]["queue_full"] == 1
+    assert make_core().refuse_oversized_group(100) is None     # no cap
+
+
+def test_withdraw_takes_back_an_arrival_uncounted():
+    core = make_core(max_queued_requests=3)
+    a = add_waiting(core, 8, 4)
+    b = add_waiting(core, 8, 4)
+    core.withdraw(b)
+    st = core.stats()
+    assert (st["arrived"], st["waiting"], st["aborted"], st["queued_tokens"]) == (1, 1, 0, 8)
+    core.admit(a)
+    with pytest.raises(ValueError):
+        core.withdraw(a)                                   # running: not an arrival to take back
+    with pytest.raises(KeyError):
+        core.withdraw(b)
+
+
+def test_a_hold_counts_once_per_request_and_step():
+    """next_admissible is a look: an engine may ask many times a step (vLLM's queue on
+    every bool(), SGLang's adder per candidate); held counts steps (issue 11 item 4)."""
+    core = make_core("peak", num_blocks=10, block_size=4)
+    add_running(core, 20, 16)                  # 9 of 10 blocks at its peak
+    add_waiting(core, 16, 8)                   # 6 more: never fits beside it
+    for _ in range(5):
+        assert core.next_admissible(5) == -1
+    assert core.stats()["held"]["hold_capacity"] == 1
+    core.on_step()
+    for _ in range(3):
+        core.next_admissible(5)
+    assert core.stats()["held"]["hold_capacity"] == 2

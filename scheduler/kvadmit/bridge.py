@@ -112,7 +112,11 @@ class EngineBridge:
         """The samples of one parallel-sampling request, [(key, obj)], arrive as one
         unit: all accepted (as many slots, in order, each sample its own sequence in
         the queue, caps counting all of them), or the request refused once (the
-        samples accepted before the refusal are withdrawn, uncounted)."""
+        samples accepted before the refusal are withdrawn, uncounted; more samples
+        than max_queued_requests is a refusal retrying cannot help)."""
+        oversized = self.core.refuse_oversized_group(len(members)) if len(members) > 1 else None
+        if oversized is not None:
+            return Arrival(refusal=Refusal.of(oversized))
         slots, shed = [], []
         for key, obj in members:
             one = self.arrive(key, obj, numbers, now)

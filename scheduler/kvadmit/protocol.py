@@ -8,7 +8,8 @@ engine shows the client, so vLLM and SGLang answer the same refusal the same way
 - HTTP status: 503 Service Unavailable for a retryable refusal (overload: the
   queue, the backlog, the predicted wait or TTFT, shedding), 400 Bad Request for
   a request this server can never take (context, KV pool, a prompt larger than
-  ``max_queued_tokens``, an invalid request field). Retryability belongs to the
+  ``max_queued_tokens``, more samples (n) than ``max_queued_requests``, an
+  invalid request field). Retryability belongs to the
   refusal, not only to its reason: ``queued_tokens_full`` is retryable when the
   backlog is full, not when the prompt alone exceeds the cap.
 - Every retryable refusal carries ``Retry-After: N`` (whole seconds, at least 1);
@@ -43,6 +44,12 @@ DETAIL_KEY = "kvadmit_detail"               # the refusal's message (limit and n
 # engine requests "<i>_<parent request id>" (each says n = 1 itself).
 SAMPLES_KEY = "kvadmit_samples"
 
+# What kvadmit_held_total / kvadmit:held_total count, in both engines
+# (AdmissionCore.next_admissible counts a hold once per request and step).
+HELD_HELP = ("Steps a waiting request spent at the head of the queue unable to start, "
+             "by reason: a request held for k engine steps counts k, however often the "
+             "engine looked within a step")
+
 RETRYABLE_STATUS = HTTPStatus.SERVICE_UNAVAILABLE
 FINAL_STATUS = HTTPStatus.BAD_REQUEST
 
@@ -58,7 +65,8 @@ class ReasonInfo:
 
 # Every reason kvadmit refuses with; the core's REJECT_REASONS plus none other.
 REASONS: dict[str, ReasonInfo] = {
-    "queue_full": ReasonInfo(True, "the engine's waiting queue is full (kvadmit max_queued_requests)"),
+    "queue_full": ReasonInfo(None, "the engine's waiting queue is full, or the request's samples "
+                                   "exceed it (kvadmit max_queued_requests)"),
     "queued_tokens_full": ReasonInfo(
         None, "the engine's prefill backlog is full, or the prompt alone exceeds it "
               "(kvadmit max_queued_tokens)"),

@@ -453,3 +453,79 @@ def test_every_busy_step_feeds_the_step_time_fit(model_dir):
     a, b, c = core.step_time.coefficients
     assert a != 0.008             # moved off the prior by the observed (fast, fake) steps
     assert REGISTRY.get_sample_value("kvadmit_step_time_base_seconds") == a
+
+
+def add_samples(eng, parent, n, prompt, max_tokens, **kw):
+    """The engine side of one request with n samples, as vLLM fans it out (ParentRequest:
+    "<i>_<parent>", n = 1 each) with the API-server patch's marker."""
+    from kvadmit.protocol import samples_marker
+    return [eng.add(prompt, max_tokens, request_id=f"{i}_{parent}",
+                    extra_args=samples_marker(n, parent), **kw) for i in range(n)]
+
+
+def test_parallel_samples_are_admitted_or_refused_as_one_request(model_dir):
+    """n > 1 is one unit (issue 13 item 2): under a queue cap all samples are refused
+    together, counted once; with room all of them run."""
+    from kvadmit.protocol import Refusal
+    eng = engine(model_dir, {"policy": "peak", "max_queued_requests": 3})
+    first = eng.add([9] * 30, 20)
+    eng.step()                                       # running: the queue is empty
+    fits = add_samples(eng, "fits", 3, [8] * 30, 20)   # 3 waiting: at the cap
+    s = eng.scheduler
+    assert all(r in s.requests for r in fits)
+    refused = add_samples(eng, "refused", 3, [7] * 30, 20)   # 2 of 3 would fit: none does
+    assert not any(r in s.requests for r in refused)
+    eng.run()
+    assert {eng.log.stop_reasons[r] for r in refused} == {"kvadmit:queue_full"}
+    refusal = Refusal.from_output(eng.log.stop_reasons[refused[0]],
+                                  eng.log.kv_transfer_params[refused[0]])
+    assert refusal.retryable and refusal.status == 503
+    assert all(len(eng.log.outputs[r]) == 20 for r in [first, *fits])
+    st = s.kvadmit_core.stats()
+    # Counted once: one refusal, one arrival for it (the samples taken back uncounted).
+    assert st["rejected"]["queue_full"] == 1
+    assert st["arrived"] == 1 + 3 + 1 and st["finished"] == 4 and st["aborted"] == 0
+    # More samples than the cap can never be queued together: 400, counted once.
+    never = add_samples(eng, "never", 4, [6] * 30, 20)
+    eng.run()
+    refusal = Refusal.from_output(eng.log.stop_reasons[never[0]], eng.log.kv_transfer_params[never[0]])
+    assert refusal.status == 400 and "n=4 samples exceed max_queued_requests=3" in refusal.message
+    assert s.kvadmit_core.stats()["rejected"]["queue_full"] == 2
+
+
+def test_samples_wait_for_their_siblings_and_an_abort_drops_them(model_dir):
+    from vllm.v1.request import RequestStatus
+    eng = engine(model_dir, {"policy": "peak"})
+    s = eng.scheduler
+    from kvadmit.protocol import samples_marker
+    ids = [eng.add([9] * 30, 5, request_id=f"{i}_p", extra_args=samples_marker(3, "p"))
+           for i in range(2)]                            # the third sample is late
+    assert not any(r in s.requests for r in ids) and s.kvadmit_core.stats()["arrived"] == 0
+    s.finish_requests(ids, RequestStatus.FINISHED_ABORTED)   # the client went away
+    last = eng.add([9] * 30, 5, request_id="2_p", extra_args=samples_marker(3, "p"))
+    assert last not in s.requests                      # its siblings are gone: it waits alone
+    s.finish_requests([last], RequestStatus.FINISHED_ABORTED)
+    assert not s._kvadmit_samples
+
+
+def test_a_forged_sample_marker_does_not_group(model_dir):
+    """The marker counts only on the sample's own id: a client cannot group requests."""
+    eng = engine(model_dir, {"policy": "peak"})
+    rid = eng.add([9] * 30, 5, extra_args={"kvadmit_samples": "3/x"})
+    assert rid in eng.scheduler.requests
+
+
+def test_held_counts_steps_not_looks(model_dir):
+    """vLLM's queue asks the gate on every bool(); a hold counts once per step."""
+    eng = engine(model_dir, {"policy": "peak"}, num_blocks=16)
+    eng.add([5] * 200, 200)                    # 400 tokens: 13 of 15 blocks at its peak
+    eng.step()
+    held = eng.add([6] * 64, 300)              # 12 more: held until the first one is nearly done
+    s = eng.scheduler
+    steps_held = 0
+    while held not in {r.request_id for r in s.running}:
+        eng.step()
+        steps_held += int(held not in {r.request_id for r in s.running})
+    st = s.kvadmit_core.stats()["held"]
+    assert steps_held > 10
+    assert st["hold_capacity"] + st["hold_blocks"] == steps_held, (st, steps_held)

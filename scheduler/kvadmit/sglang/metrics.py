@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from kvadmit.protocol import HELD_HELP
+
 # stats() key -> (metric suffix, documentation); counters export the growth.
 COUNTERS = {
     "arrived": "requests that reached kvadmit's queue",
@@ -58,7 +60,7 @@ class PrometheusExport:
         }
         self.rejected = Counter("kvadmit:rejected", "arrivals refused, by reason",
                                 labelnames=names + ["reason"], registry=registry)
-        self.held = Counter("kvadmit:held", "admission checks that held the queue head, by decision",
+        self.held = Counter("kvadmit:held", HELD_HELP,
                             labelnames=names + ["decision"], registry=registry)
         self.gauges = {
             key: Gauge(f"kvadmit:{key}", doc, labelnames=names, registry=registry,

@@ -13,6 +13,8 @@ code can always read `scheduler.kvadmit_core.stats()`.
 """
 from __future__ import annotations
 
+from kvadmit.protocol import HELD_HELP
+
 _METRICS = None
 
 
@@ -22,10 +24,14 @@ class KvadmitMetrics:
     def __init__(self):
         from prometheus_client import Counter, Gauge
 
+        self.arrived = Counter("kvadmit_arrived", "Sequences that reached kvadmit's queue or "
+                               "were refused there (a refused n>1 request counts once)")
         self.admitted = Counter("kvadmit_admitted", "Requests kvadmit let start")
-        self.held = Counter("kvadmit_held", "Admission checks that held a waiting request",
-                            ["reason"])
-        self.rejected = Counter("kvadmit_rejected", "Requests refused at arrival", ["reason"])
+        self.held = Counter("kvadmit_held", HELD_HELP, ["reason"])
+        self.rejected = Counter("kvadmit_rejected", "Requests refused at arrival (an n>1 "
+                                "request once), or shed from the queue", ["reason"])
+        self.aborted = Counter("kvadmit_aborted", "Accepted sequences that left without "
+                               "finishing (client cancelled, engine error)")
         self.preempted = Counter("kvadmit_preemptions", "Running requests preempted")
         self.paused = Counter("kvadmit_paused", "Steps running requests were paused "
                               "(shortfall: pause), counted per request")
@@ -59,7 +65,9 @@ class KvadmitMetrics:
                 before = before.get(k, 0) if isinstance(before, dict) else 0
             return max(now - before, 0)
 
+        self.arrived.inc(delta("arrived"))
         self.admitted.inc(delta("admitted"))
+        self.aborted.inc(delta("aborted"))
         self.preempted.inc(delta("preempted"))
         self.paused.inc(delta("paused"))
         self.finished.inc(delta("finished"))

@@ -367,7 +367,9 @@ class _KvadmitMixin:
                 members[:] = [r for r in members if r.request_id not in ids]
                 if not members:
                     del self._kvadmit_samples[parent]
-        return super().finish_requests(request_ids, finished_status)
+        finished = super().finish_requests(request_ids, finished_status)
+        self._kvadmit_publish()
+        return finished
 
     # -- every step ------------------------------------------------------------
     def schedule(self, *args, **kwargs):
@@ -429,9 +431,14 @@ class _KvadmitMixin:
         if self._kvadmit_popped:
             self._kvadmit_popped.clear()
         core.on_step(self.kvadmit_clock())
-        if self._kvadmit_metrics is not None:
-            self._kvadmit_metrics.update(core.stats())
         return out
+
+    def _kvadmit_publish(self) -> None:
+        """The core's counters to Prometheus: after every step's outputs and every
+        abort (an abort or the last finish may leave the engine idle, with no step
+        to publish it)."""
+        if self._kvadmit_metrics is not None:
+            self._kvadmit_metrics.update(self.kvadmit_core.stats())
 
     def _preempt_request(self, request: Request, timestamp: float, *args, **kwargs) -> None:
         slot = self.kvadmit_bridge.slot(request.request_id)
@@ -466,6 +473,7 @@ class _KvadmitMixin:
                 if eco is None:
                     outputs[client] = eco = EngineCoreOutputs()
                 eco.outputs = list(eco.outputs) + outs
+        self._kvadmit_publish()
         return outputs
 
     def has_finished_requests(self) -> bool:
