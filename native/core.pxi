@@ -650,10 +650,22 @@ cdef class AdmissionCore:
         tokens_per_s[0] = self._drain_tokens / span
         return True
 
+    cdef bint _paced_rates(self, double now, double* reqs_per_s, double* tokens_per_s):
+        """The drain rates for Retry-After hints: measured over at least
+        retry_after_default_s of backlog (a burst's first admissions, a few ms apart
+        while the engine still had room, are not the pace it keeps once full)."""
+        if not self._drain_rates(now, reqs_per_s, tokens_per_s):
+            return False
+        cdef double span = min(self._backlog_s, self._drain_window)
+        if span < self._retry_default:
+            reqs_per_s[0] *= span / self._retry_default
+            tokens_per_s[0] *= span / self._retry_default
+        return True
+
     cdef object _retry_after(self, double excess_reqs, double excess_tokens, double now):
         """Seconds until the observed admission rate drains the excess (None: cannot drain)."""
         cdef double rr, rt
-        if not self._drain_rates(now, &rr, &rt):
+        if not self._paced_rates(now, &rr, &rt):
             return self._retry_default
         cdef double wait = 0.0
         if excess_reqs > 0:
@@ -697,12 +709,12 @@ cdef class AdmissionCore:
     cdef double _in_line(self, double wait, double now):
         """Spreads a burst's Retry-After hints: a refused client is told to come back
         no earlier than its own predicted wait and one admission after the client
-        refused before it (at the recent admission rate; with none observed yet,
+        refused before it (at the recent admission rate, `_paced_rates`; with none yet,
         retry_after_default_s / max_queued_requests), so a refused burst returns as
         a line, not all at once. Deterministic: the k-th refusal gets the k-th place."""
         cdef double rr, rt, spacing, at = now + wait
         if self._retry_line_end > now:
-            if self._drain_rates(now, &rr, &rt) and rr > 0:
+            if self._paced_rates(now, &rr, &rt) and rr > 0:
                 spacing = 1.0 / rr
             else:
                 spacing = self._retry_default / max(self._max_q_reqs, 1)

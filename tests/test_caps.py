@@ -215,3 +215,18 @@ def test_a_hold_counts_once_per_request_and_step():
     for _ in range(3):
         core.next_admissible(5)
     assert core.stats()["held"]["hold_capacity"] == 2
+
+
+def test_retry_after_paces_a_burst_not_its_first_milliseconds():
+    """Three admissions 30 ms apart, while the engine still had room, are not the pace it
+    keeps once full: hints use a rate measured over at least retry_after_default_s."""
+    core = make_core("overcommit", num_blocks=1000, max_queued_requests=3, drain_window_s=30)
+    for t in (0.0, 0.03, 0.06):
+        add_waiting(core, 4, 4, now=t)
+    for t in (0.03, 0.06, 0.09):
+        core.admit(core.waiting()[0], t)
+    for _ in range(3):
+        add_waiting(core, 4, 4, now=0.09)
+    hints = [core.arrive(4, 4, now=0.1).rejection.retry_after_s for _ in range(6)]
+    # 3 admissions over 1 s at most: one place in line per 1/3 s.
+    assert hints == pytest.approx([1 / 3, 2 / 3, 1.0, 4 / 3, 5 / 3, 2.0])

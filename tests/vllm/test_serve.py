@@ -43,7 +43,7 @@ def server(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("log") / "serve.log"
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(prom))
     # slo_guard only acts on requests with a target (the defaults are none).
-    cfg = {"kvadmit": {"policy": "peak", "max_queued_requests": 2, "slo_guard": True}}
+    cfg = {"kvadmit": {"policy": "peak", "max_queued_requests": 3, "slo_guard": True}}
     cmd = serve_command(model_dir, port, cfg)
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -109,6 +109,13 @@ def test_overload_burst_gets_503_naming_the_reason(server):
         # the core's hint, from the drain rate, as a header (patches/vllm_retry_after.py)
         assert retry_after is not None and int(retry_after) >= 1, (msg, retry_after)
         assert f"(retry after {retry_after} s)" in msg
+        # the numbers a client needs: the queue, the cap, the expected wait, its place
+        for words in ("requests waiting", "max_queued_requests=3", "room expected in",
+                      "in the retry line"):
+            assert words in msg, msg
+    # A refused burst is told to come back in line, not all after the same second.
+    hints = sorted(int(r) for _, _, r in refused)
+    assert len(refused) < 3 or len(set(hints)) > 1, hints
 
 
 def test_metrics_show_kvadmit_counters(server):
@@ -234,3 +241,181 @@ def test_the_launcher_adds_kvadmits_scheduler_unless_one_is_named():
                                                 "--scheduler-cls", "kvadmit.vllm.Scheduler"]
     assert serve_argv(["M", "--scheduler-cls", "x.Y"]) == ["vllm", "serve", "M", "--scheduler-cls", "x.Y"]
     assert serve_argv(["M", "--scheduler-cls=x.Y"])[-1] == "--scheduler-cls=x.Y"
+
+
+def metrics(base) -> dict:
+    """/metrics as {series: value}, summed over label sets that differ only in labels
+    not named here (vLLM's engine and model labels)."""
+    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    out = {}
+    for ln in text.splitlines():
+        if ln.startswith("#") or " " not in ln:
+            continue
+        name, value = ln.rsplit(" ", 1)
+        if name.startswith("vllm:") and "{" in name:
+            name = name.split("{")[0]
+        out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def rejected(m) -> float:
+    return sum(v for k, v in m.items() if k.startswith("kvadmit_rejected_total{"))
+
+
+def wait_idle(base, timeout=120) -> dict:
+    """Waits until the engine runs and queues nothing (vLLM's gauges and kvadmit's)."""
+    deadline = time.time() + timeout
+    while True:
+        m = metrics(base)
+        if (m.get("vllm:num_requests_running", 0) == 0 and m.get("vllm:num_requests_waiting", 0) == 0
+                and m.get("kvadmit_waiting_requests", 0) == 0):
+            return m
+        assert time.time() < deadline, {k: v for k, v in m.items() if "num_requests" in k}
+        time.sleep(0.5)
+
+
+def assert_counters_add_up(m):
+    """At idle every sequence that arrived was refused, finished or aborted (shed ones
+    count as refused; invalid ones never reached the queue)."""
+    ended = (sum(v for k, v in m.items() if k.startswith("kvadmit_rejected_total{")
+                 and 'reason="invalid"' not in k)
+             + m.get("kvadmit_finished_total", 0) + m.get("kvadmit_aborted_total", 0))
+    assert m.get("kvadmit_arrived_total", 0) == ended, m
+
+
+def load(base, model, n, max_tokens=120):
+    """n long requests in the background (the caller joins the returned futures)."""
+    pool = ThreadPoolExecutor(n)
+
+    def one(i):
+        try:
+            return complete(base, model, 60, max_tokens, 100 + i).usage.completion_tokens
+        except openai.APIStatusError as e:
+            return e.status_code
+    return pool, [pool.submit(one, i) for i in range(n)]
+
+
+def sample(base, model, n, seed, max_tokens=8):
+    prompt = [(seed * 31 + i) % 997 + 3 for i in range(40)]
+    return client(base).completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                           n=n, temperature=1.0, seed=seed,
+                                           extra_body={"ignore_eos": True})
+
+
+def test_parallel_sampling_is_one_request(server):
+    """n > 1 (issue 13 item 2): all samples run, or the request is refused as a whole
+    (503 + Retry-After under load, 400 when n exceeds the queue cap), counted once."""
+    base, model, _ = server
+    wait_idle(base)
+    r = sample(base, model, 3, 1)
+    assert len(r.choices) == 3 and {c.finish_reason for c in r.choices} == {"length"}
+    assert r.usage.completion_tokens == 3 * 8
+    before = metrics(base)
+    pool, futures = load(base, model, 5)           # 3 run (peak), 2 wait
+    deadline = time.time() + 60
+    while metrics(base).get("kvadmit_waiting_requests", 0) < 1:
+        assert time.time() < deadline, "the load never queued"
+        time.sleep(0.1)
+    with pytest.raises(openai.APIStatusError) as e:
+        sample(base, model, 3, 2)                   # 1 or 2 waiting + 3 > 3
+    assert e.value.status_code == 503 and "kvadmit:queue_full" in str(e.value), str(e.value)
+    assert int(e.value.response.headers["retry-after"]) >= 1
+    with pytest.raises(openai.APIStatusError) as e:
+        sample(base, model, 4, 3)
+    assert e.value.status_code == 400, str(e.value)
+    assert "n=4 samples exceed max_queued_requests=3" in str(e.value)
+    assert "retry-after" not in e.value.response.headers
+    load_refused = sum(f.result() == 503 for f in futures)
+    pool.shutdown()
+    after = wait_idle(base)
+    # Each n>1 request refused once, not per sample.
+    assert rejected(after) - rejected(before) == 2 + load_refused
+    assert_counters_add_up(after)
+
+
+def test_a_streaming_refusal_logs_one_line(server):
+    """A refusal inside a stream: the client gets vLLM's error event, the server log
+    one line per refusal instead of a 9-line traceback (issue 13 item 6)."""
+    base, model, log = server
+    start = log.stat().st_size
+    for seed in range(3):
+        prompt = [(seed * 7 + i) % 997 + 3 for i in range(40)]
+        with pytest.raises(openai.APIError) as e:
+            for _ in client(base).completions.create(
+                    model=model, prompt=prompt, max_tokens=4, stream=True,
+                    extra_body={"vllm_xargs": {"kvadmit_ttft_slo_s": 1e-6}}):
+                pass
+        assert "kvadmit:slo_infeasible" in str(e.value), str(e.value)
+    time.sleep(1)
+    with open(log) as f:
+        f.seek(start)
+        new = f.read()
+    assert "Traceback" not in new and "Error in completion stream generator" not in new, new
+    lines = [ln for ln in new.splitlines() if "kvadmit:slo_infeasible" in ln]
+    assert len(lines) == 3 and all("kvadmit refused a streaming request" in ln for ln in lines), new
+
+
+def test_overload_soak_leaves_nothing_behind(server):
+    """A bounded burst of mixed streaming, non-streaming, n=2 and cancelled requests;
+    then, at idle, every KV block is free, nothing waits, and the counters add up."""
+    base, model, _ = server
+    before = wait_idle(base)
+
+    def plain(i):
+        try:
+            return ("ok", complete(base, model, 30 + i, 24, 200 + i).usage.completion_tokens)
+        except openai.APIStatusError as e:
+            return (e.status_code, 0)
+
+    def streamed(i):
+        try:
+            chunks = list(client(base).completions.create(
+                model=model, prompt=[(i * 13 + j) % 997 + 3 for j in range(30)], max_tokens=16,
+                stream=True, extra_body={"ignore_eos": True}))
+            return ("ok", sum(len(c.choices[0].text) >= 0 for c in chunks if c.choices))
+        except openai.APIError as e:
+            return ("refused" if "kvadmit:" in str(e) else repr(e), 0)
+
+    def pair(i):
+        try:
+            return ("ok", sample(base, model, 2, 300 + i, max_tokens=12).usage.completion_tokens)
+        except openai.APIStatusError as e:
+            return (e.status_code, 0)
+
+    def cancelled(i):
+        try:
+            stream = client(base).completions.create(
+                model=model, prompt=[(i * 17 + j) % 997 + 3 for j in range(50)], max_tokens=200,
+                stream=True, extra_body={"ignore_eos": True})
+            for _ in stream:
+                break                                   # the client goes away mid-answer
+            stream.close()
+            return ("cancelled", 0)
+        except openai.APIError as e:
+            return ("refused" if "kvadmit:" in str(e) else repr(e), 0)
+
+    # Three cancellations a moment ahead of the burst (so they run before they go away),
+    # then the burst with three more.
+    kinds = [cancelled] * 3 + [plain] * 8 + [streamed] * 6 + [pair] * 4 + [cancelled] * 3
+    with ThreadPoolExecutor(len(kinds)) as pool:
+        futures = []
+        for i, kind in enumerate(kinds):
+            futures.append(pool.submit(kind, i))
+            if i == 2:
+                time.sleep(0.5)
+        results = [f.result() for f in futures]
+    outcomes = {r[0] for r in results}
+    assert outcomes <= {"ok", "cancelled", "refused", 503}, results
+    assert {"ok", "cancelled"} <= outcomes and ({"refused", 503} & outcomes), results
+    after = wait_idle(base)
+    assert after.get("vllm:kv_cache_usage_perc", 1) == 0, after
+    assert after.get("kvadmit_waiting_requests", 1) == 0
+    assert_counters_add_up(after)
+    n_refused = sum(r[0] in ("refused", 503) for r in results)
+    assert rejected(after) - rejected(before) >= n_refused
+    ok_sequences = sum(2 if k is pair else 1 for (o, _), k in zip(results, kinds) if o == "ok")
+    assert after["kvadmit_finished_total"] - before.get("kvadmit_finished_total", 0) >= ok_sequences
+    # A client that went away mid-answer is an abort (the core's count, exported).
+    n_cancelled = sum(r[0] == "cancelled" for r in results)
+    assert (after.get("kvadmit_aborted_total", 0) - before.get("kvadmit_aborted_total", 0)
+            >= n_cancelled), results
