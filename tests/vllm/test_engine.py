@@ -86,3 +86,54 @@ def test_real_lengths_below_the_cap(model_dir, tmp_path):
         assert abs(sim["steps"] - real["steps"]) <= 0.15 * real["steps"], (name, sim, real)
         assert abs(sim["preemptions"] - real["preemptions"]) <= max(2, 0.15 * real["preemptions"]), \
             (name, sim["preemptions"], real["preemptions"])
+
+
+def test_config_names():
+    """vLLM's own knobs become its engine arguments (not kvadmit configs); kvadmit
+    names and NAME=JSON become kvadmit configs, checked before any engine starts."""
+    from kvadmit.vllm.bench import parse_config, split_configs
+    assert split_configs(["vllm-default,vllm-watermark=0.05", 'x={"policy": "peak", "victim": "lifo"},peak']) == \
+        ["vllm-default", "vllm-watermark=0.05", 'x={"policy": "peak", "victim": "lifo"}', "peak"]
+    cases = {"vllm-default": (None, {}), "vllm-watermark=0.05": (None, {"watermark": 0.05}),
+             "vllm-active=3": (None, {"max_num_active_seqs": 3}),
+             "vllm-queued=5": (None, {"max_num_queued_reqs": 5}),
+             "kvadmit-default": ({}, {}), "peak": ({"policy": "peak"}, {}),
+             'x={"policy": "adaptive"}': ({"policy": "adaptive"}, {})}
+    for text, (kvadmit, engine_args) in cases.items():
+        c = parse_config(text)
+        assert (c.kvadmit, c.engine_args) == (kvadmit, engine_args), text
+    # The simulator's model of each: vLLM's rule with the knob in the engine shape.
+    from kvadmit.vllm.bench import BenchEngine
+    config, shape = parse_config("vllm-watermark=0.1").sim(BenchEngine().sim_shape())
+    assert (config.policy, config.victim, shape.watermark, shape.num_blocks) == ("overcommit", "lifo", 0.1, 32)
+    for bad, field in (("vllm-watermark=1.5", "watermark"), ("vllm-active=0", "max_num_active_seqs"),
+                       ("vllm-queued=x", "max_num_queued_reqs"), ('x={"polcy": "peak"}', "polcy"),
+                       ("oracle", "--caps real")):
+        with pytest.raises(ValueError, match=field):
+            parse_config(bad)
+
+
+def test_suite_holds_every_cell_and_the_simulator_agrees(model_dir, tmp_path):
+    """A tiny `--suite` on the real engine: every workload x config cell is in the JSON,
+    with its ratios and the simulator's numbers for the same requests, which match the
+    real engine's steps and preemptions exactly (a burst, one step model's decisions)."""
+    from kvadmit.vllm.bench import SUITE
+    out = tmp_path / "suite.json"
+    configs = ["vllm-default", "kvadmit-default"]
+    cmd = [sys.executable, "-m", "kvadmit.vllm.bench", "--suite", "--model-dir", model_dir,
+           "--requests", "4", "--warmup", "1", "--configs", ",".join(configs), "--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [w["name"] for w in data["workloads"]] == [c.name for c in SUITE]
+    for w in data["workloads"]:
+        rows = {r["config"]: r for r in w["rows"]}
+        assert sorted(rows) == sorted(w["sim"]) == sorted(w["vs_vllm_default"]) == sorted(configs), w["name"]
+        assert sorted(r["run_position"] for r in rows.values()) == [1, 2]
+        for name, r in rows.items():
+            assert r["wrong_length"] == 0 and r["rejected"] == {}, (w["name"], name)
+            sim = w["sim"][name]
+            assert (sim["steps"], sim["preemptions"]) == (r["steps"], r["preemptions"]), (w["name"], name)
+            assert w["sim_vs_real"][name]["same_verdict"] is True
+        assert w["vs_vllm_default"]["vllm-default"]["steps"] == 1.0
+    assert "equal-burst" in p.stdout and "simulator vs real" in p.stdout

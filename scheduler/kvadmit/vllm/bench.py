@@ -16,6 +16,7 @@ scheduler sees a `max_tokens` cap it cannot trust, as in production.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -248,23 +249,136 @@ def _metric(metrics, name):
     return None
 
 
-def run_one(label: str, model_dir: str, workload: list[BenchRequest], num_blocks: int,
-            block_size: int, max_model_len: int, kvadmit: dict | None, stop_early: bool,
-            max_num_seqs: int = 64, dtype: str = "float32") -> dict:
-    """One engine, one generate call; returns the row of numbers for `label`."""
+# ---------------------------------------------------------------------------
+# The engine and the configurations
+
+@dataclass(frozen=True)
+class BenchEngine:
+    """The engine every configuration runs on (vLLM's argument names)."""
+    num_blocks: int = 33            # vLLM's num_gpu_blocks_override: one of them is its null block
+    block_size: int = 32
+    max_model_len: int = 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    dtype: str = "float32"
+
+    def sim_shape(self):
+        """The simulator's EngineShape of this engine (it counts usable blocks only)."""
+        from kvadmit.simulate import EngineShape
+        return EngineShape(num_blocks=self.num_blocks - 1, block_size=self.block_size,
+                           max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+                           max_num_batched_tokens=self.max_num_batched_tokens)
+
+
+CONFIGS = {"vllm-default": None, **{p: {"policy": p} for p in POLICIES},
+           # adaptive with every knob for throughput: a fixed optimistic quantile (no
+           # raising), unlimited bypass, and pausing instead of preempting on a shortfall.
+           "adaptive+pause": {"policy": "adaptive", "shortfall": "pause", "adaptive_quantile": 0.4,
+                              "adaptive_max_quantile": 0.4, "adaptive_min_samples": 1,
+                              "head_of_line": "bypass", "max_bypass": 1000, "bypass_lookahead": 256},
+           # the empty config: what `--scheduler-cls kvadmit.vllm.Scheduler` alone gives
+           "kvadmit-default": {}}
+CONFIG_DOCS = {"vllm-default": "vLLM 0.32's own scheduler, no admission flags",
+               **{p: f"kvadmit, policy {p!r}" for p in POLICIES},
+               "adaptive+pause": "kvadmit adaptive at a fixed 0.4 quantile, bypass, pause on a shortfall",
+               "kvadmit-default": "kvadmit with the empty config {} (AdmissionConfig()'s defaults)"}
+
+# vLLM's --max-num-queued-reqs: a bench-only name (the simulator models the engine
+# core, where this cap does not act). vLLM checks it in AsyncLLM.check_admission (its
+# API server) only; LLM.generate, which this bench drives, never does.
+QUEUED_KNOB = "vllm-queued"
+QUEUED_DOC = ("vLLM with --max-num-queued-reqs {}: checked only by vLLM's API server "
+              "(AsyncLLM), never by offline LLM.generate, so it runs as vllm-default here")
+# vLLM engine arguments that act outside the engine core (the simulator has no field for them)
+FRONT_END_ONLY = ("max_num_queued_reqs",)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One row: which scheduler runs, with which of vLLM's own engine arguments."""
+    label: str
+    kvadmit: dict | None        # additional_config["kvadmit"]; None: vLLM's own scheduler
+    engine_args: dict           # vLLM EngineArgs fields: its own knobs (watermark, ...)
+    doc: str
+
+    def sim(self, shape):
+        """(AdmissionConfig, EngineShape) for the simulator's native engine: vLLM's rule
+        (overcommit, LIFO victim) with its knobs in the shape, or kvadmit's config."""
+        from kvadmit.config import AdmissionConfig
+        config = (AdmissionConfig(policy="overcommit", victim="lifo") if self.kvadmit is None
+                  else AdmissionConfig.from_dict(self.kvadmit))
+        knobs = {k: v for k, v in self.engine_args.items() if k not in FRONT_END_ONLY}
+        return config, dataclasses.replace(shape, **knobs)
+
+
+def parse_config(text: str) -> BenchConfig:
+    """A bench name (CONFIGS), `vllm-watermark=F`, `vllm-active=N`, `vllm-queued=N`,
+    a simulator baseline, or NAME=JSON with kvadmit's AdmissionConfig keys."""
+    from kvadmit.simulate.policies import parse_policy
+    if text in CONFIGS:
+        return BenchConfig(text, CONFIGS[text], {}, CONFIG_DOCS[text])
+    name, sep, value = text.partition("=")
+    if sep and name == QUEUED_KNOB:
+        try:
+            n = int(value)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"config {text}: max_num_queued_reqs must be an integer >= 1")
+        return BenchConfig(text, None, {"max_num_queued_reqs": n}, QUEUED_DOC.format(n))
+    # vllm-watermark=F and vllm-active=N: the simulator's names, checks and engine
+    # fields (EngineShape's knob fields carry vLLM's EngineArgs names).
+    spec = parse_policy(text)
+    if spec.oracle:
+        raise ValueError(f"config {text}: the oracle needs true lengths as caps: use --caps real "
+                         f"with peak instead")
+    return BenchConfig(spec.name, None if spec.vllm_own else dict(spec.settings),
+                       dict(spec.engine), spec.doc)
+
+
+def split_configs(args: list[str]) -> list[str]:
+    """`--configs` values: names separated by spaces or commas; a comma inside a NAME=JSON
+    object (braces, brackets, strings) belongs to the JSON."""
+    out = []
+    for arg in args:
+        depth, in_str, escaped, cur = 0, False, False, []
+        for ch in arg:
+            if in_str:
+                escaped = not escaped and ch == "\\"
+                in_str = escaped or ch != '"'
+            elif ch == '"':
+                in_str = True
+            elif ch in "{[":
+                depth += 1
+            elif ch in "}]":
+                depth -= 1
+            elif ch == "," and depth == 0:
+                out.append("".join(cur).strip())
+                cur = []
+                continue
+            cur.append(ch)
+        out.append("".join(cur).strip())
+    return [c for c in out if c]
+
+
+def run_one(label: str, model_dir: str, workload: list[BenchRequest], engine: BenchEngine,
+            kvadmit: dict | None, stop_early: bool, engine_args: dict | None = None) -> dict:
+    """One engine, one generate call; returns the row of numbers for `label`.
+    ``engine_args``: further vLLM engine arguments (its own knobs)."""
     from vllm import LLM, SamplingParams
 
     import tempfile
     counts = pathlib.Path(tempfile.mkstemp(prefix="kvadmit-bench-")[1])
     os.environ[COUNTS_ENV] = str(counts)
     os.environ[EXPECT_ENV] = str(len(workload))
-    kwargs = dict(scheduler_cls="kvadmit.vllm.bench.CountingScheduler")
+    kwargs = dict(scheduler_cls="kvadmit.vllm.bench.CountingScheduler", **(engine_args or {}))
     if kvadmit is not None:
         kwargs["additional_config"] = {"kvadmit": kvadmit}
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=dtype, block_size=block_size,
-              num_gpu_blocks_override=num_blocks, max_model_len=max_model_len,
-              max_num_seqs=max_num_seqs, enforce_eager=True, seed=0, gpu_memory_utilization=0.3,
-              disable_log_stats=False, enable_prefix_caching=False,
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=engine.dtype,
+              block_size=engine.block_size, num_gpu_blocks_override=engine.num_blocks,
+              max_model_len=engine.max_model_len, max_num_seqs=engine.max_num_seqs,
+              max_num_batched_tokens=engine.max_num_batched_tokens, enforce_eager=True, seed=0,
+              gpu_memory_utilization=0.3, disable_log_stats=False, enable_prefix_caching=False,
               logits_processors=[StopAtLength] if stop_early else None, **kwargs)
     params = []
     for r in workload:
@@ -315,22 +429,290 @@ def run_one(label: str, model_dir: str, workload: list[BenchRequest], num_blocks
     return row
 
 
-CONFIGS = {"vllm-default": None, **{p: {"policy": p} for p in POLICIES},
-           # adaptive with every knob for throughput: a fixed optimistic quantile (no
-           # raising), unlimited bypass, and pausing instead of preempting on a shortfall.
-           "adaptive+pause": {"policy": "adaptive", "shortfall": "pause", "adaptive_quantile": 0.4,
-                              "adaptive_max_quantile": 0.4, "adaptive_min_samples": 1,
-                              "head_of_line": "bypass", "max_bypass": 1000, "bypass_lookahead": 256}}
+# ---------------------------------------------------------------------------
+# Fair timing: a discarded warm-up engine, then the configurations in a rotated order
+
+def run_order(n: int, order: str, seed: int) -> list[int]:
+    """Indices of n configurations in the order they run: 'given', 'reverse', or
+    'shuffle' (a permutation seeded by `seed`), so no configuration always runs first
+    (the first engine of a process pays cold caches)."""
+    idx = list(range(n))
+    if order == "reverse":
+        idx.reverse()
+    elif order == "shuffle":
+        random.Random(seed).shuffle(idx)
+    elif order != "given":
+        raise ValueError(f"order={order!r}: must be 'given', 'reverse' or 'shuffle'")
+    return idx
+
+
+def warm_up(model_dir: str, workload: list[BenchRequest], engine: BenchEngine,
+            stop_early: bool, n: int) -> None:
+    """One discarded engine on the first n requests (vLLM's own scheduler), so the
+    first measured engine does not pay the process's cold start."""
+    if n > 0:
+        print(f"warm-up: one discarded engine, {min(n, len(workload))} requests ...",
+              file=sys.stderr, flush=True)
+        run_one("warm-up", model_dir, workload[:n], engine, None, stop_early)
+
+
+def run_configs(configs: list[BenchConfig], model_dir: str, workload: list[BenchRequest],
+                engine: BenchEngine, stop_early: bool, order: str, seed: int,
+                tag: str = "") -> list[dict]:
+    """Every configuration once, in run_order; rows come back in the given order, each
+    with its position in the run (`run_position`, from 1)."""
+    rows: list[dict | None] = [None] * len(configs)
+    for pos, i in enumerate(run_order(len(configs), order, seed), 1):
+        c = configs[i]
+        head = f"{tag}[{pos}/{len(configs)}] {c.label}"
+        print(f"{head}: starting an engine ...", file=sys.stderr, flush=True)
+        row = run_one(c.label, model_dir, workload, engine, c.kvadmit, stop_early, c.engine_args)
+        row["run_position"] = pos
+        rows[i] = row
+        print(f"{head}: {row['steps']} steps, {row['preemptions']} preemptions, "
+              f"{row['wall_s']:.1f} s", file=sys.stderr, flush=True)
+    return rows
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else (1.0 if a == b else math.inf)
+
+
+def ratios(row: dict, ref: dict) -> dict:
+    """row / ref for steps, preemptions, recomputed tokens (and wall time where both have it)."""
+    out = {k: _ratio(row[k], ref[k]) for k in ("steps", "preemptions", "recomputed_tokens")}
+    if "wall_s" in row and "wall_s" in ref:
+        out["wall_s"] = _ratio(row["wall_s"], ref["wall_s"])
+    return out
+
+
+def best_watermark(rows: list[dict]) -> str | None:
+    """vLLM's best watermark among the rows: the `vllm-watermark=F` row with the fewest
+    preemptions, then the fewest steps (the scorecard's rule)."""
+    marks = [r for r in rows if r["config"].startswith("vllm-watermark=")]
+    if not marks:
+        return None
+    return min(marks, key=lambda r: (r["preemptions"], r["steps"]))["config"]
+
+
+def _fmt_ratio(x: float) -> str:
+    return f"{x:.2f}x" if math.isfinite(x) else "inf"
+
+
+def print_table(rows: list[dict], sims: dict[str, dict] | None = None) -> None:
+    """Steps and preemptions first (deterministic), their ratios against vllm-default and
+    vLLM's best watermark, then this run's wall times (noisy: compare within one run only)."""
+    by = {r["config"]: r for r in rows}
+    base = by.get("vllm-default", rows[0])
+    wm = best_watermark(rows)
+    width = max([15] + [len(r["config"]) + 1 for r in rows])
+    sim_head = f" {'sim steps':>9} {'sim pre':>7}" if sims else ""
+    print(f"{'config':{width}} {'steps':>6} {'preempt':>7} {'recomp':>7} {'paused':>6} "
+          f"{'steps/' + base['config'][:4]:>10} {'steps/wm':>8} {'pre/wm':>6}{sim_head} | "
+          f"{'wall s':>6} {'wall/' + base['config'][:4]:>9} {'tok/s':>7} {'TTFT p50/p99 ms':>16} "
+          f"{'TPOT p50/p99 ms':>16} {'rej':>4} {'same out':>8}")
+    for r in rows:
+        vs_base = ratios(r, base)
+        vs_wm = ratios(r, by[wm]) if wm else None
+        same = all(a == b for a, b in zip(r.get("tokens", []), base.get("tokens", [])))
+        r["same_outputs_as_vllm_default"] = same
+        sim = ""
+        if sims:
+            s = sims[r["config"]]
+            sim = f" {s['steps']:9d} {s['preemptions']:7d}"
+        print(f"{r['config'] + ('*' if r['config'] == wm else ''):{width}} {r['steps']:6d} "
+              f"{r['preemptions']:7d} {r['recomputed_tokens']:7d} {r['paused']:6d} "
+              f"{_fmt_ratio(vs_base['steps']):>10} "
+              f"{_fmt_ratio(vs_wm['steps']) if vs_wm else '-':>8} "
+              f"{_fmt_ratio(vs_wm['preemptions']) if vs_wm else '-':>6}{sim} | "
+              f"{r['wall_s']:6.2f} {_fmt_ratio(vs_base['wall_s']):>9} {r['output_tok_per_s']:7.1f} "
+              f"{r['ttft_p50_s'] * 1e3:7.0f}/{r['ttft_p99_s'] * 1e3:<8.0f} "
+              f"{r['tpot_p50_s'] * 1e3:7.1f}/{r['tpot_p99_s'] * 1e3:<8.1f} "
+              f"{sum(r['rejected'].values()):4d} {str(same):>8}")
+    order = ", ".join(r["config"] for r in sorted(rows, key=lambda r: r["run_position"]))
+    print(f"{'* = vLLM best watermark (fewest preemptions, then steps); ' if wm else ''}"
+          f"wall times from this one run, in the order {order}", flush=True)
+
+
+# ---------------------------------------------------------------------------
+# Workloads
+
+def build_workload(kind: str, requests: int, max_model_len: int, max_tokens: int, caps: str,
+                   stop_early: bool, trace: str | None = None) -> tuple[list[BenchRequest], str]:
+    """The bench's requests and a one-line description. kind 'azure' (the first requests
+    of an Azure trace, scaled to the context) or 'synthetic'; caps 'cap' (every request
+    carries max_tokens) or 'real' (max_tokens = its real output length)."""
+    if kind == "synthetic":
+        workload = synthetic_workload(requests, max_model_len, max_tokens, stop_early=stop_early)
+        source = f"synthetic, {requests} requests, seed 0"
+    elif kind == "azure":
+        trace = trace or str(pathlib.Path("..") / "shared" / "traces" / "azure2023_conv.csv")
+        workload = azure_workload(trace, requests, max_model_len, max_tokens)
+        if not stop_early:
+            workload = [BenchRequest(r.prompt_token_ids, r.max_tokens, r.max_tokens) for r in workload]
+        source = f"first {requests} requests of {trace}, lengths and cap x {max_model_len}/8192"
+    else:
+        raise ValueError(f"workload={kind!r}: must be 'azure' or 'synthetic'")
+    if caps == "real":
+        workload = [BenchRequest(r.prompt_token_ids, r.output_tokens, r.output_tokens) for r in workload]
+        source += "; max_tokens = real output length"
+    elif caps != "cap":
+        raise ValueError(f"caps={caps!r}: must be 'cap' or 'real'")
+    source += f"; cap {max_tokens}; {'real lengths (EOS)' if stop_early else 'ignore_eos'}"
+    return workload, source
+
+
+# ---------------------------------------------------------------------------
+# The suite: a few of the scorecard's kinds of workload on the real engine, beside the
+# simulator's native engine on the same requests.
+
+@dataclass(frozen=True)
+class SuiteCase:
+    name: str
+    about: str
+    kind: str                       # 'azure' | 'synthetic'
+    requests: int
+    engine: BenchEngine
+    max_tokens: int = 2048
+    caps: str = "cap"
+    stop_early: bool = True
+
+
+SUITE = (
+    SuiteCase("azure-cap", "Azure conversation burst, max_tokens 2048 (scaled) far above the real "
+              "lengths (the bench's default workload), 33 blocks", "azure", 256, BenchEngine()),
+    SuiteCase("azure-real", "the same requests with max_tokens = real length", "azure", 256,
+              BenchEngine(), caps="real"),
+    SuiteCase("equal-burst", "synthetic burst, every request runs to max_tokens 200 (ignore_eos): "
+              "equal lengths, honest caps, 24 blocks", "synthetic", 64,
+              BenchEngine(num_blocks=24, max_model_len=512), max_tokens=200, stop_early=False),
+    SuiteCase("loose-pool", "the Azure burst on a pool where vLLM never preempts (512 blocks)",
+              "azure", 256, BenchEngine(num_blocks=512)),
+)
+WATERMARKS = (0.01, 0.05, 0.1)
+SUITE_CONFIGS = (["vllm-default"] + [f"vllm-watermark={w:g}" for w in WATERMARKS] +
+                 ["kvadmit-default", "peak"])
+
+
+def simulate(config: BenchConfig, workload: list[BenchRequest], engine: BenchEngine) -> dict:
+    """The same requests, all queued at once, through the simulator's native engine
+    model (cpu-tiny step times): its steps, preemptions, recomputed tokens, pauses."""
+    from kvadmit.simulate import get_preset, run_native
+    cfg, shape = config.sim(engine.sim_shape())
+    raw = run_native(as_burst(workload), cfg, shape, get_preset("cpu-tiny"))
+    t = raw.totals
+    return {"config": config.label, "steps": t["steps"], "preemptions": t["preemptions"],
+            "recomputed_tokens": t["recomputed_tokens"],
+            "paused": raw.extra["core"].get("paused", 0),
+            "finished": t["finished"], "rejected": t["rejected"]}
+
+
+def sim_vs_real(rows: list[dict], sims: dict[str, dict]) -> dict:
+    """Per config: the real and simulated ratios against vllm-default and whether the
+    verdict (fewer or more steps; fewer or more preemptions) is the same."""
+    by = {r["config"]: r for r in rows}
+    out = {}
+    for name, r in by.items():
+        s = sims[name]
+        cell = {"steps": [r["steps"], s["steps"]], "preemptions": [r["preemptions"], s["preemptions"]]}
+        if "vllm-default" in by:
+            rr, sr = ratios(r, by["vllm-default"]), ratios(s, sims["vllm-default"])
+            cell["steps_vs_vllm_default"] = [rr["steps"], sr["steps"]]
+            cell["preemptions_vs_vllm_default"] = [rr["preemptions"], sr["preemptions"]]
+            cell["same_verdict"] = (_side(rr["steps"]) == _side(sr["steps"]) and
+                                    _side(rr["preemptions"]) == _side(sr["preemptions"]))
+        out[name] = cell
+    return out
+
+
+def _side(ratio: float, tol: float = 0.01) -> int:
+    """-1 below, 0 within tol of, +1 above 1.0."""
+    return 0 if abs(ratio - 1.0) <= tol else (1 if ratio > 1.0 else -1)
+
+
+def run_suite(args, model_dir: str, configs: list[BenchConfig]) -> dict:
+    cases = [c for c in SUITE if not args.cases or c.name in args.cases]
+    out = {"command": " ".join(["kvadmit", "bench", "vllm", *args.argv]),
+           "configs": {c.label: c.doc for c in configs}, "order": args.order, "seed": args.seed,
+           "warmup_requests": args.warmup, "workloads": []}
+    t_all = time.perf_counter()
+    warmed = False
+    for k, case in enumerate(cases, 1):
+        n = args.requests or case.requests
+        workload, source = build_workload(case.kind, n, case.engine.max_model_len,
+                                          case.max_tokens, case.caps, case.stop_early, args.trace)
+        if not warmed:
+            warm_up(model_dir, workload, case.engine, case.stop_early, args.warmup)
+            warmed = True
+        print(f"\n== {case.name} ({k}/{len(cases)}): {case.about}\n   {source}; pool "
+              f"{case.engine.num_blocks} blocks x {case.engine.block_size}; max_model_len "
+              f"{case.engine.max_model_len}", flush=True)
+        rows = run_configs(configs, model_dir, workload, case.engine, case.stop_early, args.order,
+                           args.seed + k, tag=f"{case.name} ")
+        sims = {c.label: simulate(c, workload, case.engine) for c in configs}
+        print_table(rows, sims)
+        entry = {"name": case.name, "about": case.about, "workload": source, "requests": n,
+                 "engine": dataclasses.asdict(case.engine), "rows": rows,
+                 "sim": sims, "sim_vs_real": sim_vs_real(rows, sims)}
+        by = {r["config"]: r for r in rows}
+        if "vllm-default" in by:
+            entry["vs_vllm_default"] = {r["config"]: ratios(r, by["vllm-default"]) for r in rows}
+        wm = best_watermark(rows)
+        if wm:
+            entry["best_watermark"] = wm
+            entry["vs_best_watermark"] = {r["config"]: ratios(r, by[wm]) for r in rows}
+        agree = [name for name, c in entry["sim_vs_real"].items() if c.get("same_verdict") is False]
+        print(f"simulator vs real: steps {_sim_err(rows, sims):.1%} apart at most; verdicts vs "
+              f"vllm-default {'all the same' if not agree else 'differ for ' + ', '.join(agree)}",
+              flush=True)
+        if not args.keep_tokens:
+            for r in rows:
+                r.pop("tokens")
+        out["workloads"].append(entry)
+    out["wall_s"] = time.perf_counter() - t_all
+    print(f"\nsuite: {len(cases)} workloads x {len(configs)} configs in {out['wall_s']:.0f} s",
+          flush=True)
+    return out
+
+
+def _sim_err(rows: list[dict], sims: dict[str, dict]) -> float:
+    return max(abs(sims[r["config"]]["steps"] - r["steps"]) / r["steps"] for r in rows)
+
+
+# ---------------------------------------------------------------------------
+
+def _use_inline_engine_core() -> None:
+    """vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): an engine
+    starts in seconds instead of spawning two Python processes (~40 s on 2 busy cores).
+    The scheduler, model runner and outputs are the same code; only the front end and
+    the engine core no longer overlap, so wall times are longer."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    torch.set_num_threads(1)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvadmit bench vllm", description=__doc__.splitlines()[0])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(
+        prog="kvadmit bench vllm", description=__doc__.splitlines()[0],
+        epilog="Configs: " + "; ".join(f"{k}: {v}" for k, v in CONFIG_DOCS.items()) +
+               "; vllm-watermark=F: vLLM's --watermark F (admissions keep that share of the pool "
+               "free); vllm-active=N: vLLM's --max-num-active-seqs N; vllm-queued=N: "
+               + QUEUED_DOC.format("N") + "; NAME=JSON: kvadmit with those AdmissionConfig keys.")
+    ap.add_argument("--suite", action="store_true",
+                    help="a fixed set of workloads (azure-cap, azure-real, equal-burst, loose-pool), "
+                         "each with vllm-default, vLLM's watermarks 0.01/0.05/0.1, kvadmit-default "
+                         "and peak, beside the simulator's native engine on the same requests; "
+                         "saves bench/results/vllm_cpu_suite.json")
+    ap.add_argument("--cases", nargs="+", default=None, metavar="NAME",
+                    help=f"--suite: only these workloads (of {', '.join(c.name for c in SUITE)})")
     ap.add_argument("--workload", choices=("synthetic", "azure"), default="azure")
     ap.add_argument("--trace", default=None, help="Azure CSV (default: ../shared/traces/azure2023_conv.csv)")
-    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--requests", type=int, default=None,
+                    help="requests in the workload (default 256; --suite: each workload's own)")
     ap.add_argument("--num-blocks", type=int, default=33)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-tokens", type=int, default=2048,
                     help="the cap requests carry (azure: scaled like the lengths)")
     ap.add_argument("--ignore-eos", action="store_true",
@@ -338,8 +720,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--caps", choices=("cap", "real"), default="cap",
                     help="max_tokens each request carries: the (scaled) cap, or its real output "
                          "length (a client that knows it: what peak and reserve assume)")
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS),
-                    help=f"any of {', '.join(CONFIGS)}, or name=JSON for a kvadmit config")
+    ap.add_argument("--configs", nargs="+", default=None, metavar="CONFIG",
+                    help="configs to run, separated by spaces or commas (default: "
+                         f"{', '.join(CONFIGS)}; --suite: {', '.join(SUITE_CONFIGS)}); also "
+                         "vllm-watermark=F, vllm-active=N, vllm-queued=N, or NAME=JSON for a "
+                         "kvadmit config (see below)")
+    ap.add_argument("--order", choices=("shuffle", "given", "reverse"), default="shuffle",
+                    help="the order the configs' engines run in (rows print in the given order); "
+                         "shuffle: a permutation seeded by --seed (per workload in --suite)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of --order shuffle")
+    ap.add_argument("--warmup", type=int, default=16, metavar="N",
+                    help="requests of one discarded warm-up engine run first (0: none)")
+    ap.add_argument("--inline-engine-core", action=argparse.BooleanOptionalAction, default=None,
+                    help="run vLLM's engine core in this process (engines start in seconds; "
+                         "default with --suite) instead of its own processes (vLLM's default)")
     ap.add_argument("--model-dir", default=str(DEFAULT_DIR),
                     help="where the tiny random-weight Llama is built (if missing)")
     ap.add_argument("--model", default=None,
@@ -347,69 +741,68 @@ def main(argv: list[str] | None = None) -> int:
                          "for real-length stops, or pass --ignore-eos)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--json", default="bench/results/vllm_cpu_{workload}.json",
-                    help="write the rows here ('' to skip)")
+    ap.add_argument("--json", default=None,
+                    help="write the rows here ('' to skip; default "
+                         "bench/results/vllm_cpu_{workload}.json, --suite: vllm_cpu_suite.json)")
     ap.add_argument("--plot", default="bench/results/vllm_cpu_{workload}.png",
-                    help="write a PNG comparison here ('' to skip)")
+                    help="write a PNG comparison here ('' to skip; not with --suite)")
     ap.add_argument("--keep-tokens", action="store_true", help="keep token ids in the JSON")
     args = ap.parse_args(argv)
-    args.json = args.json.format(workload=args.workload) if args.json else None
-    args.plot = args.plot.format(workload=args.workload) if args.plot else None
+    args.argv = argv
+    try:
+        configs = [parse_config(c) for c in
+                   split_configs(args.configs or (SUITE_CONFIGS if args.suite else list(CONFIGS)))]
+        if args.cases and not args.suite:
+            raise ValueError("--cases needs --suite")
+        unknown = set(args.cases or ()) - {c.name for c in SUITE}
+        if unknown:
+            raise ValueError(f"--cases {', '.join(sorted(unknown))}: not one of "
+                             f"{', '.join(c.name for c in SUITE)}")
+    except ValueError as e:
+        ap.error(str(e))
+    if args.inline_engine_core if args.inline_engine_core is not None else args.suite:
+        _use_inline_engine_core()
 
     from kvadmit.vllm.tiny_model import build_tiny_llama
     model_dir = args.model or str(build_tiny_llama(args.model_dir))
+    if args.suite:
+        out = run_suite(args, model_dir, configs)
+        path = "bench/results/vllm_cpu_suite.json" if args.json is None else args.json
+        if path:
+            _save(path, out, args)
+        return 0
+
+    args.json = (args.json if args.json is not None else "bench/results/vllm_cpu_{workload}.json")
+    args.json = args.json.format(workload=args.workload) if args.json else None
+    args.plot = args.plot.format(workload=args.workload) if args.plot else None
     stop_early = not args.ignore_eos
-    if args.workload == "synthetic":
-        workload = synthetic_workload(args.requests, args.max_model_len, args.max_tokens,
-                                      stop_early=stop_early)
-        source = f"synthetic, {args.requests} requests, seed 0"
-    else:
-        trace = args.trace or str(pathlib.Path("..") / "shared" / "traces" / "azure2023_conv.csv")
-        workload = azure_workload(trace, args.requests, args.max_model_len, args.max_tokens)
-        if not stop_early:
-            workload = [BenchRequest(r.prompt_token_ids, r.max_tokens, r.max_tokens) for r in workload]
-        source = (f"first {args.requests} requests of {trace}, lengths and cap x "
-                  f"{args.max_model_len}/8192")
-    if args.caps == "real":
-        workload = [BenchRequest(r.prompt_token_ids, r.output_tokens, r.output_tokens) for r in workload]
-        source += "; max_tokens = real output length"
-    print(f"workload: {source}; cap {args.max_tokens}; {'real lengths (EOS)' if stop_early else 'ignore_eos'}; "
-          f"pool {args.num_blocks} blocks x {args.block_size}; max_model_len {args.max_model_len}",
-          flush=True)
-    rows = []
-    for i, name in enumerate(args.configs, 1):
-        label, _, js = name.partition("=")
-        cfg = json.loads(js) if js else CONFIGS[label]
-        print(f"[{i}/{len(args.configs)}] {label}: starting an engine ...", file=sys.stderr, flush=True)
-        rows.append(run_one(label, model_dir, workload, args.num_blocks, args.block_size,
-                            args.max_model_len, cfg, stop_early, args.max_num_seqs, args.dtype))
-        r = rows[-1]
-        print(f"[{i}/{len(args.configs)}] {label}: {r['preemptions']} preemptions, {r['steps']} steps, "
-              f"{r['wall_s']:.1f} s", file=sys.stderr, flush=True)
-    base = rows[0]
-    print(f"{'config':15} {'preempt':>7} {'recomp':>7} {'paused':>6} {'steps':>6} {'wall s':>7} {'tok/s':>7} "
-          f"{'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'rej':>4} {'same out':>8}")
-    for r in rows:
-        same = all(a == b for a, b in zip(r["tokens"], base["tokens"]))
-        r["same_outputs_as_first"] = same
-        print(f"{r['config']:15} {r['preemptions']:7d} {r['recomputed_tokens']:7d} {r['paused']:6d} {r['steps']:6d} "
-              f"{r['wall_s']:7.2f} {r['output_tok_per_s']:7.1f} "
-              f"{r['ttft_p50_s'] * 1e3:7.0f}/{r['ttft_p99_s'] * 1e3:<8.0f} "
-              f"{r['tpot_p50_s'] * 1e3:7.1f}/{r['tpot_p99_s'] * 1e3:<8.1f} "
-              f"{sum(r['rejected'].values()):4d} {str(same):>8}")
+    engine = BenchEngine(args.num_blocks, args.block_size, args.max_model_len, args.max_num_seqs,
+                         args.max_num_batched_tokens, args.dtype)
+    workload, source = build_workload(args.workload, args.requests or 256, args.max_model_len,
+                                      args.max_tokens, args.caps, stop_early, args.trace)
+    print(f"workload: {source}; pool {args.num_blocks} blocks x {args.block_size}; "
+          f"max_model_len {args.max_model_len}", flush=True)
+    warm_up(model_dir, workload, engine, stop_early, args.warmup)
+    rows = run_configs(configs, model_dir, workload, engine, stop_early, args.order, args.seed)
+    print_table(rows)
     if not args.keep_tokens:
         for r in rows:
             r.pop("tokens")
     if args.json:
-        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.json).write_text(json.dumps({
-            "command": " ".join(["kvadmit", "bench", "vllm", *(argv if argv is not None else sys.argv[1:])]),
-            "workload": source, "args": vars(args), "rows": rows}, indent=2))
-        print(f"saved {args.json}")
+        _save(args.json, {"command": " ".join(["kvadmit", "bench", "vllm", *argv]),
+                          "workload": source, "configs": {c.label: c.doc for c in configs},
+                          "rows": rows}, args)
     if args.plot:
         _plot(rows, args.plot, source)
         print(f"saved {args.plot}")
     return 0
+
+
+def _save(path: str, out: dict, args) -> None:
+    out["args"] = {k: v for k, v in vars(args).items() if k != "argv"}
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(path).write_text(json.dumps(out, indent=2))
+    print(f"saved {path}")
 
 
 def _plot(rows: list[dict], path: str, title: str) -> None:
