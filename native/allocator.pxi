@@ -8,6 +8,12 @@
 #
 # Hashes are chained by the caller (block i's hash covers blocks 0..i), so a
 # prefix hit is the longest run of leading hashes found in the cache.
+#
+# As vLLM's BlockHashToBlockMap, the cache does not de-duplicate: a block that
+# fills with content another block already holds (two requests computing the
+# same prefix, or a short prompt's decode reaching a shared prefix) holds the
+# hash too, is freed to the tail and evicted on its own; a lookup answers the
+# earliest cached block still holding the hash.
 
 cdef class BlockAllocator:
     """Fixed pool of ``num_blocks`` KV blocks: allocate/free/share/cache, O(1) a block."""
@@ -15,9 +21,11 @@ cdef class BlockAllocator:
     cdef vector[int32_t] _ref
     cdef vector[uint64_t] _hash
     cdef vector[char] _has_hash
-    cdef unordered_map[uint64_t, int32_t] _cached
+    cdef unordered_map[uint64_t, int32_t] _cached      # hash -> its earliest cached block
+    cdef unordered_map[uint64_t, vector[int32_t]] _dups  # hash -> later blocks, in caching order
     cdef int32_t _n
     cdef int64_t _num_cached_free
+    cdef int64_t _num_hashed                            # blocks holding a hash
 
     def __cinit__(self, int64_t num_blocks):
         if num_blocks < 1 or num_blocks > 2_000_000_000:
@@ -28,13 +36,37 @@ cdef class BlockAllocator:
         self._hash.assign(self._n, 0)
         self._has_hash.assign(self._n, 0)
         self._num_cached_free = 0
+        self._num_hashed = 0
 
     # --- C-level operations ---------------------------------------------
+    cdef void _unmap(self, int32_t b) noexcept nogil:
+        """Takes b out of the cache: the next block with its hash (if any) answers
+        lookups (vLLM's BlockHashToBlockMap.pop)."""
+        cdef uint64_t h = self._hash[b]
+        cdef unordered_map[uint64_t, vector[int32_t]].iterator it = self._dups.find(h)
+        cdef vector[int32_t]* later
+        cdef size_t i
+        if it == self._dups.end():
+            self._cached.erase(h)
+            return
+        later = &deref(it).second
+        if self._cached[h] == b:
+            self._cached[h] = deref(later)[0]
+            later.erase(later.begin())
+        else:
+            for i in range(later.size()):
+                if deref(later)[i] == b:
+                    later.erase(later.begin() + i)
+                    break
+        if later.empty():
+            self._dups.erase(it)
+
     cdef inline void _evict(self, int32_t b) noexcept nogil:
         """Drops b's hash (b is leaving the free queue for a new owner)."""
         if self._has_hash[b]:
-            self._cached.erase(self._hash[b])
+            self._unmap(b)
             self._has_hash[b] = 0
+            self._num_hashed -= 1
             self._num_cached_free -= 1
 
     cdef int c_allocate(self, int64_t n, int32_t* out) noexcept nogil:
@@ -80,15 +112,17 @@ cdef class BlockAllocator:
         return 0
 
     cdef int32_t c_cache(self, int32_t b, uint64_t h) noexcept nogil:
-        """`cache` unchecked: b (used) now holds hash h, unless another block
-        already does (then that block's id is returned and b stays uncached)."""
+        """`cache` unchecked: b (used) now holds hash h; returns the block a lookup
+        of h answers (b, or an earlier block with the same content)."""
         if self._has_hash[b]:
-            return b
+            return self.c_lookup(self._hash[b])
         cdef int32_t existing = self.c_lookup(h)
-        if existing >= 0:
-            return existing
         self._hash[b] = h
         self._has_hash[b] = 1
+        self._num_hashed += 1
+        if existing >= 0:
+            self._dups[h].push_back(b)
+            return existing
         self._cached[h] = b
         return b
 
@@ -137,7 +171,7 @@ cdef class BlockAllocator:
     @property
     def num_cached(self):
         """Blocks holding a prefix hash, used or free."""
-        return self._cached.size()
+        return self._num_hashed
 
     def can_allocate(self, int64_t n):
         return 0 <= n <= self._free._count
@@ -186,8 +220,9 @@ cdef class BlockAllocator:
     def cache(self, int64_t block, uint64_t block_hash):
         """Records that a used block holds the prefix with this chained hash.
 
-        Returns the block now cached under the hash: ``block``, or an older
-        block with the same content (then ``block`` stays uncached)."""
+        Returns the block a lookup of the hash now answers: ``block``, or an
+        older block with the same content (``block`` then holds the hash too and
+        is evicted on its own, as in vLLM)."""
         if block < 0 or block >= self._n:
             raise ValueError(f"cache: block id {block} out of range [0, {self._n})")
         if self._ref[block] <= 0:
@@ -236,6 +271,15 @@ cdef class BlockAllocator:
         """Free block ids in eviction order (next to be taken first)."""
         return self._free.get_all_free_blocks()
 
+    cdef bint _is_duplicate(self, int32_t b):
+        cdef unordered_map[uint64_t, vector[int32_t]].iterator it = self._dups.find(self._hash[b])
+        if it == self._dups.end():
+            return False
+        for x in deref(it).second:
+            if x == b:
+                return True
+        return False
+
     def check_invariants(self):
         """Raises AssertionError if any allocator invariant is broken."""
         self._free.check_invariants()
@@ -247,10 +291,16 @@ cdef class BlockAllocator:
                 f"block {b}: ref_cnt {self._ref[b]} but in_free_queue={self._free.c_contains(b)}"
             if self._has_hash[b]:
                 with_hash += 1
-                assert self.c_lookup(self._hash[b]) == b, f"block {b}: hash not mapped back"
+                assert self.c_lookup(self._hash[b]) == b or self._is_duplicate(b), \
+                    f"block {b}: hash not mapped back"
                 if self._ref[b] == 0:
                     cached_free += 1
-        assert with_hash == <int64_t>self._cached.size(), "hash map holds stale entries"
+        cdef int64_t mapped = self._cached.size()
+        for kv in self._dups:
+            assert not kv.second.empty(), "an empty duplicate list"
+            assert self._cached.count(kv.first), "duplicates of a hash no block answers"
+            mapped += kv.second.size()
+        assert with_hash == mapped == self._num_hashed, "hash map holds stale entries"
         assert cached_free == self._num_cached_free, \
             f"num_cached_free {self._num_cached_free} != {cached_free}"
 

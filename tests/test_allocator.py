@@ -63,8 +63,11 @@ def test_cache_duplicates_and_errors():
     a = BlockAllocator(3)
     x, y = a.allocate(2)
     assert a.cache(x, 5) == x
-    assert a.cache(y, 5) == x          # same content already cached: y stays plain
-    assert a.lookup(5) == x
+    # Same content as x (no de-duplication, as vLLM): y holds the hash too, a lookup
+    # answers x while x is cached, then y.
+    assert a.cache(y, 5) == x
+    assert a.lookup(5) == x and a.num_cached == 2
+    a.check_invariants()
     with pytest.raises(ValueError, match="already holds another hash"):
         a.cache(x, 6)
     with pytest.raises(ValueError, match="is free"):
@@ -78,6 +81,33 @@ def test_cache_duplicates_and_errors():
         a.free([3])
     with pytest.raises(ValueError, match="num_blocks=0"):
         BlockAllocator(0)
+
+
+def test_duplicate_content_is_freed_to_the_tail_and_evicted_on_its_own():
+    """vLLM's BlockHashToBlockMap keeps every block of a hash: a duplicate goes to the
+    tail of the free queue like any cached block (not the head, as a plain block), and
+    evicting the answering block hands lookups to the next one."""
+    a = BlockAllocator(4)
+    x, y, z = a.allocate(3)
+    a.cache(x, 5)
+    a.cache(y, 5)
+    a.free([z])                      # plain: the head
+    a.free([y])                      # a duplicate: the tail
+    assert a.free_order() == [z, 3, y] and a.num_cached_free == 1
+    a.free([x])
+    assert a.free_order() == [z, 3, y, x]
+    assert a.allocate(3) == [z, 3, y]   # y evicted: x still answers
+    assert a.lookup(5) == x and a.num_cached == 1
+    a.check_invariants()
+    b = a.allocate(1)[0]             # x evicted too
+    assert b == x and a.lookup(5) == -1 and a.num_cached == 0
+    a.free([y])
+    a.cache(b, 6)
+    a.cache(z, 6)
+    a.free([b])                      # the answering block goes; z answers once b is taken
+    a.allocate(2)
+    assert a.lookup(6) == z
+    a.check_invariants()
 
 
 class AllocatorModel(RuleBasedStateMachine):

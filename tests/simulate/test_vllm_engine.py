@@ -204,24 +204,37 @@ def test_matches_the_native_engine(model_dir, config, rate, full_input):
                 pytest.approx((b["first_token_s"][i], b["finish_s"][i], b["preemptions"][i])), i
 
 
+@pytest.mark.parametrize("prefix", [False, True], ids=["no-prefix-cache", "shared-prefix"])
 @pytest.mark.parametrize("knob", ["vllm-watermark=0.1", "vllm-watermark=0.05", "vllm-active=2"])
-def test_vllm_knobs_match_the_native_engine(model_dir, knob):
+def test_vllm_knobs_match_the_native_engine(model_dir, knob, prefix):
     """vLLM's own --watermark and --max-num-active-seqs, run by vLLM's real
     scheduler, give the native engine's schedule exactly (the simulator's
-    baselines for them), and each changes vLLM's default schedule."""
+    baselines for them), and each changes vLLM's default schedule. With prefix
+    caching every request shares a 64-token prefix: short prompts decode into it,
+    so blocks with content already cached appear (vLLM keeps them as duplicates,
+    the native allocator too) and resumed requests hit their own blocks."""
     from kvadmit.simulate.engine import run_native
     from kvadmit.simulate.policies import parse_policy
     spec = parse_policy(knob)
     w = from_trace(DATA / "azure2023_conv_head200.csv", limit=120, max_model_len=2048,
                    max_tokens_cap=512)
-    shape = spec.shape(AZURE_SHAPE)
+    base = AZURE_SHAPE
+    if prefix:
+        w = dataclasses.replace(w, hash_block_tokens=64, hash_offsets=list(range(len(w) + 1)),
+                                hash_ids=[7] * len(w), hashed_tokens=[64] * len(w))
+        base = dataclasses.replace(AZURE_SHAPE, prefix_caching=True)
+    shape = spec.shape(base)
     ours = run_vllm(w, None, shape, CPU_TINY, model_dir)
     native = run_native(w, spec.config(AdmissionConfig()), shape, CPU_TINY)
-    plain = run_native(w, AdmissionConfig(policy="overcommit"), AZURE_SHAPE, CPU_TINY)
+    plain = run_native(w, AdmissionConfig(policy="overcommit"), base, CPU_TINY)
     assert (native.totals["steps"], native.totals["preemptions"]) != \
         (plain.totals["steps"], plain.totals["preemptions"])
-    for k in ("steps", "preemptions", "recomputed_tokens", "output_tokens", "prefill_tokens",
-              "batch_tokens", "finished", "rejected", "free_blocks_at_end"):
+    keys = ["steps", "preemptions", "recomputed_tokens", "output_tokens", "prefill_tokens",
+            "batch_tokens", "finished", "rejected", "free_blocks_at_end"]
+    if prefix:
+        assert native.totals["preemptions"] > 0 and native.totals["prefix_hit_tokens"] > 0
+        keys += ["prefix_hit_tokens", "prefix_query_tokens"]
+    for k in keys:
         assert ours.totals[k] == native.totals[k], k
     a, b = ours.per_request, native.per_request
     assert a["rejected"] == b["rejected"]
