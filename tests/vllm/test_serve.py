@@ -158,10 +158,14 @@ def test_out_of_vocabulary_prompt_gets_400_and_the_server_lives(server, bad_id, 
     vocabulary crashed the engine (IndexError) and with it the server. kvadmit refuses
     it at arrival: 400 naming the field and the limit; the server keeps serving."""
     base, model, _ = server
+    invalid = 'kvadmit_rejected_total{reason="invalid"}'
+    before = metrics(base).get(invalid, 0)
     with pytest.raises(openai.APIStatusError) as e:
         client(base).completions.create(model=model, prompt=[5, 6, bad_id], max_tokens=4)
     assert e.value.status_code == 400 and "kvadmit:invalid" in str(e.value), str(e.value)
     assert words in str(e.value), str(e.value)
+    # Counted as the core's reason invalid, as SGLang counts it (issue 13 item 7).
+    assert metrics(base).get(invalid, 0) == before + 1
     assert urllib.request.urlopen(base + "/health", timeout=10).status == 200
     assert complete(base, model, 20, 4, 9).usage.completion_tokens == 4
 
