@@ -62,7 +62,28 @@ cdef enum:
     AUTO_MAX_BYPASS = 1000   # head_of_line auto: times a held request may be passed
     AUTO_LOOKAHEAD = 256     # head_of_line auto: requests examined behind a held head
 
-ctypedef pair[int64_t, int64_t] QKey  # (order key, arrival seq); smaller is served first
+cdef extern from *:
+    """
+    // The waiting queue's key, smallest served first: (order key, the engine's arrival
+    // time, its tie-break, arrival seq). The engine's arrival time and tie-break order
+    // requests of equal priority under queue_order "priority" (vLLM: arrival_time, then
+    // request id); elsewhere they are 0 and the arrival seq decides.
+    struct kvadmit_QKey {
+        int64_t first; double time; double tie; int64_t second;
+        bool operator<(const kvadmit_QKey& o) const {
+            if (first != o.first) return first < o.first;
+            if (time != o.time) return time < o.time;
+            if (tie != o.tie) return tie < o.tie;
+            return second < o.second;
+        }
+    };
+    """
+    cdef cppclass QKey "kvadmit_QKey":
+        int64_t first
+        double time
+        double tie
+        int64_t second
+        bint operator<(const QKey&)
 
 
 cdef class Rejection:
@@ -219,6 +240,7 @@ cdef class AdmissionCore:
     cdef readonly StepTimeFit step_time
     cdef int64_t _step_budget
     cdef vector[double] _ttft, _tpot, _arrive_t
+    cdef vector[double] _engine_t, _engine_tie   # the engine's arrival time and tie-break
     cdef cmap[double, int32_t] _tpot_running     # TPOT targets of running requests (multiset)
     # agent window
     cdef bint _agents
@@ -535,6 +557,7 @@ cdef class AdmissionCore:
         self._bypassed.push_back(0); self._preempts.push_back(0); self._run_pos.push_back(-1)
         self._state.push_back(ST_FREE); self._sheddable.push_back(0)
         self._ttft.push_back(0.0); self._tpot.push_back(0.0); self._arrive_t.push_back(0.0)
+        self._engine_t.push_back(0.0); self._engine_tie.push_back(0.0)
         self._session.push_back(-1); self._activated_by.push_back(0)
         return s
 
@@ -552,12 +575,16 @@ cdef class AdmissionCore:
         k.first = self._priority[s] if self._priority_order else 0
         if self._deadline_order:   # microseconds; no target: an hour after arrival
             k.first = <int64_t>((self._arrive_t[s] + (self._ttft[s] if self._ttft[s] > 0 else 3600.0)) * 1e6)
+        k.time = self._engine_t[s] if self._priority_order else 0.0
+        k.tie = self._engine_tie[s] if self._priority_order else 0.0
         k.second = self._arrival[s]
         return k
 
     cdef inline QKey _shed_key(self, int32_t s) noexcept nogil:
         cdef QKey k
         k.first = self._priority[s]
+        k.time = self._engine_t[s] if self._priority_order else 0.0
+        k.tie = self._engine_tie[s] if self._priority_order else 0.0
         k.second = self._arrival[s]
         return k
 
@@ -762,11 +789,15 @@ cdef class AdmissionCore:
     # Public API: arrivals
     def arrive(self, int64_t prompt_tokens, int64_t max_new_tokens, int64_t priority=0,
                int64_t cached_tokens=0, double now=0.0, double ttft_slo_s=-1.0,
-               double tpot_slo_s=-1.0, int64_t session=-1):
+               double tpot_slo_s=-1.0, int64_t session=-1, double arrival_time=0.0,
+               double arrival_tie=0.0):
         """A request arrives: queue it (slot) or refuse it (Rejection).
 
         ``ttft_slo_s`` / ``tpot_slo_s``: its targets (negative: the config's
         defaults; 0: none). ``session``: its agent/session id (-1: none).
+        ``arrival_time`` / ``arrival_tie``: the engine's own arrival timestamp (any
+        clock) and tie-break; under queue_order "priority" requests of equal priority
+        are served by them, then in the order they arrived here.
         Bad numbers raise ValueError naming the field; limits of this server
         (context, KV pool, queue caps, SLO feasibility) give a Rejection."""
         if prompt_tokens < 1:
@@ -779,6 +810,8 @@ cdef class AdmissionCore:
             raise ValueError(f"now={now}: must be a finite number of seconds")
         if not isfinite(ttft_slo_s) or not isfinite(tpot_slo_s):
             raise ValueError(f"ttft_slo_s={ttft_slo_s}, tpot_slo_s={tpot_slo_s}: must be finite")
+        if not isfinite(arrival_time) or not isfinite(arrival_tie):
+            raise ValueError(f"arrival_time={arrival_time}, arrival_tie={arrival_tie}: must be finite")
         self._note_time(now)
         self._advance(now)
         self._n_arrived += 1
@@ -809,6 +842,8 @@ cdef class AdmissionCore:
         self._ttft[s] = ttft_slo_s if ttft_slo_s >= 0 else self._def_ttft
         self._tpot[s] = tpot_slo_s if tpot_slo_s >= 0 else self._def_tpot
         self._arrive_t[s] = now
+        self._engine_t[s] = arrival_time
+        self._engine_tie[s] = arrival_tie
         self._session[s] = session if self._agents else -1
         if self._agents and session >= 0 and self._sessions.count(session) == 0:
             self._sessions[session] = AgentSession(0, 0, 0, now, -1)
@@ -1294,6 +1329,7 @@ cdef class AdmissionCore:
         self._generated[s] = self._cached[s] = 0
         self._arrival[s] = self._seq
         self._arrive_t[s] = now
+        self._engine_t[s] = self._engine_tie[s] = 0.0
         self._ttft[s] = 0.0
         self._priority[s] = INT64_MAX // 2
         cdef int64_t ahead, ahead_tokens
@@ -1569,6 +1605,7 @@ cdef class AdmissionCore:
             "cached_tokens": self._cached[slot], "computed_tokens": self._computed[slot],
             "generated_tokens": self._generated[slot], "max_new_tokens": self._max_new[slot],
             "priority": self._priority[slot], "arrival": self._arrival[slot],
+            "arrival_time": self._engine_t[slot],
             "blocks": self._blocks[slot], "bypassed": self._bypassed[slot],
             "preemptions": self._preempts[slot],
         }

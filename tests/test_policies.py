@@ -120,6 +120,27 @@ def test_priority_order():
     assert fcfs.waiting() == slots
 
 
+def test_priority_order_takes_the_engines_arrival_time_then_tie():
+    """Under priority order, equal priorities go by the engine's arrival time, then its
+    tie-break, then the order they reached the core (vLLM: arrival_time, request id).
+    Without priority order both are ignored: the core's arrival order decides."""
+    core = make_core("overcommit", queue_order="priority")
+    times = [(3.0, 0.0, 0), (1.0, 0.0, 0), (2.0, 5.0, 0), (2.0, -1.0, 0), (0.5, 0.0, 1)]
+    slots = [core.arrive(4, 4, priority=p, arrival_time=t, arrival_tie=tie).slot
+             for t, tie, p in times]
+    assert core.waiting() == [slots[1], slots[3], slots[2], slots[0], slots[4]]
+    a = core.next_admissible(100)
+    core.admit(a)
+    core.preempt(a)                            # back to its place, by its own time
+    assert core.waiting()[0] == a == slots[1]
+    assert core.info(slots[0])["arrival_time"] == 3.0
+    fcfs = make_core("overcommit")
+    slots = [fcfs.arrive(4, 4, arrival_time=t).slot for t in (3.0, 1.0, 2.0)]
+    assert fcfs.waiting() == slots
+    with pytest.raises(ValueError, match="arrival_time=nan"):
+        fcfs.arrive(4, 4, arrival_time=float("nan"))
+
+
 def test_preempted_request_returns_ahead_of_later_arrivals():
     core = make_core("overcommit")
     a = add_running(core, 8, 8)

