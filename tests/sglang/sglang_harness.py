@@ -86,6 +86,8 @@ class StepLog:
     decode: int = 0
     retracted: int = 0
     finished: int = 0
+    mixed: int = 0       # prefill steps that also decoded the running requests
+    sat_out: int = 0     # mixed mode: prefill steps whose running requests did not fit
 
 
 class Harness:
@@ -94,8 +96,11 @@ class Harness:
                  max_context: int = 4096, max_queued_requests: Optional[int] = None,
                  enable_priority_scheduling: bool = False,
                  low_priority_values_first: bool = False,
-                 step_model: Optional[tuple] = None, clock_skew: float = 0.0):
-        """``step_model``: (a, b, c) of a virtual clock that advances by
+                 step_model: Optional[tuple] = None, clock_skew: float = 0.0,
+                 chunk_tokens: Optional[int] = None, mixed_chunk: bool = False):
+        """``chunk_tokens``: SGLang's --chunked-prefill-size (None: no chunking);
+        ``mixed_chunk``: --enable-mixed-chunk (a prefill step also decodes the
+        running requests, when their next tokens fit). ``step_model``: (a, b, c) of a virtual clock that advances by
         a + b * tokens + c * context seconds per forward (tokens: scheduled,
         context: the batch's sequence lengths); the adapter reads it (plus
         ``clock_skew``, as another rank's clock would). None: wall time."""
@@ -108,6 +113,8 @@ class Harness:
         self.model_config = SimpleNamespace(vocab_size=VOCAB, is_encoder_decoder=False)
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
+        self.chunk_tokens = chunk_tokens
+        self.mixed_chunk = mixed_chunk
         self.tracker = NewTokenRatioTracker.from_config()
         self.outbox = Outbox()
 
@@ -117,6 +124,7 @@ class Harness:
         s.last_batch = None
         s.chunked_req = None
         s.page_size = 1
+        s.chunked_prefill_size = chunk_tokens
         s.model_config = self.model_config
         s.tree_cache = self.tree_cache
         s.token_to_kv_pool_allocator = self.allocator
@@ -160,14 +168,24 @@ class Harness:
         adder_cls = self.sched.get_prefill_adder_class()
         return adder_cls(
             1, self.tree_cache, self.allocator, running_batch, self.tracker.current,
-            self.max_prefill_tokens, None, 0, 0,
+            self.max_prefill_tokens, self.chunk_tokens,
+            running_batch.batch_size() if self.mixed_chunk and self.chunk_tokens else 0, 0,
             max_running_requests=self.max_running, waiting_queue_len=len(self.sched.waiting_queue))
 
     # ------------------------------------------------------------------
     # Mirror of Scheduler.get_next_batch_to_run (see the module docstring)
     def _get_next_batch_to_run(self, sched, running_batch, last_batch):
+        exclude = []
+        if sched.chunked_req is not None:
+            # The request being chunked stays out of the running batch; its KV so
+            # far goes into the radix cache (Scheduler.stash_chunked_request).
+            exclude.append(sched.chunked_req)
+            if sched.chunked_req.extend_end > sched.chunked_req.prefix_len:
+                checkpoint_kv_cache(sched.chunked_req, self.tree_cache)
         if last_batch is not None and last_batch.forward_mode.is_extend():
-            last_batch.filter_batch()
+            if last_batch.chunked_req is not None:
+                exclude.append(last_batch.chunked_req)
+            last_batch.filter_batch(reqs_to_exclude=exclude)
             if not last_batch.is_empty() and last_batch is not running_batch:
                 if running_batch.is_empty():
                     running_batch = last_batch
@@ -177,7 +195,7 @@ class Harness:
         running_batch.filter_batch()
         if running_batch.batch_size() < bs or running_batch.is_empty():
             running_batch.batch_is_full = False
-        new_batch = self._prefill(running_batch)
+        new_batch, running_batch = self._prefill(running_batch)
         if new_batch is not None:
             return SimpleNamespace(batch_to_run=new_batch, running_batch=running_batch)
         if running_batch.is_empty():
@@ -186,35 +204,57 @@ class Harness:
                                running_batch=running_batch)
 
     def _prefill(self, running_batch):
+        """Scheduler._get_new_batch_prefill_raw: (the prefill batch or None, the running batch)."""
         sched = self.sched
-        if running_batch.batch_is_full or not sched.waiting_queue:
-            return None
-        if running_batch.batch_size() >= self.max_running:
+        if (running_batch.batch_is_full or not sched.waiting_queue) and sched.chunked_req is None:
+            return None, running_batch
+        if running_batch.batch_size() >= self.max_running and sched.chunked_req is None:
             running_batch.batch_is_full = True
-            return None
+            return None, running_batch
         adder = self.new_adder(running_batch)
+        if sched.chunked_req is not None:
+            sched.chunked_req.init_next_round_input()
+            sched.chunked_req = adder.add_chunked_req(sched.chunked_req)
         for req in sched.waiting_queue:
             if adder.budget_state() == AddReqResult.OTHER:
                 break
             if len(adder.can_run_list) + running_batch.batch_size() >= self.max_running:
                 running_batch.batch_is_full = True
+            if running_batch.batch_is_full:
                 break
             req.init_next_round_input(self.tree_cache)
-            res = adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None)
+            res = adder.add_one_req(req, has_chunked_req=sched.chunked_req is not None,
+                                    truncation_align_size=None)
             if res != AddReqResult.CONTINUE:
                 if res == AddReqResult.NO_TOKEN:
                     running_batch.batch_is_full = (len(adder.can_run_list) > 0
                                                    or not running_batch.is_empty())
                 break
         if not adder.can_run_list:
-            return None
+            return None, running_batch
         chosen = set(adder.can_run_list)
         sched.waiting_queue = [r for r in sched.waiting_queue if r not in chosen]
+        if adder.new_chunked_req is not None:
+            assert sched.chunked_req is None
+            sched.chunked_req = adder.new_chunked_req
+        if sched.chunked_req is not None:
+            sched.chunked_req.inflight_middle_chunks += 1
         batch = ScheduleBatch.init_new(adder.can_run_list, self.req_to_token_pool, self.allocator,
                                        self.tree_cache, self.model_config, False,
-                                       SpeculativeAlgorithm.NONE)
+                                       SpeculativeAlgorithm.NONE, chunked_req=sched.chunked_req)
         batch.prepare_for_extend()
-        return batch
+        batch.decoding_reqs = None
+        if self.mixed_chunk and self.chunk_tokens and not running_batch.is_empty():
+            # As SGLang: the running requests decode in the same step when their next
+            # tokens fit; otherwise they sit it out (a mixed step does not retract).
+            if running_batch.check_decode_mem():
+                running_batch.prepare_for_decode()
+                batch.mix_with_running(running_batch)
+                batch.decoding_reqs = running_batch.reqs
+                running_batch = ScheduleBatch(reqs=[], batch_is_full=running_batch.batch_is_full)
+            else:
+                self.log.sat_out += 1
+        return batch, running_batch
 
     def _update_running_batch(self, batch):
         if not batch.check_decode_mem():
@@ -246,8 +286,12 @@ class Harness:
             a, b, c = self.step_model
             tokens, context = self.batch_shape(batch)
             self.t += a + b * tokens + c * context
+        decoding = batch.decoding_reqs or ()
         for req in batch.reqs:
             if req.finished():
+                continue
+            if req.inflight_middle_chunks > 0:   # a middle chunk samples nothing
+                req.inflight_middle_chunks -= 1
                 continue
             tok = EOS if len(req.output_ids) + 1 >= req.kvadmit_test_out_len else 5
             req.output_ids.append(tok)
@@ -256,7 +300,7 @@ class Harness:
                 release_kv_cache(req, self.tree_cache, checkpoint=True)
                 self.finished.append(req)
                 self.log.finished += 1
-            elif batch.forward_mode.is_extend():
+            elif batch.forward_mode.is_extend() and req not in decoding:
                 checkpoint_kv_cache(req, self.tree_cache)
 
     def step(self) -> Optional[ScheduleBatch]:
@@ -267,6 +311,8 @@ class Harness:
         s.running_batch = plan.running_batch
         batch = plan.batch_to_run
         if batch is not None:
+            if batch.forward_mode.is_mixed():
+                self.log.mixed += 1
             if batch.forward_mode.is_extend():
                 self.log.prefill += 1
             else:
@@ -281,7 +327,7 @@ class Harness:
         s = self.sched
         pending = dict(arrivals or {})
         steps = 0
-        while pending or s.waiting_queue or not s.running_batch.is_empty() or (
+        while pending or s.waiting_queue or not s.running_batch.is_empty() or s.chunked_req or (
                 s.last_batch is not None and not s.last_batch.is_empty()
                 and any(not r.finished() for r in s.last_batch.reqs)):
             for req in pending.pop(steps, ()):
