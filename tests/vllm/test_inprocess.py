@@ -597,7 +597,11 @@ def test_samples_wait_for_their_siblings_and_an_abort_drops_them(model_dir):
     ids = [eng.add([9] * 30, 5, request_id=f"{i}_p", extra_args=samples_marker(3, "p"))
            for i in range(2)]                            # the third sample is late
     assert not any(r in s.requests for r in ids) and s.kvadmit_core.stats()["arrived"] == 0
-    s.finish_requests(ids, RequestStatus.FINISHED_ABORTED)   # the client went away
+    other = eng.add([8] * 30, 50)
+    eng.step()
+    # The client went away (vLLM may pass any iterable, read once).
+    s.finish_requests(iter(ids + [other]), RequestStatus.FINISHED_ABORTED)
+    assert other not in s.requests and s.kvadmit_core.stats()["aborted"] == 1
     last = eng.add([9] * 30, 5, request_id="2_p", extra_args=samples_marker(3, "p"))
     assert last not in s.requests                      # its siblings are gone: it waits alone
     s.finish_requests([last], RequestStatus.FINISHED_ABORTED)

@@ -461,8 +461,12 @@ class _KvadmitMixin:
             stop_reason=refusal.stop_reason, kv_transfer_params=refusal.to_params())))
 
     def finish_requests(self, request_ids, finished_status):
-        if self._kvadmit_samples and request_ids is not None:
+        if self._kvadmit_samples and request_ids is None:   # finish everything
+            self._kvadmit_samples.clear()
+        if self._kvadmit_samples:
             # Samples waiting for their siblings are not in the scheduler yet: drop them.
+            if not isinstance(request_ids, str):
+                request_ids = list(request_ids)   # read twice: here and by vLLM
             ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
             for parent, members in list(self._kvadmit_samples.items()):
                 members[:] = [r for r in members if r.request_id not in ids]
