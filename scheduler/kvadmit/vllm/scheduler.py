@@ -37,7 +37,8 @@ from collections.abc import Iterable, Iterator
 from kvadmit._native import AdmissionCore, BlockObjectQueue
 from kvadmit.bridge import EngineBridge
 from kvadmit.config import AdmissionConfig, ConfigError, section_from
-from kvadmit.protocol import PREFIX as STOP_REASON_PREFIX, Refusal, sample_group
+# STOP_REASON_PREFIX: re-exported, the simulator reads it from here.
+from kvadmit.protocol import PREFIX as STOP_REASON_PREFIX, Refusal, sample_group  # noqa: F401
 from kvadmit.request_fields import (
     check_int,
     check_prompt_tokens,
