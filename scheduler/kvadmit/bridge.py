@@ -96,11 +96,12 @@ class EngineBridge:
     def arrive(self, key: Hashable, obj: Any, numbers: Callable[[], dict], now: float) -> Arrival:
         """One request arrives. ``numbers()`` gives `AdmissionCore.arrive`'s keywords
         (prompt_tokens, max_new_tokens, priority, ...) from the engine's request; a
-        ValueError from it or from the core (a malformed field or count) refuses the
-        request as `invalid`."""
+        ValueError from it or from the core (a malformed field or count), or an
+        OverflowError (a count beyond the core's integers), refuses the request as
+        `invalid`."""
         try:
             res = self.core.arrive(now=now, **numbers())
-        except ValueError as e:
+        except (ValueError, OverflowError) as e:   # OverflowError: beyond the core's int64
             return Arrival(refusal=self.refuse_invalid(e))
         shed = [(self.untrack(s), Refusal.of(rejection)) for s, rejection in res.shed]
         if not res.accepted:
