@@ -220,6 +220,7 @@ cdef class AdmissionCore:
     cdef int64_t _lengths_window
     cdef vector[int64_t] _shared      # auto: prompt tokens a running request shares with others (prefix hits)
     cdef int64_t _unowned_blocks      # auto: blocks in use that no running request's own part counts
+    cdef int64_t _max_shared_blocks   # auto: the longest prefix a running request shares, in blocks
     cdef int64_t _win_admits, _win_preempts
     # drain rate (Retry-After)
     cdef deque[pair[double, int64_t]] _drain   # (backlog clock, prefill tokens) per admission
@@ -318,7 +319,7 @@ cdef class AdmissionCore:
         if self._policy == P_AUTO:
             self._aq_base, self._aq_max = AUTO_QUANTILE, AUTO_MAX_QUANTILE
             self._aq_target, self._aq_interval = AUTO_TARGET_PREEMPTION_RATE, AUTO_INTERVAL
-        self._unowned_blocks = 0
+        self._unowned_blocks = self._max_shared_blocks = 0
         self._n_capped = 0
         self._lengths_window = config.adaptive_window
         self._lengths = OutputLengthModel(
@@ -386,10 +387,15 @@ cdef class AdmissionCore:
         requests that stopped earlier; the q-quantile of that mixture is the cap when
         h >= 1 - q, else the model's q / (1 - h) quantile. So honest caps give peak's
         exact curves, and caps far above the lengths give the length model's."""
-        cdef double h, q = self._quantile
+        cdef double h, survive, q = self._quantile
         if self._policy == P_AUTO and self._capped_window.size() > 0:
             h = self._n_capped / <double>self._capped_window.size()
-            if h >= 1.0 - q or self._lengths._count < AUTO_MIN_SAMPLES:
+            if h > 0.0:
+                # Still running after g tokens: it runs to its cap with probability
+                # h / (h + (1 - h) S(g)), S(g) the share of early stoppers longer than g.
+                survive = self._lengths.c_survival(self._generated[s])
+                h = h / (h + (1.0 - h) * survive) if survive >= 0.0 else 1.0
+            if h >= 1.0 - q:
                 return self._worst_steps(s)
             q = q / (1.0 - h)
         return self._lengths.c_predict_remaining(self._generated[s], self._max_new[s], q)
@@ -467,7 +473,7 @@ cdef class AdmissionCore:
         c = self._curve(s)
         return peak_blocks_sorted(self._profile.data(), self._profile.size(), &c,
                                   self.block_size, self.num_blocks, self._fen) \
-            + self._unowned_blocks <= self.num_blocks
+            + self._shared_term() <= self.num_blocks
 
     cdef inline double _running_context(self) noexcept nogil:
         return <double>self._run_ctx
@@ -1133,6 +1139,7 @@ cdef class AdmissionCore:
         cdef int32_t s = <int32_t>slot
         self._note_time(now)
         self._run_remove(s)
+        self._shared[s] = 0             # it shares nothing until admitted again
         self._enqueue(s)
         self._n_admitted -= 1
         if self._win_admits > 0:
@@ -1363,18 +1370,32 @@ cdef class AdmissionCore:
         elif self._n_active >= <int64_t>self._window:
             self._expire_idle()    # a full window: an idle session must not hold a place
 
+    cdef inline int64_t _shared_term(self) noexcept nogil:
+        """Blocks auto adds to the own curves: those in use that no running request
+        owns, and at least the longest shared prefix. A prefix stays in use while any
+        request sharing it runs, also after its first holder (whose own curve counts
+        it) finishes; until then it is in no one's unowned count. (With several
+        distinct shared prefixes whose first holders still run, only the longest is
+        covered so.)"""
+        return self._unowned_blocks if self._unowned_blocks > self._max_shared_blocks \
+            else self._max_shared_blocks
+
     cdef int64_t _count_unowned(self, int64_t used_blocks) noexcept nogil:
         """Blocks in use beyond the running requests' own parts (their context less the
         prefix they share): the shared prefixes, counted once and assumed held while
         anything runs. Under auto a request's curve counts only its own part, so a
         prefix many requests share is not counted once per request (peak and adaptive
         count it per request: their bound stays a bound)."""
-        cdef int64_t own = 0
+        cdef int64_t own = 0, shared
         cdef size_t i
         cdef int32_t r
+        self._max_shared_blocks = 0
         for i in range(self._running.size()):
             r = self._running[i]
-            own += cdiv(self._computed[r], self.block_size) - self._shared[r] // self.block_size
+            shared = self._shared[r] // self.block_size
+            own += cdiv(self._computed[r], self.block_size) - shared
+            if shared > self._max_shared_blocks:
+                self._max_shared_blocks = shared
         return used_blocks - own if used_blocks > own else 0
 
     def observe_used_blocks(self, int64_t used_blocks):
@@ -1397,7 +1418,11 @@ cdef class AdmissionCore:
         self.c_set_shared(<int32_t>slot, shared_tokens)
 
     cdef void c_set_shared(self, int32_t s, int64_t shared_tokens) noexcept nogil:
+        if self._policy != P_AUTO or self._shared[s] == shared_tokens:
+            return
         self._shared[s] = shared_tokens
+        if shared_tokens // self.block_size > self._max_shared_blocks:
+            self._max_shared_blocks = shared_tokens // self.block_size
         self._profile_dirty = True
 
     cdef void _agent_update(self, double usage, double hit_rate) noexcept nogil:

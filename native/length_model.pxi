@@ -112,6 +112,16 @@ cdef class OutputLengthModel:
             remaining = 1
         return remaining if remaining < worst else worst
 
+    cdef double c_survival(self, int64_t generated) noexcept nogil:
+        """Share of the recorded lengths above `generated` (bucket resolution, as the
+        prediction conditions); -1 with fewer than min_samples lengths."""
+        if self._count < self._min_samples:
+            return -1.0
+        cdef int64_t below = 0
+        if generated >= self._bucket:
+            below = self._count_upto(generated // self._bucket - 1)
+        return (self._count - below) / <double>self._count
+
     @property
     def num_samples(self):
         return self._count

@@ -35,6 +35,8 @@ def history(core, early: int, capped: int, max_new: int = 100, length: int = 8):
     ("auto", 3, 7, "hold_capacity"),
     # h = 5/10 < 0.6: the early lengths' 0.8-quantile (16 tokens): packs.
     ("auto", 5, 5, "admit"),
+    # h = 2/10 < 0.6: packs too ...
+    ("auto", 8, 2, "admit"),
     # No finished request yet: the worst case, as peak.
     ("auto", 0, 0, "hold_capacity"),
 ])
@@ -46,39 +48,88 @@ def test_auto_learns_whether_caps_are_honest(policy, early, capped, expected):
     assert core.decide(cand, 40 - 5) == expected
 
 
+def shared_prefix_core(policy):
+    """Pool 48 blocks of 4 tokens. Running: A (64 prompt tokens, 4 to come) and B, C
+    (64 each, of which 48 sit in A's blocks). The engine holds 16 + 4 + 4 blocks."""
+    core = make_core(policy, num_blocks=48)
+    a = add_running(core, 64, 4)
+    core.update(a, 64, 0)
+    for _ in range(2):
+        s = core.arrive(64, 4).slot
+        core.set_shared(s, 48)
+        core.admit(s)
+        core.update(s, 64, 0)
+    core.observe_used_blocks(16 + 4 + 4)
+    return core, a
+
+
 @pytest.mark.parametrize("policy,expected", [
     ("peak", "hold_capacity"), ("adaptive", "hold_capacity"), ("auto", "admit")])
 def test_auto_counts_a_shared_prefix_once(policy, expected):
-    """Two running requests of 64 prompt tokens; the second found 48 of them in the
-    first one's blocks (the engine holds 16 + 4 blocks, not 32). Candidate (40, 4):
-    11 blocks. Counted per request: 17 + 17 + 11 = 45 > 40; counted once: 17 + 5 + 11."""
-    core = make_core(policy, num_blocks=40)
-    a = add_running(core, 64, 4)
-    core.update(a, 64, 0)
+    """Candidate (12, 4): 4 blocks. Counted per request: 17 * 3 + 4 = 55 > 48.
+    auto: own parts 17 + 5 + 5 + 4, plus the shared prefix (12 blocks) once more,
+    as it stays in use while B or C runs after A is done: 43 <= 48."""
+    core, _ = shared_prefix_core(policy)
+    cand = add_waiting(core, 12, 4)
+    assert core.decide(cand, 24) == expected
+
+
+def test_auto_keeps_a_shared_prefix_after_its_first_holder_finishes():
+    """A finishes; its 12 prefix blocks stay in use for B and C: auto now counts
+    them as in use beyond the own parts (5 + 5 + 12 = 22 blocks), not as freed."""
+    core, a = shared_prefix_core("auto")
+    core.update(a, 67, 4)
+    core.finish(a)
+    core.observe_used_blocks(12 + 4 + 4)
+    big = add_waiting(core, 100, 4)          # 26 blocks: 5 + 5 + 26 + 12 = 48 fits
+    assert core.decide(big, 28) == "admit"
+    bigger = add_waiting(core, 104, 4)       # 27 blocks: 49 > 48
+    assert core.decide(bigger, 28) == "hold_capacity"
+
+
+def test_honest_caps_with_a_shared_prefix_do_not_preempt():
+    """B shares A's 10-block prompt and outlives it; C arrives meanwhile. auto
+    must keep A's prefix counted after A finishes (a forecast that freed it
+    admitted C too early and preempted)."""
+    from kvadmit.simulate.engine import EngineShape, run_native
+    from kvadmit.simulate.steptime import CPU_TINY
+    from kvadmit.simulate.workload import Workload
+    w = Workload("shared", arrival_s=[0.0, 0.01, 0.03], prompt_tokens=[160, 161, 64],
+                 output_tokens=[40, 150, 150], max_tokens=[40, 150, 150], hash_block_tokens=16,
+                 hash_offsets=[0, 10, 20, 20], hash_ids=list(range(1, 11)) * 2,
+                 hashed_tokens=[160, 160, 0])
+    shape = EngineShape(num_blocks=32, block_size=16, max_model_len=512, max_num_seqs=8,
+                        max_num_batched_tokens=512, prefix_caching=True)
+    run = run_native(w, AdmissionConfig(), shape, CPU_TINY)
+    assert run.totals["prefix_hit_tokens"] == 160          # B really shares A's prompt
+    assert run.totals["preemptions"] == 0 and run.extra["core"]["paused"] == 0
+    assert run.totals["finished"] == 3
+
+
+def test_cancel_admit_forgets_what_the_request_shared():
+    core = make_core("auto", num_blocks=48)
     s = core.arrive(64, 4).slot
     core.set_shared(s, 48)
     core.admit(s)
+    core.cancel_admit(s)
+    core.admit(s)                    # admitted again, sharing nothing this time
     core.update(s, 64, 0)
-    core.observe_used_blocks(16 + 4)
-    cand = add_waiting(core, 40, 4)
-    assert core.decide(cand, 20) == expected
+    core.observe_used_blocks(16)
+    # 17 own blocks + nothing shared: a 31-block candidate fits exactly (17 + 31 = 48)
+    assert core.decide(add_waiting(core, 120, 4), 32) == "admit"
+    assert core.decide(add_waiting(core, 124, 4), 32) == "hold_capacity"
 
 
-def test_auto_holds_again_once_shared_blocks_are_no_longer_shared():
-    """The blocks in use beyond the running requests' own parts are counted once:
-    when the engine reports more blocks in use, auto holds again."""
-    core = make_core("auto", num_blocks=40)
-    a = add_running(core, 64, 4)
-    core.update(a, 64, 0)
-    s = core.arrive(64, 4).slot
-    core.set_shared(s, 48)
-    core.admit(s)
-    core.update(s, 64, 0)
-    cand = add_waiting(core, 40, 4)
-    core.observe_used_blocks(20)
-    assert core.decide(cand, 20) == "admit"
-    core.observe_used_blocks(32)     # 12 blocks in use beyond the own parts: 22 + 11 + 12 > 40
-    assert core.decide(cand, 20) == "hold_capacity"
+@pytest.mark.parametrize("key,value", [
+    ("adaptive_quantile", 0.5), ("adaptive_min_samples", 4), ("adaptive_interval", 16),
+    ("max_bypass", 0), ("bypass_lookahead", 8)])
+def test_keys_that_auto_fixes_are_errors_not_ignored(key, value):
+    from kvadmit import ConfigError
+    with pytest.raises(ConfigError, match=f"{key}={value!r} has no effect under policy 'auto'"):
+        AdmissionConfig.from_dict({key: value})
+    AdmissionConfig.from_dict({"policy": "adaptive", key: value})     # fine elsewhere
+    if key in ("max_bypass", "bypass_lookahead"):                      # explicit bypass takes them
+        AdmissionConfig.from_dict({"head_of_line": "bypass", key: value})
 
 
 def test_set_shared_checks_its_input():
@@ -153,3 +204,15 @@ def test_auto_packs_generous_caps_like_adaptive_without_its_storms():
     assert by["auto"].steps < by["peak"].steps
     assert by["auto"].preemptions == 0 < by["overcommit"].preemptions
     assert by["auto"].finished == 200 and by["auto"].leaked_blocks == 0
+
+
+@pytest.mark.parametrize("generated,peak", [(0, 9), (16, 20)])
+def test_a_request_that_outlived_the_early_stoppers_is_expected_to_run_to_its_cap(generated, peak):
+    """h = 2/10 ran to their cap, 8 stopped by 8 tokens. A running request (20, 60)
+    that has generated nothing is predicted short (16 tokens: 35 at most, 9 blocks);
+    one that has generated 16 outlived every early stopper, so it runs to its cap
+    (36 + 43 = 79 tokens: 20 blocks)."""
+    core = make_core("auto", num_blocks=40)
+    history(core, 8, 2)
+    add_running(core, 20, 60, generated=generated)
+    assert core.peak_blocks() == peak

@@ -149,6 +149,8 @@ class AdmissionConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             _check(f, getattr(self, f.name))
+        if self.policy == "auto":
+            self._check_fixed_under_auto()
         if self.adaptive_max_quantile < self.adaptive_quantile:
             raise ConfigError(
                 f"kvadmit config: adaptive_max_quantile={self.adaptive_max_quantile} must be >= "
@@ -198,6 +200,21 @@ class AdmissionConfig:
             raise ConfigError(f"kvadmit config must be a JSON object of kvadmit's keys, got "
                               f"{json.dumps(values)[:80]}")
         return cls.from_dict(values)
+
+    def _check_fixed_under_auto(self) -> None:
+        """auto's length model and bypass limits are fixed (one setting for every
+        workload): a key that would tune them is an error, not silently ignored."""
+        fixed = ["adaptive_quantile", "adaptive_max_quantile", "adaptive_target_preemption_rate",
+                 "adaptive_interval", "adaptive_min_samples"]
+        if self.head_of_line == "auto":
+            fixed += ["max_bypass", "bypass_lookahead"]
+        for f in dataclasses.fields(self):
+            if f.name in fixed and getattr(self, f.name) != f.default:
+                hint = ("set head_of_line: \"bypass\" to choose the bypass limits"
+                        if f.name in ("max_bypass", "bypass_lookahead")
+                        else "use policy \"adaptive\" to tune the length model")
+                raise ConfigError(f"kvadmit config: {f.name}={getattr(self, f.name)!r} has no effect "
+                                  f"under policy 'auto' (its settings are fixed); {hint}")
 
     @property
     def pause_on_shortfall(self) -> bool:

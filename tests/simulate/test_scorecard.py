@@ -38,7 +38,10 @@ def test_every_cell_and_its_ratios(capsys):
         wm = e["best_watermark"]
         assert (e["cells"][wm]["preemptions"], e["cells"][wm]["steps"]) == min(
             (e["cells"][n]["preemptions"], e["cells"][n]["steps"]) for n in names if "watermark" in n)
-        assert e["vs_best_watermark"][wm]["steps"] == 1.0
+        assert e["vs_best_watermark"]["default"]["preemptions"] == pytest.approx(
+            e["cells"]["default"]["preemptions"] / e["cells"][wm]["preemptions"]
+            if e["cells"][wm]["preemptions"] else (1.0 if e["cells"]["default"]["preemptions"] == 0
+                                                   else float("inf")))
     goals = {e["name"]: e["goals"] for e in out["workloads"]}
     # Honest caps: the default never preempts; a loose pool: it takes vLLM's steps.
     assert goals["honest"]["honest_caps_no_preemption"] and goals["equal"]["honest_caps_no_preemption"]

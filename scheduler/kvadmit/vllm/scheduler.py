@@ -119,15 +119,19 @@ class GatedWaitingQueue(RequestQueue):
         self._by_slot: dict[int, Request] = {}
         self._untracked: list[Request] = []
         self._candidate: Request | None = None
+        self._looked = False             # _candidate is the core's answer to the last look
 
     # -- the gate ---------------------------------------------------------
     def _choose(self) -> Request | None:
         if self._untracked:
             return self._untracked[0]
-        if self._candidate is None and self._by_slot:
+        # One look per change: vLLM asks bool()/peek several times a step, and with
+        # head-of-line bypass a look can scan hundreds of held requests.
+        if not self._looked and self._by_slot:
             slot = self._sched.kvadmit_core.next_admissible(
                 self._sched.kv_cache_manager.block_pool.get_num_free_blocks(), False)
             self._candidate = self._by_slot.get(slot)
+            self._looked = True
         return self._candidate
 
     def __bool__(self) -> bool:
@@ -144,11 +148,11 @@ class GatedWaitingQueue(RequestQueue):
         if self._untracked and req is self._untracked[0]:
             return self._untracked.pop(0)
         self._candidate = None
+        self._looked = False
         slot = self._sched.kvadmit_slot[req.request_id]
         del self._by_slot[slot]
-        shared = self._sched._kvadmit_shared_tokens(req)
-        if shared:
-            self._sched.kvadmit_core.set_shared(slot, shared)
+        if self._sched._kvadmit_count_shared:
+            self._sched.kvadmit_core.set_shared(slot, self._sched._kvadmit_shared_tokens(req))
         self._sched.kvadmit_core.admit(slot, self._sched.kvadmit_clock())
         popped = self._sched._kvadmit_popped
         if popped is not None:
@@ -158,10 +162,12 @@ class GatedWaitingQueue(RequestQueue):
     def invalidate(self) -> None:
         """Forgets the chosen candidate: the next look asks the core again."""
         self._candidate = None
+        self._looked = False
 
     # -- plain queue operations -------------------------------------------
     def add_request(self, request: Request) -> None:
         self._candidate = None
+        self._looked = False
         slot = self._sched.kvadmit_slot.get(request.request_id)
         if slot is None:   # back after remove_requests: the core takes it anew
             slot = self._sched._kvadmit_adopt(request)
@@ -187,6 +193,7 @@ class GatedWaitingQueue(RequestQueue):
     def remove_requests(self, requests: Iterable[Request]) -> None:
         """They leave the queue, and the core: it must not choose one that is gone."""
         self._candidate = None
+        self._looked = False
         ids = {r.request_id for r in requests}
         for slot, r in list(self._by_slot.items()):
             if r.request_id in ids:
@@ -229,7 +236,7 @@ class _KvadmitMixin:
                 logger.warning("vLLM's priority scheduling picks its own victim (highest "
                                "priority value, latest arrival); kvadmit victim=%r is not used",
                                cfg.victim)
-        if cfg.pause_on_shortfall and not self._kvadmit_can_pause():
+        if cfg.pause_on_shortfall and not self._kvadmit_single_full_attention_group():
             if cfg.shortfall == "pause":
                 groups = self.kv_cache_config.kv_cache_groups
                 raise ConfigError(
@@ -275,7 +282,7 @@ class _KvadmitMixin:
                                     if cfg.pause_on_shortfall else None)
         # auto counts a prefix that running requests share once (one full-attention group).
         self._kvadmit_count_shared = (cfg.policy == "auto" and self.kv_cache_manager.enable_caching
-                                      and self._kvadmit_can_pause())
+                                      and self._kvadmit_single_full_attention_group())
         self._kvadmit_metrics = process_metrics()
         logger.info("kvadmit: policy=%s victim=%s on %d blocks of %d tokens", cfg.policy,
                     cfg.victim, pool.num_gpu_blocks - 1, self.block_size)
@@ -289,7 +296,7 @@ class _KvadmitMixin:
             request.request_id, ())
         return sum(1 for b in blocks if b.ref_cnt > 1) * self.block_size
 
-    def _kvadmit_can_pause(self) -> bool:
+    def _kvadmit_single_full_attention_group(self) -> bool:
         """The pause plan counts blocks for one full-attention group (listed in its
         manager's req_to_blocks); other layouts (sliding window, hybrid, several groups)
         free and take blocks in ways it does not model."""
