@@ -19,10 +19,29 @@
 #
 # Output: one line per configuration, then bench/results/gpu_sglang.json.
 #   CONFIGS="default peak reserve" N=600 POOL_TOKENS=24000 bash bench/gpu_sglang.sh
+# The client is bench/gpu_sglang_client.py.
+#
+# DRY_RUN=1 (CI; any machine with SGLang 0.5.23's package and kvadmit): SGLang cannot
+# serve without CUDA, so the dry run does, with the same code, what runs on a CPU: the
+# checks below, the tiny model, for each configuration the server's exact flags parsed
+# by SGLang's own prepare_server_args with kvadmit's command-line hooks installed
+# through SGLang's hook registry (so --kvadmit-config is validated and handed on as
+# KVADMIT_CONFIG, as in the launcher), the client's workload built, and the same result
+# files written (under WORK, default /tmp/kvadmit_gpu_sglang_dry_run) with
+# "dry_run": true and no measurements. Not exercised: the server (model load, CUDA
+# kernels), the HTTP requests and the /metrics scrape; and where SGLang's scheduler
+# modules do not import (CI installs SGLang without torchvision), kvadmit's engine hooks
+# (tests/sglang runs them on SGLang's real scheduling classes on the CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
+DRY_RUN=${DRY_RUN:-0}
+if [[ $DRY_RUN == 1 ]]; then
+  WORK=${WORK:-/tmp/kvadmit_gpu_sglang_dry_run}
+  OUT_JSON=${OUT_JSON:-$WORK/gpu_sglang.json}
+  N=${N:-8}
+fi
 N=${N:-600}
 CONCURRENCY=${CONCURRENCY:-256}
 POOL_TOKENS=${POOL_TOKENS:-24000}
@@ -90,6 +109,40 @@ for name in $CONFIGS; do
          --enable-metrics --random-seed 0 --log-level warning)
   [[ -n "$cfg" ]] && flags+=(--kvadmit-config "$cfg")
   echo "== $name: python -m sglang.launch_server ${flags[*]}"
+  if [[ $DRY_RUN == 1 ]]; then
+    # The launcher's argument handling, in-process: SGLang's parser and ServerArgs with
+    # kvadmit's command-line hooks (what its plugin installs first in every process).
+    env -u KVADMIT_CONFIG "$PY" - "${flags[@]}" <<'EOF'
+import importlib, os, sys
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang.srt.server_args import prepare_server_args
+import kvadmit.sglang.plugin as plugin
+from kvadmit.sglang.adapter import load_config
+try:   # with a real SGLang install (torchvision), the engine hooks are installed and checked
+    importlib.import_module("sglang.srt.managers.scheduler")
+    engine = "installed and checked"
+except ImportError as e:
+    engine = f"not installed (SGLang's scheduler does not import here: {e})"
+    plugin.install_engine_hooks = lambda: None   # from_cli_args asks for them
+hooks = plugin.cli_hooks()
+for target, (hook, kind) in hooks.items():
+    HookRegistry.register(target, hook, kind)
+HookRegistry.apply_hooks()
+missing = [f"{t}: {why}" for t, (h, _) in hooks.items()
+           if (why := plugin.installed(t, h)) is not None]
+if missing:
+    sys.exit("kvadmit's command-line hooks are not in place: " + "; ".join(missing))
+args = prepare_server_args(sys.argv[1:])
+text = os.environ.get("KVADMIT_CONFIG")
+print(f"   ServerArgs: model {args.model_path}, max_total_tokens {args.max_total_tokens}, "
+      f"max_running_requests {args.max_running_requests}; kvadmit: "
+      f"{load_config(text) and text if text is not None else 'off'}; engine hooks "
+      f"{engine if text is not None else 'not needed'}")
+EOF
+    DRY_RUN=1 "$PY" bench/gpu_sglang_client.py "$name" "$MODEL" "$PORT" "$N" "$CONCURRENCY" \
+      "$REQ_TIMEOUT" >>"$WORK/results.jsonl"
+    continue
+  fi
   # Only this configuration sees kvadmit: the default run must not inherit it.
   env -u KVADMIT_CONFIG "$PY" -m sglang.launch_server "${flags[@]}" >"$WORK/server_$name.log" 2>&1 &
   SERVER_PID=$!
@@ -101,83 +154,8 @@ for name in $CONFIGS; do
   done
   if [[ $up != 1 ]]; then echo "server for $name did not start:"; tail -40 "$WORK/server_$name.log"; exit 1; fi
 
-  "$PY" - "$name" "$MODEL" "$PORT" "$N" "$CONCURRENCY" "$REQ_TIMEOUT" >>"$WORK/results.jsonl" <<'EOF'
-import concurrent.futures as cf, http.client, json, pathlib, random, re, statistics, sys, time
-name, model, port, n, conc, timeout = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
-vocab = json.loads((pathlib.Path(model) / "config.json").read_text())["vocab_size"]
-rng = random.Random(0)
-stop = sorted(rng.sample(range(3, vocab), max(1, vocab // 64)))
-work = []
-for i in range(n):
-    prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(64, 512))]
-    long = rng.random() < 0.25
-    sp = {"max_new_tokens": 1024, "temperature": 1.0, "sampling_seed": i}
-    if long:
-        sp["ignore_eos"] = True
-    else:
-        sp["stop_token_ids"] = stop
-    work.append({"input_ids": prompt, "sampling_params": sp, "stream": True, "rid": f"{name}-{i}"})
-
-def one(body):
-    t0 = time.perf_counter(); first = last = None; ntok = 0; fin = None
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        return {"ok": False, "status": resp.status, "body": resp.read()[:300].decode(errors="replace")}
-    for raw in resp:
-        line = raw.strip()
-        if not line.startswith(b"data:") or line == b"data: [DONE]":
-            continue
-        out = json.loads(line[5:])
-        if "error" in out:
-            return {"ok": False, "status": out["error"].get("code"), "body": out["error"]["message"]}
-        meta = out.get("meta_info", {})
-        k = meta.get("completion_tokens", 0)
-        now = time.perf_counter()
-        if k >= 1 and first is None:
-            first = now
-        if k > ntok:
-            ntok, last = k, now
-        fin = meta.get("finish_reason") or fin
-    conn.close()
-    return {"ok": True, "ttft": (first or time.perf_counter()) - t0, "n": ntok,
-            "tpot": (last - first) / (ntok - 1) if ntok > 1 else None, "finish": fin,
-            "e2e": time.perf_counter() - t0}
-
-t0 = time.perf_counter()
-with cf.ThreadPoolExecutor(conc) as ex:
-    res = list(ex.map(one, work))
-wall = time.perf_counter() - t0
-ok = [r for r in res if r["ok"]]
-
-def scrape():
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    c.request("GET", "/metrics"); text = c.getresponse().read().decode()
-    def total(metric):
-        return sum(float(m) for m in re.findall(rf"^{re.escape(metric)}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M))
-    return {"retracted": total("sglang:num_retracted_requests_total"),
-            "kvadmit_preempted": total("kvadmit:preempted_total"),
-            "kvadmit_admitted": total("kvadmit:admitted_total")}
-
-def pct(xs, q):
-    xs = sorted(xs); return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
-
-ttft = [r["ttft"] for r in ok]; tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
-row = {"config": name, "requests": n, "ok": len(ok), "failed": len(res) - len(ok),
-       "wall_s": round(wall, 2), "output_tokens": sum(r["n"] for r in ok),
-       "output_tok_per_s": round(sum(r["n"] for r in ok) / wall, 1),
-       "ttft_mean_s": round(statistics.mean(ttft), 3) if ttft else None,
-       "ttft_p99_s": round(pct(ttft, 0.99), 3) if ttft else None,
-       "tpot_mean_ms": round(1000 * statistics.mean(tpot), 2) if tpot else None,
-       "tpot_p99_ms": round(1000 * pct(tpot, 0.99), 2) if tpot else None,
-       **scrape(),
-       "first_failure": next((r for r in res if not r["ok"]), None)}
-print(json.dumps(row))
-print(f"{name:>8}: retracted={row['retracted']:.0f} ok={row['ok']}/{n} out_tok/s={row['output_tok_per_s']} "
-      f"TTFT mean/p99={row['ttft_mean_s']}/{row['ttft_p99_s']} s "
-      f"TPOT mean/p99={row['tpot_mean_ms']}/{row['tpot_p99_ms']} ms wall={row['wall_s']} s", file=sys.stderr)
-EOF
+  "$PY" bench/gpu_sglang_client.py "$name" "$MODEL" "$PORT" "$N" "$CONCURRENCY" "$REQ_TIMEOUT" \
+    >>"$WORK/results.jsonl"
   stop_server
 done
 
@@ -189,13 +167,15 @@ try:
                          capture_output=True, text=True).stdout.strip()
 except OSError:
     gpu = "unknown"
-doc = {"command": "bash bench/gpu_sglang.sh", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+doc = {"command": "bash bench/gpu_sglang.sh", "dry_run": any(r.get("dry_run") for r in rows), "date": datetime.datetime.now().isoformat(timespec="seconds"),
        "machine": {"gpu": gpu, "python": platform.python_version()},
        "model": sys.argv[3], "pool_tokens": int(sys.argv[4]), "requests": int(sys.argv[5]), "results": rows}
 json.dump(doc, open(sys.argv[2], "w"), indent=1)
 print("\nconfig     retracted  ok     out_tok/s  TTFT_mean_s  TTFT_p99_s  TPOT_mean_ms  TPOT_p99_ms")
-for r in rows:
-    print(f"{r['config']:<10} {r['retracted']:>9.0f}  {r['ok']:>4}/{r['requests']:<4} {r['output_tok_per_s']:>8}  "
-          f"{r['ttft_mean_s']!s:>11}  {r['ttft_p99_s']!s:>10}  {r['tpot_mean_ms']!s:>12}  {r['tpot_p99_ms']!s:>11}")
+for r in rows:   # a dry run measured nothing: "-"
+    v = {k: "-" if x is None else x for k, x in r.items()}
+    retracted = v["retracted"] if r["retracted"] is None else f"{r['retracted']:.0f}"
+    print(f"{r['config']:<10} {retracted:>9}  {v['ok']!s:>4}/{r['requests']:<4} {v['output_tok_per_s']!s:>8}  "
+          f"{v['ttft_mean_s']!s:>11}  {v['ttft_p99_s']!s:>10}  {v['tpot_mean_ms']!s:>12}  {v['tpot_p99_ms']!s:>11}")
 print("saved", sys.argv[2])
 EOF
