@@ -1,4 +1,4 @@
-"""vLLM 0.32: kvadmit's settings are checked where vLLM builds its config, in the
+"""vLLM 0.32 and 0.33: kvadmit's settings are checked where vLLM builds its config, in the
 API server (or offline `LLM`) process, before any engine process starts.
 
 vLLM hands `--additional-config` to the engine core untouched; kvadmit's scheduler
@@ -17,7 +17,9 @@ from __future__ import annotations
 from kvadmit_patches import wrap
 
 TARGET = "vllm.engine.arg_utils.EngineArgs.create_engine_config"
-VERSIONS = ("0.32.0",)
+# 0.33.0 variant: the same wrapper; create_engine_config's signature and result are
+# unchanged from 0.32.0 (its body builds a few more config fields).
+VERSIONS = ("0.32.0", "0.33.0")
 
 
 def apply(check) -> bool:

@@ -1,4 +1,4 @@
-"""vLLM 0.32: a kvadmit refusal becomes an HTTP error before the response starts.
+"""vLLM 0.32 and 0.33: a kvadmit refusal becomes an HTTP error before the response starts.
 
 The engine's scheduler (kvadmit.vllm) refuses a request by finishing it with
 finish_reason "abort", stop_reason "kvadmit:<reason>" and the refusal (message,
@@ -31,7 +31,13 @@ from kvadmit.protocol import Refusal
 from kvadmit_patches import wrap
 
 TARGET = "vllm.v1.engine.async_llm.AsyncLLM.generate"
-VERSIONS = ("0.32.0",)
+# 0.33.0 variant: the same wrappers. Against 0.32.0, 0.33.0's AsyncLLM.generate also
+# handles GenerationError and, on an error raised inside it, aborts the n > 1 siblings;
+# a refusal raised here, after it yields, does not reach that handler (the engine refuses
+# all samples of such a request together). ParentRequest._get_child_sampling_params,
+# vLLM's GracefulHTTPError and its mapping to a response (create_error_response) and
+# the serving loggers below are unchanged.
+VERSIONS = ("0.32.0", "0.33.0")
 # vLLM's loggers that log an error inside a response stream with its traceback.
 STREAM_LOGGERS = ("vllm.entrypoints.openai.completion.serving",
                   "vllm.entrypoints.openai.chat_completion.serving")

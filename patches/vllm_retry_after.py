@@ -1,4 +1,4 @@
-"""vLLM 0.32: a `Retry-After` header on kvadmit's 503 answers.
+"""vLLM 0.32 and 0.33: a `Retry-After` header on kvadmit's 503 answers.
 
 vLLM's error responses carry no headers (GracefulHTTPError has a message and a
 status only). kvadmit's HTTP patch (vllm_http_status.py) writes the engine's
@@ -17,7 +17,10 @@ from kvadmit.protocol import RETRY_HINT_RE
 from kvadmit_patches import wrap
 
 TARGET = "vllm.entrypoints.launchers.app.init_entrypoints_middleware"
-VERSIONS = ("0.32.0",)
+# 0.33.0 variant: the same hook. vLLM 0.33.0's init_entrypoints_middleware (in
+# entrypoints/serve/middleware/register.py) and the app builder that calls it are
+# unchanged from 0.32.0.
+VERSIONS = ("0.32.0", "0.33.0")
 HINT = RETRY_HINT_RE
 
 

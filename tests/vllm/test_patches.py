@@ -1,0 +1,105 @@
+"""kvadmit's vLLM patches on the installed vLLM (CI: 0.32.0, and 0.33.0 in the second
+environment, where no server can run): each applies, wraps its target, and meets the
+vLLM objects it works with (its RequestOutput, GracefulHTTPError and error response,
+the API server's middleware set-up, EngineArgs). `vllm serve` itself is tested on 0.32
+(tests/vllm/test_serve.py)."""
+import pytest
+import vllm
+
+from kvadmit import ConfigError
+from kvadmit.protocol import Refusal
+from kvadmit.vllm.plugin import check_vllm_config
+from kvadmit_patches import vllm_config_check, vllm_http_status, vllm_retry_after
+
+
+@pytest.mark.parametrize("patch, owner, name", [
+    (vllm_http_status, "vllm.v1.engine.async_llm:AsyncLLM", "generate"),
+    (vllm_http_status, "vllm.v1.engine.parallel_sampling:ParentRequest",
+     "_get_child_sampling_params"),
+    (vllm_retry_after, "vllm.entrypoints.launchers.app", "init_entrypoints_middleware"),
+    (vllm_config_check, "vllm.engine.arg_utils:EngineArgs", "create_engine_config"),
+], ids=["generate", "child-params", "middleware", "config-check"])
+def test_every_patch_applies_to_the_installed_vllm(patch, owner, name):
+    import importlib
+    assert vllm.__version__ in patch.VERSIONS
+    assert patch.apply(check_vllm_config) if patch is vllm_config_check else patch.apply()
+    module, _, cls = owner.partition(":")
+    target = getattr(importlib.import_module(module), cls) if cls else importlib.import_module(module)
+    assert getattr(getattr(target, name), "__kvadmit_patch__", False)
+
+
+def refused_output(refusal: Refusal):
+    """vLLM's RequestOutput for a request the engine refused, as the API server gets it."""
+    from vllm.outputs import CompletionOutput, RequestOutput
+    completion = CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None,
+                                  logprobs=None, finish_reason="abort",
+                                  stop_reason=refusal.stop_reason)
+    return RequestOutput(request_id="r", prompt=None, prompt_token_ids=[5, 6], prompt_logprobs=None,
+                         outputs=[completion], finished=True,
+                         kv_transfer_params=refusal.to_params())
+
+
+@pytest.mark.parametrize("reason, retry_after_s, status", [
+    ("queue_full", 2.2, 503), ("context_length", None, 400)])
+def test_a_refused_output_becomes_vllms_error_response(reason, retry_after_s, status):
+    """The refusal in a real RequestOutput, raised as the patch raises it, answered by
+    vLLM's own create_error_response: the status, and the message with the hint that
+    the Retry-After middleware turns into the header."""
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+    refusal = Refusal(reason, "the limit and its numbers", retry_after_s)
+    found = vllm_http_status.refusal_of(refused_output(refusal))
+    assert found == refusal
+    response = create_error_response(vllm_http_status.error_for(found))
+    assert response.error.code == status
+    assert response.error.message == refusal.client_message()
+    hint = vllm_retry_after.HINT.search(response.model_dump_json().encode())
+    assert (hint.group(1) if hint else None) == (b"3" if status == 503 else None)
+
+
+def test_the_api_servers_middleware_set_up_adds_retry_after():
+    """vLLM's own middleware set-up, patched, on a FastAPI app with vLLM's defaults."""
+    import importlib
+
+    from fastapi import FastAPI
+
+    import vllm.entrypoints.launchers.app as app_module
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    # `vllm serve`'s parser: entrypoints/launchers/cli_args.py in 0.32, common/ in 0.33.
+    cli = "common" if vllm.__version__.startswith("0.33") else "launchers"
+    make_arg_parser = importlib.import_module(f"vllm.entrypoints.{cli}.cli_args").make_arg_parser
+
+    assert vllm_retry_after.apply()
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args([])
+    app = FastAPI()
+    app_module.init_entrypoints_middleware(args, app, ("generate",))
+    assert vllm_retry_after.RetryAfterMiddleware in [m.cls for m in app.user_middleware]
+
+
+def test_a_bad_kvadmit_setting_stops_the_config_build(model_dir):
+    """Where vLLM builds its config (the API server, before any engine process)."""
+    from vllm.engine.arg_utils import EngineArgs
+    assert vllm_config_check.apply(check_vllm_config)
+    args = EngineArgs(model=model_dir, skip_tokenizer_init=True, dtype="float32",
+                      max_model_len=512, scheduler_cls="kvadmit.vllm.Scheduler",
+                      additional_config={"kvadmit": {"policy": "peek"}})
+    with pytest.raises(ConfigError, match="policy"):
+        args.create_engine_config()
+
+
+def test_samples_of_a_parallel_request_are_marked():
+    """n > 1: each child's sampling parameters carry the marker the scheduler groups by."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.engine.parallel_sampling import ParentRequest
+
+    from kvadmit.protocol import SAMPLES_KEY
+    assert vllm_http_status.apply()
+    fields = {f: None for f in EngineCoreRequest.__struct_fields__}
+    fields.update(request_id="p", prompt_token_ids=[5, 6], sampling_params=SamplingParams(n=3),
+                  arrival_time=0.0, priority=0, data_parallel_rank=None, external_req_id="p")
+    parent = ParentRequest(EngineCoreRequest(**{k: v for k, v in fields.items()
+                                                if k in EngineCoreRequest.__struct_fields__}))
+    params = parent._get_child_sampling_params(1)
+    assert params.n == 1 and params.extra_args[SAMPLES_KEY] == "3/p"
+
