@@ -260,12 +260,14 @@ class BenchEngine:
     block_size: int = 32
     max_model_len: int = 1024
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = 2048   # None: vLLM's default (4096 on its CPU build)
     dtype: str = "float32"
 
     def sim_shape(self):
         """The simulator's EngineShape of this engine (it counts usable blocks only)."""
         from kvadmit.simulate import EngineShape
+        if self.max_num_batched_tokens is None:
+            raise ValueError("the simulator needs the engine's max_num_batched_tokens")
         return EngineShape(num_blocks=self.num_blocks - 1, block_size=self.block_size,
                            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
                            max_num_batched_tokens=self.max_num_batched_tokens)
@@ -373,12 +375,14 @@ def run_one(label: str, model_dir: str, workload: list[BenchRequest], engine: Be
     os.environ[COUNTS_ENV] = str(counts)
     os.environ[EXPECT_ENV] = str(len(workload))
     kwargs = dict(scheduler_cls="kvadmit.vllm.bench.CountingScheduler", **(engine_args or {}))
+    if engine.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = engine.max_num_batched_tokens
     if kvadmit is not None:
         kwargs["additional_config"] = {"kvadmit": kvadmit}
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=engine.dtype,
               block_size=engine.block_size, num_gpu_blocks_override=engine.num_blocks,
               max_model_len=engine.max_model_len, max_num_seqs=engine.max_num_seqs,
-              max_num_batched_tokens=engine.max_num_batched_tokens, enforce_eager=True, seed=0,
+              enforce_eager=True, seed=0,
               gpu_memory_utilization=0.3, disable_log_stats=False, enable_prefix_caching=False,
               logits_processors=[StopAtLength] if stop_early else None, **kwargs)
     params = []
@@ -596,6 +600,15 @@ SUITE_CONFIGS = (["vllm-default"] + [f"vllm-watermark={w:g}" for w in WATERMARKS
                  [DEFAULT_CONFIG, "peak"])
 
 
+def default_configs() -> list[str]:
+    """Without --configs: vLLM's default and its watermarks, then every kvadmit config
+    (the policy the empty config defaults to only once, as kvadmit-default)."""
+    from kvadmit.config import AdmissionConfig
+    same_as_default = {"policy": AdmissionConfig().policy}
+    return (["vllm-default"] + [f"vllm-watermark={w:g}" for w in WATERMARKS] +
+            [c for c, kv in CONFIGS.items() if c != "vllm-default" and kv != same_as_default])
+
+
 def simulate(config: BenchConfig, workload: list[BenchRequest], engine: BenchEngine) -> dict:
     """The same requests, all queued at once, through the simulator's native engine
     model (cpu-tiny step times): its steps, preemptions, recomputed tokens, pauses."""
@@ -739,7 +752,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-blocks", type=int, default=33)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="vLLM's token budget per step (default: vLLM's; --suite: 2048, the "
+                         "simulator's tiny-engine shape)")
     ap.add_argument("--max-tokens", type=int, default=2048,
                     help="the cap requests carry (azure: scaled like the lengths)")
     ap.add_argument("--ignore-eos", action="store_true",
@@ -749,7 +764,7 @@ def main(argv: list[str] | None = None) -> int:
                          "length (a client that knows it: what peak and reserve assume)")
     ap.add_argument("--configs", nargs="+", default=None, metavar="CONFIG",
                     help="configs to run, separated by spaces or commas (default: "
-                         f"{', '.join(CONFIGS)}; --suite: {', '.join(SUITE_CONFIGS)}); also "
+                         f"{', '.join(default_configs())}; --suite: {', '.join(SUITE_CONFIGS)}); also "
                          "vllm-watermark=F, vllm-active=N, vllm-queued=N, or NAME=JSON for a "
                          "kvadmit config (see below)")
     ap.add_argument("--order", choices=("shuffle", "given", "reverse"), default="shuffle",
@@ -778,7 +793,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     try:
         configs = [parse_config(c) for c in
-                   split_configs(args.configs or (SUITE_CONFIGS if args.suite else list(CONFIGS)))]
+                   split_configs(args.configs or (SUITE_CONFIGS if args.suite else default_configs()))]
         if args.cases and not args.suite:
             raise ValueError("--cases needs --suite")
         unknown = set(args.cases or ()) - {c.name for c in SUITE}
