@@ -185,10 +185,10 @@ cdef class AdmissionCore:
     cdef int _policy, _victim
     cdef bint _priority_order, _bypass, _shed
     cdef int64_t _max_bypass, _lookahead, _max_q_reqs, _max_q_tokens, _prefill_chunk
-    cdef double _pr_init, _pr_min, _pr_decay
-    cdef int64_t _pr_clip, _pr_retract_steps
-    cdef double _aq_base, _aq_max, _aq_target
-    cdef int64_t _aq_interval
+    cdef double _predict_init_ratio, _predict_min_ratio, _predict_ratio_decay
+    cdef int64_t _predict_clip_tokens, _predict_retract_steps
+    cdef double _quantile_base, _quantile_max, _target_preemption_rate
+    cdef int64_t _adapt_interval
     cdef double _retry_default, _retry_max, _drain_window, _max_q_delay
     # ledger, indexed by slot
     cdef vector[int64_t] _prompt, _cached, _computed, _generated, _max_new
@@ -207,7 +207,7 @@ cdef class AdmissionCore:
     cdef bint _profile_dirty
     cdef double _offsets_sum
     cdef bint _offsets_dirty
-    cdef vector[int32_t] _fen
+    cdef vector[int32_t] _fenwick
     # predict / adaptive state
     cdef double _ratio
     cdef bint _preempted_this_step
@@ -221,7 +221,7 @@ cdef class AdmissionCore:
     cdef vector[int64_t] _shared      # auto: prompt tokens a running request shares with others (prefix hits)
     cdef int64_t _unowned_blocks      # auto: blocks in use that no running request's own part counts
     cdef int64_t _max_shared_blocks   # auto: the longest prefix a running request shares, in blocks
-    cdef int64_t _win_admits, _win_preempts
+    cdef int64_t _adapt_admits, _adapt_preempts
     # drain rate (Retry-After)
     cdef deque[pair[double, int64_t]] _drain   # (backlog clock, prefill tokens) per admission
     cdef int64_t _drain_tokens                 # sum of the prefill tokens in _drain
@@ -237,7 +237,7 @@ cdef class AdmissionCore:
     cdef int64_t _retry_line_len              # refused clients told to return after now
     # SLO guard
     cdef bint _slo_guard, _deadline_order
-    cdef double _def_ttft, _def_tpot
+    cdef double _default_ttft_s, _default_tpot_s
     cdef readonly StepTimeFit step_time
     cdef int64_t _step_budget
     cdef vector[double] _ttft, _tpot, _arrive_t
@@ -248,10 +248,10 @@ cdef class AdmissionCore:
     cdef vector[int64_t] _session
     cdef vector[char] _activated_by     # this slot's admission activated its session
     cdef unordered_map[int64_t, AgentSession] _sessions
-    cdef double _window, _w_min, _w_max, _a_alpha, _a_beta, _u_low, _u_high, _h_thresh, _idle_s
-    cdef int64_t _a_interval, _a_cooldown, _cooldown_left, _n_active, _activations
-    cdef int64_t _iv_steps, _iv_hit, _iv_query, _window_changes
-    cdef double _iv_usage, _last_now, _ema_step_tokens
+    cdef double _window, _window_min, _window_max, _agent_alpha, _agent_beta, _usage_low, _usage_high, _hit_threshold, _idle_s
+    cdef int64_t _agent_interval_steps, _agent_cooldown_intervals, _cooldown_left, _n_active, _activations
+    cdef int64_t _interval_steps, _interval_hit_tokens, _interval_query_tokens, _window_changes
+    cdef double _interval_usage_sum, _last_now, _ema_step_tokens
     cdef vector[double] _window_history
     cdef vector[int64_t] _paused_log       # sessions paused or expired, for the engine's cache
     cdef int64_t _n_len_obs
@@ -281,44 +281,44 @@ cdef class AdmissionCore:
         self._max_q_tokens = config.max_queued_tokens
         self._shed = config.shed_lower_priority
         self._prefill_chunk = config.prefill_chunk_tokens
-        self._pr_init = config.predict_init_ratio
-        self._pr_min = config.predict_init_ratio * config.predict_min_ratio_factor
-        self._pr_decay = (self._pr_init - self._pr_min) / config.predict_decay_steps
-        self._pr_clip = config.predict_clip_tokens
-        self._pr_retract_steps = config.predict_retract_steps
-        self._aq_base = config.adaptive_quantile
-        self._aq_max = config.adaptive_max_quantile
-        self._aq_target = config.adaptive_target_preemption_rate
-        self._aq_interval = config.adaptive_interval
+        self._predict_init_ratio = config.predict_init_ratio
+        self._predict_min_ratio = config.predict_init_ratio * config.predict_min_ratio_factor
+        self._predict_ratio_decay = (self._predict_init_ratio - self._predict_min_ratio) / config.predict_decay_steps
+        self._predict_clip_tokens = config.predict_clip_tokens
+        self._predict_retract_steps = config.predict_retract_steps
+        self._quantile_base = config.adaptive_quantile
+        self._quantile_max = config.adaptive_max_quantile
+        self._target_preemption_rate = config.adaptive_target_preemption_rate
+        self._adapt_interval = config.adaptive_interval
         self._retry_default = config.retry_after_default_s
         self._retry_max = config.retry_after_max_s
         self._drain_window = config.drain_window_s
         self._max_q_delay = config.max_queue_delay_s
         self._slo_guard = config.slo_guard
         self._deadline_order = config.queue_order == "deadline"
-        self._def_ttft = config.default_ttft_slo_s
-        self._def_tpot = config.default_tpot_slo_s
+        self._default_ttft_s = config.default_ttft_slo_s
+        self._default_tpot_s = config.default_tpot_slo_s
         self.step_time = StepTimeFit(config.step_time_a, config.step_time_b, config.step_time_c,
                                      config.step_time_forgetting)
         self._step_budget = 0
         self._agents = config.agent_window
         self._window = config.agent_window_init
-        self._w_min = config.agent_window_min
-        self._w_max = config.agent_window_max
-        self._a_alpha = config.agent_alpha
-        self._a_beta = config.agent_beta
-        self._u_low = config.agent_usage_low
-        self._u_high = config.agent_usage_high
-        self._h_thresh = config.agent_hit_threshold
-        self._a_interval = config.agent_interval_steps
-        self._a_cooldown = config.agent_cooldown_intervals
+        self._window_min = config.agent_window_min
+        self._window_max = config.agent_window_max
+        self._agent_alpha = config.agent_alpha
+        self._agent_beta = config.agent_beta
+        self._usage_low = config.agent_usage_low
+        self._usage_high = config.agent_usage_high
+        self._hit_threshold = config.agent_hit_threshold
+        self._agent_interval_steps = config.agent_interval_steps
+        self._agent_cooldown_intervals = config.agent_cooldown_intervals
         self._idle_s = config.agent_idle_s
         self._cooldown_left = self._n_active = self._activations = 0
-        self._iv_steps = self._iv_hit = self._iv_query = self._window_changes = 0
-        self._iv_usage = self._last_now = 0.0
+        self._interval_steps = self._interval_hit_tokens = self._interval_query_tokens = self._window_changes = 0
+        self._interval_usage_sum = self._last_now = 0.0
         if self._policy == P_AUTO:
-            self._aq_base, self._aq_max = AUTO_QUANTILE, AUTO_MAX_QUANTILE
-            self._aq_target, self._aq_interval = AUTO_TARGET_PREEMPTION_RATE, AUTO_INTERVAL
+            self._quantile_base, self._quantile_max = AUTO_QUANTILE, AUTO_MAX_QUANTILE
+            self._target_preemption_rate, self._adapt_interval = AUTO_TARGET_PREEMPTION_RATE, AUTO_INTERVAL
         self._unowned_blocks = self._max_shared_blocks = 0
         self._n_capped = 0
         self._lengths_window = config.adaptive_window
@@ -327,15 +327,15 @@ cdef class AdmissionCore:
             max_model_len if max_model_len > 0 else num_blocks * block_size,
             config.adaptive_window,
             AUTO_MIN_SAMPLES if self._policy == P_AUTO else config.adaptive_min_samples)
-        self._quantile = self._aq_base
-        self._ratio = self._pr_init
-        self._fen.assign(block_size + 1, 0)
+        self._quantile = self._quantile_base
+        self._ratio = self._predict_init_ratio
+        self._fenwick.assign(block_size + 1, 0)
         self._profile_dirty = True
         self._offsets_dirty = True
         self._queued_tokens = self._reserve_sum = self._seq = self._step = self._run_ctx = 0
         self._n_arrived = self._n_admitted = self._n_preempted = 0
         self._n_finished = self._n_aborted = self._n_len_obs = 0
-        self._win_admits = self._win_preempts = 0
+        self._adapt_admits = self._adapt_preempts = 0
         self._preempted_this_step = False
         self._paused_now = self._n_pauses = 0
         cdef int i
@@ -412,8 +412,8 @@ cdef class AdmissionCore:
         cdef int64_t rem = self._max_new[s] - self._generated[s]
         if rem < 0:
             rem = 0
-        if rem > self._pr_clip:
-            rem = self._pr_clip
+        if rem > self._predict_clip_tokens:
+            rem = self._predict_clip_tokens
         # Admitted this step: charged in full, as SGLang's PrefillAdder does.
         return <double>rem if self._admit_step[s] == self._step else rem * self._ratio
 
@@ -461,18 +461,18 @@ cdef class AdmissionCore:
             return (0 if alone else self._reserve_sum) + self._reserve_blocks(s) <= self.num_blocks
         if alone:
             if self._policy == P_PREDICT and self._queued_of(s) + min(
-                    self._max_new[s], self._pr_clip) >= self.num_blocks * self.block_size:
+                    self._max_new[s], self._predict_clip_tokens) >= self.num_blocks * self.block_size:
                 return False  # its own rule would hold it even on an empty pool
             # Every other policy runs s once it fits alone: its worst-case curve must.
             c.tokens = self._tokens(s)
             c.steps = self._worst_steps(s) + self._prefill_extra_steps(s)
             return peak_blocks_sorted(NULL, 0, &c, self.block_size, self.num_blocks,
-                                      self._fen) <= self.num_blocks
+                                      self._fenwick) <= self.num_blocks
         # peak / adaptive / auto (_decide settles overcommit and predict itself)
         self._ensure_profile()
         c = self._curve(s)
         return peak_blocks_sorted(self._profile.data(), self._profile.size(), &c,
-                                  self.block_size, self.num_blocks, self._fen) \
+                                  self.block_size, self.num_blocks, self._fenwick) \
             + self._shared_term() <= self.num_blocks
 
     cdef inline double _running_context(self) noexcept nogil:
@@ -536,7 +536,7 @@ cdef class AdmissionCore:
             return D_HOLD_BLOCKS
         if self._policy == P_PREDICT:
             # SGLang: admit while prompt + clipped max_new < free tokens - running offsets.
-            if <double>(self._queued_of(s) + min(self._max_new[s] - self._generated[s], self._pr_clip)) \
+            if <double>(self._queued_of(s) + min(self._max_new[s] - self._generated[s], self._predict_clip_tokens)) \
                     >= free_blocks * self.block_size - self._offsets():
                 return D_HOLD_CAPACITY
             return D_ADMIT
@@ -567,10 +567,16 @@ cdef class AdmissionCore:
         self._session.push_back(-1); self._activated_by.push_back(0)
         return s
 
-    cdef int _check_slot(self, int64_t s, int want) except -1:
+    cdef int _check_live(self, int64_t s) except -1:
+        """A slot that holds a request (waiting or running)."""
         if s < 0 or s >= <int64_t>self._state.size() or self._state[s] == ST_FREE:
             raise KeyError(f"slot {s} is not a live request")
-        if want != ST_FREE and self._state[s] != want:
+        return 0
+
+    cdef int _check_slot(self, int64_t s, int want) except -1:
+        """A live slot in state `want` (ST_WAITING or ST_RUNNING)."""
+        self._check_live(s)
+        if self._state[s] != want:
             raise ValueError(
                 f"slot {s} is {STATES[<int>self._state[s]]}, "
                 f"expected {STATES[want]}")
@@ -845,8 +851,8 @@ cdef class AdmissionCore:
         self._bypassed[s] = 0
         self._preempts[s] = 0
         self._pred_total[s] = 0
-        self._ttft[s] = ttft_slo_s if ttft_slo_s >= 0 else self._def_ttft
-        self._tpot[s] = tpot_slo_s if tpot_slo_s >= 0 else self._def_tpot
+        self._ttft[s] = ttft_slo_s if ttft_slo_s >= 0 else self._default_ttft_s
+        self._tpot[s] = tpot_slo_s if tpot_slo_s >= 0 else self._default_tpot_s
         self._arrive_t[s] = now
         self._engine_t[s] = arrival_time
         self._engine_tie[s] = arrival_tie
@@ -1115,7 +1121,7 @@ cdef class AdmissionCore:
                 self._predict_remaining(s) if self._policy == P_ADAPTIVE or self._policy == P_AUTO
                 else self._max_new[s] - self._generated[s])
         self._n_admitted += 1
-        self._win_admits += 1
+        self._adapt_admits += 1
         self._drain.push_back(pair[double, int64_t](self._backlog_s, queued))
         self._drain_tokens += queued
         self._maybe_adapt()
@@ -1142,8 +1148,8 @@ cdef class AdmissionCore:
         self._shared[s] = 0             # it shares nothing until admitted again
         self._enqueue(s)
         self._n_admitted -= 1
-        if self._win_admits > 0:
-            self._win_admits -= 1
+        if self._adapt_admits > 0:
+            self._adapt_admits -= 1
         if not self._drain.empty():
             self._drain_tokens -= self._drain.back().second
             self._drain.pop_back()      # its admission entry (the latest, as a rule)
@@ -1156,12 +1162,12 @@ cdef class AdmissionCore:
         self._activated_by[s] = 0
 
     cdef void _maybe_adapt(self) noexcept:
-        if (self._policy != P_ADAPTIVE and self._policy != P_AUTO) or self._win_admits < self._aq_interval:
+        if (self._policy != P_ADAPTIVE and self._policy != P_AUTO) or self._adapt_admits < self._adapt_interval:
             return
-        self._quantile = c_next_quantile(self._quantile, self._aq_base, self._aq_max,
-                                         self._win_preempts, self._win_admits, self._aq_target)
-        self._win_admits = 0
-        self._win_preempts = 0
+        self._quantile = c_next_quantile(self._quantile, self._quantile_base, self._quantile_max,
+                                         self._adapt_preempts, self._adapt_admits, self._target_preemption_rate)
+        self._adapt_admits = 0
+        self._adapt_preempts = 0
         self._profile_dirty = True
 
     # ------------------------------------------------------------------
@@ -1171,7 +1177,7 @@ cdef class AdmissionCore:
         self._update(slot, computed_tokens, generated_tokens)
 
     cdef int _update(self, int64_t slot, int64_t computed_tokens, int64_t generated_tokens) except -1:
-        self._check_slot(slot, ST_FREE)
+        self._check_live(slot)
         if generated_tokens < 0:
             raise ValueError(f"generated_tokens={generated_tokens}: must be >= 0")
         if computed_tokens < 0 or computed_tokens > self._prompt[slot] + generated_tokens:
@@ -1217,7 +1223,7 @@ cdef class AdmissionCore:
 
     def set_blocks(self, int64_t slot, int64_t blocks):
         """KV blocks the engine holds for a request (for accounting and metrics)."""
-        self._check_slot(slot, ST_FREE)
+        self._check_live(slot)
         if blocks < 0:
             raise ValueError(f"blocks={blocks}: must be >= 0")
         self._blocks[slot] = blocks
@@ -1230,9 +1236,9 @@ cdef class AdmissionCore:
     cdef void _on_step(self) noexcept nogil:
         self._step += 1
         if self._running.empty() and self._waiting.empty():
-            self._ratio = self._pr_init
+            self._ratio = self._predict_init_ratio
         elif not self._preempted_this_step:
-            self._ratio = max(self._ratio - self._pr_decay, self._pr_min)
+            self._ratio = max(self._ratio - self._predict_ratio_decay, self._predict_min_ratio)
         self._preempted_this_step = False
         self._paused_now = 0
         self._offsets_dirty = True
@@ -1253,7 +1259,7 @@ cdef class AdmissionCore:
         self._preempts[s] += 1
         self._enqueue(s)
         self._n_preempted += 1
-        self._win_preempts += 1
+        self._adapt_preempts += 1
         self._preempted_this_step = True
         # SGLang: after a retraction the ratio is re-estimated from the requests kept.
         cdef double gen = 0.0, mx = 0.0
@@ -1261,7 +1267,7 @@ cdef class AdmissionCore:
         for i in range(self._running.size()):
             gen += self._generated[self._running[i]]
             mx += self._max_new[self._running[i]]
-        self._ratio = min(1.0, (gen + self._pr_retract_steps * <double>self._running.size()) / (mx + 1.0))
+        self._ratio = min(1.0, (gen + self._predict_retract_steps * <double>self._running.size()) / (mx + 1.0))
 
     def finish(self, int64_t slot, double now=0.0):
         """A running request is done; its output length feeds the length model."""
@@ -1301,7 +1307,7 @@ cdef class AdmissionCore:
 
     def abort(self, int64_t slot, double now=0.0):
         """The request is gone (client cancelled, engine error): forget it."""
-        self._check_slot(slot, ST_FREE)
+        self._check_live(slot)
         self._note_time(now)
         cdef int32_t s = <int32_t>slot
         if self._state[s] == ST_RUNNING:
@@ -1356,15 +1362,15 @@ cdef class AdmissionCore:
         if not self._agents:
             return
         self._advance(now)
-        self._iv_usage += used_blocks / <double>self.num_blocks
-        self._iv_hit += hit_tokens
-        self._iv_query += query_tokens
-        self._iv_steps += 1
-        if self._iv_steps >= self._a_interval:
-            self._agent_update(self._iv_usage / self._iv_steps,
-                               self._iv_hit / <double>self._iv_query if self._iv_query > 0 else 1.0)
-            self._iv_steps = self._iv_hit = self._iv_query = 0
-            self._iv_usage = 0.0
+        self._interval_usage_sum += used_blocks / <double>self.num_blocks
+        self._interval_hit_tokens += hit_tokens
+        self._interval_query_tokens += query_tokens
+        self._interval_steps += 1
+        if self._interval_steps >= self._agent_interval_steps:
+            self._agent_update(self._interval_usage_sum / self._interval_steps,
+                               self._interval_hit_tokens / <double>self._interval_query_tokens if self._interval_query_tokens > 0 else 1.0)
+            self._interval_steps = self._interval_hit_tokens = self._interval_query_tokens = 0
+            self._interval_usage_sum = 0.0
         if self._n_active > <int64_t>self._window:
             self._pause_excess()
         elif self._n_active >= <int64_t>self._window:
@@ -1412,7 +1418,7 @@ cdef class AdmissionCore:
     def set_shared(self, int64_t slot, int64_t shared_tokens):
         """At admission: prompt tokens of a request that sit in KV blocks other running
         requests already hold (prefix-cache hits on blocks in use). Only auto uses it."""
-        self._check_slot(slot, ST_FREE)
+        self._check_live(slot)
         if shared_tokens < 0 or shared_tokens > self._tokens(<int32_t>slot):
             raise ValueError(f"shared_tokens={shared_tokens}: must be in [0, {self._tokens(<int32_t>slot)}]")
         self.c_set_shared(<int32_t>slot, shared_tokens)
@@ -1426,13 +1432,13 @@ cdef class AdmissionCore:
         self._profile_dirty = True
 
     cdef void _agent_update(self, double usage, double hit_rate) noexcept nogil:
-        cdef double w = c_next_agent_window(self._window, usage, hit_rate, self._a_alpha, self._a_beta,
-                                            self._u_low, self._u_high, self._h_thresh,
-                                            self._w_min, self._w_max)
+        cdef double w = c_next_agent_window(self._window, usage, hit_rate, self._agent_alpha, self._agent_beta,
+                                            self._usage_low, self._usage_high, self._hit_threshold,
+                                            self._window_min, self._window_max)
         if w > self._window and self._cooldown_left > 0:
             w = self._window            # hysteresis: no regrowth right after a cut
         if w < self._window:
-            self._cooldown_left = self._a_cooldown
+            self._cooldown_left = self._agent_cooldown_intervals
         elif self._cooldown_left > 0:
             self._cooldown_left -= 1
         if w != self._window:
@@ -1624,7 +1630,7 @@ cdef class AdmissionCore:
 
     def info(self, int64_t slot):
         """The ledger's numbers for one request."""
-        self._check_slot(slot, ST_FREE)
+        self._check_live(slot)
         return {
             "state": self.state(slot), "prompt_tokens": self._prompt[slot],
             "cached_tokens": self._cached[slot], "computed_tokens": self._computed[slot],
@@ -1639,7 +1645,7 @@ cdef class AdmissionCore:
         """Peak blocks the running requests can reach under the policy's curves."""
         self._ensure_profile()
         return peak_blocks_sorted(self._profile.data(), self._profile.size(), NULL,
-                                  self.block_size, INT64_MAX, self._fen)
+                                  self.block_size, INT64_MAX, self._fenwick)
 
     @property
     def reserved_blocks(self):

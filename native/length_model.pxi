@@ -12,7 +12,7 @@
 
 cdef class OutputLengthModel:
     """Quantiles of recent output lengths, conditioned on tokens generated so far."""
-    cdef vector[int32_t] _fen
+    cdef vector[int32_t] _fenwick
     cdef vector[int32_t] _ring
     cdef int64_t _ring_pos
     cdef int64_t _count
@@ -33,7 +33,7 @@ cdef class OutputLengthModel:
             raise ValueError(f"min_samples={min_samples}: must be >= 1")
         self._bucket = bucket_tokens
         self._nbuckets = cdiv(max_tokens, bucket_tokens)
-        self._fen.assign(self._nbuckets + 1, 0)
+        self._fenwick.assign(self._nbuckets + 1, 0)
         self._window = window
         self._ring.assign(window, -1)
         self._ring_pos = 0
@@ -51,7 +51,7 @@ cdef class OutputLengthModel:
     cdef inline void _add(self, int64_t j, int32_t d) noexcept nogil:
         cdef int64_t i = j + 1
         while i <= self._nbuckets:
-            self._fen[i] += d
+            self._fenwick[i] += d
             i += i & (-i)
 
     cdef inline int64_t _count_upto(self, int64_t j) noexcept nogil:
@@ -61,7 +61,7 @@ cdef class OutputLengthModel:
         if i > self._nbuckets:
             i = self._nbuckets
         while i > 0:
-            total += self._fen[i]
+            total += self._fenwick[i]
             i -= i & (-i)
         return total
 
@@ -71,9 +71,9 @@ cdef class OutputLengthModel:
         while step * 2 <= self._nbuckets:
             step *= 2
         while step > 0:
-            if pos + step <= self._nbuckets and acc + self._fen[pos + step] < target:
+            if pos + step <= self._nbuckets and acc + self._fenwick[pos + step] < target:
                 pos += step
-                acc += self._fen[pos]
+                acc += self._fenwick[pos]
             step //= 2
         return pos  # 0-based bucket index
 

@@ -50,7 +50,7 @@ cdef class NativeEngine:
     cdef readonly BlockAllocator allocator
     cdef int64_t _bs, _nblocks, _max_seqs, _max_active, _budget, _hash_block, _watermark
     cdef bint _chunked, _prefix, _full_input
-    cdef double _ta, _tb, _tc, _sample_dt
+    cdef double _step_a_s, _step_b_s, _step_c_s, _sample_dt
     # requests, by index in arrival order
     cdef vector[double] _arr
     cdef vector[int64_t] _prompt, _out, _maxtok, _prio, _hoff, _hids, _hashed, _parent
@@ -127,7 +127,7 @@ cdef class NativeEngine:
         self._chunked = chunked_prefill
         self._prefix = prefix_caching
         self._full_input = reserve_full_input
-        self._ta, self._tb, self._tc = step_a, step_b, step_c
+        self._step_a_s, self._step_b_s, self._step_c_s = step_a, step_b, step_c
         self._hash_block = hash_block_tokens
         self._sample_dt = sample_interval_s
         self._hoff.push_back(0)
@@ -520,7 +520,7 @@ cdef class NativeEngine:
             if self._sched[r] > 0:
                 batch += self._sched[r]
                 ctx += self._computed[r] + self._sched[r]
-        cdef double dt = self._ta + self._tb * batch + self._tc * ctx
+        cdef double dt = self._step_a_s + self._step_b_s * batch + self._step_c_s * ctx
         cdef double t_end = self._clock + dt
         cdef int64_t used = self._nblocks - self.allocator._free._count
         if used > self._peak_used:
