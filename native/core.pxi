@@ -1652,9 +1652,46 @@ cdef class AdmissionCore:
         """Sum over running of blocks for prompt + max_new (the reserve policy's load)."""
         return self._reserve_sum
 
-    def stats(self):
-        """Counters since construction."""
+    cdef int64_t _forecast_blocks(self):
+        """Blocks the running requests will hold at most, as the policy forecasts it:
+        the peak of their curves (peak, adaptive, auto with its shared prefixes), their
+        reservations (reserve), or what they hold now (overcommit; predict adds its
+        ratio of their remaining tokens)."""
+        cdef int64_t held = 0
+        cdef size_t i
+        if self._policy == P_PEAK or self._policy == P_ADAPTIVE or self._policy == P_AUTO:
+            self._ensure_profile()
+            return peak_blocks_sorted(self._profile.data(), self._profile.size(), NULL,
+                                      self.block_size, INT64_MAX, self._fenwick) \
+                + (self._shared_term() if self._policy == P_AUTO else 0)
+        if self._policy == P_RESERVE:
+            return self._reserve_sum
+        for i in range(self._running.size()):
+            held += cdiv(self._computed[self._running[i]], self.block_size)
+        if self._policy == P_PREDICT:
+            held += <int64_t>ceil(self._offsets() / self.block_size)
+        return held
+
+    def router_signals(self):
+        """What a router in front of several engines can use (kvadmit knows it, their
+        gauges do not): ``kv_headroom_blocks``, the blocks the policy could still admit
+        without a forecast shortfall once the waiting requests' prompts are in;
+        ``admission_pressure``, the forecast plus those prompts over the pool (above 1:
+        more is queued than fits); ``predicted_queue_delay_s``, the wait of a request
+        arriving now behind the queue at the recent admission rate (0 when none is
+        known or nothing waits)."""
+        cdef int64_t demand = self._forecast_blocks() + cdiv(self._queued_tokens, self.block_size)
         return {
+            "kv_headroom_blocks": max(self.num_blocks - demand, 0),
+            "admission_pressure": demand / <double>self.num_blocks,
+            "predicted_queue_delay_s": self._predicted_delay(
+                self._waiting.size(), self._queued_tokens, 0, self._last_now),
+        }
+
+    def stats(self):
+        """Counters since construction, and the router signals."""
+        return {
+            **self.router_signals(),
             "arrived": self._n_arrived, "admitted": self._n_admitted,
             "preempted": self._n_preempted, "paused": self.paused,
             "finished": self._n_finished, "aborted": self._n_aborted,

@@ -40,6 +40,11 @@ def test_prometheus_series_follow_the_core(kvadmit_hooks):
     assert get("kvadmit:rejected_total", {**labels, "reason": "queue_full"}) == 2
     assert get("kvadmit:running", labels) == 0
     assert get("kvadmit:new_token_ratio", labels) == pytest.approx(stats["new_token_ratio"])
+    # the router signals: an idle engine has the whole pool as headroom, no pressure
+    assert get("kvadmit:kv_headroom_blocks", labels) == stats["kv_headroom_blocks"] == \
+        h.adapter.core.num_blocks
+    assert get("kvadmit:admission_pressure", labels) == stats["admission_pressure"] == 0.0
+    assert get("kvadmit:predicted_queue_delay_s", labels) == 0.0
 
 
 def test_internal_state_carries_kvadmit_stats(kvadmit_hooks):

@@ -30,6 +30,11 @@ GAUGES = {
     "queued_tokens": "prompt tokens waiting for prefill",
     "new_token_ratio": "predict policy's new_token_ratio",
     "quantile": "adaptive policy's output-length quantile",
+    "kv_headroom_blocks": "KV pages the admission policy could still admit without a forecast "
+                          "shortfall, after the waiting requests' prompts",
+    "admission_pressure": "forecast KV demand (running peak + waiting prompts) over the pool; "
+                          "above 1: more is queued than fits",
+    "predicted_queue_delay_s": "predicted queueing delay of a request arriving now, seconds",
 }
 # Gauges from stats()'s nested dicts: (dict, key) -> (metric suffix, documentation).
 NESTED_GAUGES = {

@@ -53,6 +53,18 @@ class KvadmitMetrics:
                                   multiprocess_mode="livesum")
         self.active_sessions = Gauge("kvadmit_active_sessions", "Sessions inside the agent window",
                                      multiprocess_mode="livesum")
+        # What a router can use (AdmissionCore.router_signals): summed over engine
+        # processes for headroom, the largest for pressure and delay.
+        self.headroom = Gauge("kvadmit_kv_headroom_blocks",
+                              "KV blocks the admission policy could still admit without a "
+                              "forecast shortfall, after the waiting requests' prompts",
+                              multiprocess_mode="livesum")
+        self.pressure = Gauge("kvadmit_admission_pressure",
+                              "Forecast KV demand (running peak + waiting prompts) over the "
+                              "pool; above 1: more is queued than fits", multiprocess_mode="livemax")
+        self.queue_delay = Gauge("kvadmit_predicted_queue_delay_seconds",
+                                 "Predicted queueing delay of a request arriving now",
+                                 multiprocess_mode="livemax")
         self.last: dict = {}
 
     def update(self, stats: dict) -> None:
@@ -85,6 +97,9 @@ class KvadmitMetrics:
         self.step_b.set(fit["b"])
         self.step_c.set(fit["c"])
         self.agent_window.set(window["size"])
+        self.headroom.set(stats["kv_headroom_blocks"])
+        self.pressure.set(stats["admission_pressure"])
+        self.queue_delay.set(stats["predicted_queue_delay_s"])
         self.active_sessions.set(window["active_sessions"])
 
 
