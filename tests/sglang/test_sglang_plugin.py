@@ -187,3 +187,15 @@ def _raw(target):
 
     obj_path, _, attr = target.rpartition(".")
     return pkgutil.resolve_name(obj_path).__dict__.get(attr)
+
+
+def test_empty_config_is_auto_with_sglangs_shortfall():
+    """--kvadmit-config '{}' runs auto; SGLang cannot pause a request, so a shortfall
+    preempts (retracts); an explicit pause is refused naming the key."""
+    from kvadmit import ConfigError
+    from kvadmit.sglang import adapter
+    cfg = adapter.load_config("{}")
+    assert (cfg.policy, cfg.shortfall, cfg.pause_on_shortfall, cfg.bypass_head_of_line) == \
+        ("auto", "preempt", False, True)
+    with pytest.raises(ConfigError, match="shortfall='pause'"):
+        adapter.load_config('{"shortfall": "pause"}')

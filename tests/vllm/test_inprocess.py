@@ -202,7 +202,16 @@ def test_a_request_put_back_that_the_core_refuses_is_served_untracked(model_dir)
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
 
 
-@pytest.mark.parametrize("policy", ["overcommit", "reserve", "peak", "predict", "adaptive"])
+def test_no_configuration_runs_auto(model_dir):
+    """--scheduler-cls alone (no additional_config) and {} both give auto, pausing
+    (the tiny Llama has one full-attention KV group) and bypassing."""
+    for eng in (InProcessEngine(model_dir, scheduler_cls=Scheduler, max_model_len=512, num_blocks=24),
+                engine(model_dir, {})):
+        cfg = eng.scheduler.kvadmit_config
+        assert (cfg.policy, cfg.pause_on_shortfall, cfg.bypass_head_of_line) == ("auto", True, True)
+
+
+@pytest.mark.parametrize("policy", ["overcommit", "reserve", "peak", "predict", "adaptive", "auto"])
 @pytest.mark.parametrize("stop_early", [False, True])
 def test_every_policy_finishes_everything_and_leaks_nothing(model_dir, policy, stop_early):
     reqs = workload(stop_early=stop_early)
@@ -211,8 +220,8 @@ def test_every_policy_finishes_everything_and_leaks_nothing(model_dir, policy, s
     for rid, (_, m, o) in zip(ids, reqs):
         assert len(eng.log.outputs[rid]) == (o or m), rid
     assert len(eng.log.finished) == len(reqs)
-    if policy in ("reserve", "peak"):
-        assert eng.log.preemptions == 0
+    if policy in ("reserve", "peak") or (policy == "auto" and not stop_early):
+        assert eng.log.preemptions == 0     # auto: every request runs to max_tokens (honest caps)
     s = eng.scheduler
     pool = s.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
