@@ -9,7 +9,7 @@ import vllm
 from kvadmit import ConfigError
 from kvadmit.protocol import Refusal
 from kvadmit.vllm.plugin import check_vllm_config
-from kvadmit_patches import vllm_config_check, vllm_http_status, vllm_retry_after
+from kvadmit_patches import vllm_config_check, vllm_http_status, vllm_orca, vllm_retry_after
 
 
 @pytest.mark.parametrize("patch, owner, name", [
@@ -18,7 +18,9 @@ from kvadmit_patches import vllm_config_check, vllm_http_status, vllm_retry_afte
      "_get_child_sampling_params"),
     (vllm_retry_after, "vllm.entrypoints.launchers.app", "init_entrypoints_middleware"),
     (vllm_config_check, "vllm.engine.arg_utils:EngineArgs", "create_engine_config"),
-], ids=["generate", "child-params", "middleware", "config-check"])
+    (vllm_orca, "vllm.entrypoints.serve.utils.orca_metrics", "get_named_metrics_from_prometheus"),
+    (vllm_orca, "vllm.entrypoints.serve.utils.orca_metrics", "create_orca_header"),
+], ids=["generate", "child-params", "middleware", "config-check", "orca-named", "orca-header"])
 def test_every_patch_applies_to_the_installed_vllm(patch, owner, name):
     import importlib
     assert vllm.__version__ in patch.VERSIONS
@@ -103,3 +105,27 @@ def test_samples_of_a_parallel_request_are_marked():
     params = parent._get_child_sampling_params(1)
     assert params.n == 1 and params.extra_args[SAMPLES_KEY] == "3/p"
 
+
+
+@pytest.mark.parametrize("fmt", ["TEXT", "JSON"])
+def test_orca_header_carries_kvadmits_signals_and_utilization(fmt):
+    """vLLM's own create_orca_header, patched: kvadmit's named metrics pass through and
+    application_utilization is the admission pressure; vLLM's own metrics stay."""
+    import json
+    from vllm.entrypoints.serve.utils import orca_metrics as orca
+    assert vllm_orca.apply()
+    named = [("kv_cache_usage_perc", 0.25), ("kvadmit_kv_headroom_blocks", 12.0),
+             ("kvadmit_admission_pressure", 0.75)]
+    value = orca.create_orca_header(fmt, named)["endpoint-load-metrics"]
+    if fmt == "TEXT":
+        assert value.startswith("TEXT ") and "named_metrics.kvadmit_kv_headroom_blocks=12.0" in value
+        assert value.endswith("application_utilization=0.75")
+        assert "named_metrics.kv_cache_usage_perc=0.25" in value
+    else:
+        report = json.loads(value[len("JSON "):])
+        assert report["application_utilization"] == 0.75
+        assert report["named_metrics"]["kvadmit_kv_headroom_blocks"] == 12.0
+        assert report["named_metrics"]["kv_cache_usage_perc"] == 0.25
+    # Without kvadmit's series (no multiprocess mode) the header is vLLM's own.
+    plain = orca.create_orca_header(fmt, [("kv_cache_usage_perc", 0.25)])["endpoint-load-metrics"]
+    assert "application_utilization" not in plain

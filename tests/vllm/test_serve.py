@@ -134,6 +134,29 @@ def test_metrics_show_kvadmit_counters(server):
     assert "vllm:num_preemptions_total" in text
 
 
+@pytest.mark.parametrize("fmt", ["TEXT", "JSON"])
+def test_orca_load_report_carries_kvadmits_signals(server, fmt):
+    """`endpoint-load-metrics-format` on a request: vLLM's ORCA header, with
+    kvadmit's router signals beside vLLM's own and application_utilization set to
+    the admission pressure (patches/vllm_orca.py)."""
+    base, model, _ = server
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+    raw = client.completions.with_raw_response.create(
+        model=model, prompt=list(range(3, 43)), max_tokens=4,
+        extra_headers={"endpoint-load-metrics-format": fmt})
+    value = raw.headers.get("endpoint-load-metrics")
+    assert value and value.startswith(fmt + " "), value
+    for name in ("kvadmit_kv_headroom_blocks", "kvadmit_admission_pressure",
+                 "kvadmit_predicted_queue_delay_seconds", "kv_cache_usage_perc"):
+        assert name in value, value
+    assert "application_utilization" in value, value
+    if fmt == "JSON":
+        report = json.loads(value[len("JSON "):])
+        assert 0.0 <= report["application_utilization"] == \
+            report["named_metrics"]["kvadmit_admission_pressure"]
+        assert report["named_metrics"]["kvadmit_kv_headroom_blocks"] <= 23
+
+
 def test_request_fields_through_vllm_xargs(server):
     """kvadmit's per-request fields ride on vllm_xargs as flat kvadmit_* keys: a
     feasible target runs, an infeasible one is 503 slo_infeasible, a malformed one
