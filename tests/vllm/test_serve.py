@@ -172,6 +172,29 @@ def test_request_fields_through_vllm_xargs(server):
     assert e.value.status_code == 400 and "kvadmit_ttft_slo_s" in str(e.value), str(e.value)
 
 
+def test_gie_slo_headers_become_kvadmits_fields(server):
+    """x-slo-ttft-ms / x-slo-tpot-ms (the Gateway API Inference Extension's headers)
+    reach kvadmit as the request's SLO fields (patches/vllm_slo_headers.py): an
+    infeasible TTFT target is 503 slo_infeasible, a feasible one runs, the body's own
+    field wins over the header, and a malformed header is a 400 naming the field."""
+    base, model, _ = server
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+
+    def ask(headers, xargs=None):
+        return client.completions.create(model=model, prompt=list(range(5, 45)), max_tokens=4,
+                                         extra_headers=headers,
+                                         extra_body={"vllm_xargs": xargs} if xargs else None)
+
+    with pytest.raises(openai.APIStatusError) as e:
+        ask({"x-slo-ttft-ms": "0.001"})
+    assert e.value.status_code == 503 and "kvadmit:slo_infeasible" in str(e.value)
+    assert ask({"x-slo-ttft-ms": "60000", "x-slo-tpot-ms": "5000"}).usage.completion_tokens == 4
+    assert ask({"x-slo-ttft-ms": "0.001"}, {"kvadmit_ttft_slo_s": 60}).usage.completion_tokens == 4
+    with pytest.raises(openai.APIStatusError) as e:
+        ask({"x-slo-tpot-ms": "soon"})
+    assert e.value.status_code == 400 and "kvadmit_tpot_slo_s" in str(e.value)
+
+
 @pytest.mark.parametrize("bad_id, words", [
     (1024, "prompt_token_ids[2]=1024: outside the model's vocabulary [0, 1024)"),
     (99999, "prompt_token_ids[2]=99999"),

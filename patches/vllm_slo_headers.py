@@ -1,0 +1,91 @@
+"""vLLM 0.32 and 0.33: the Gateway API Inference Extension's SLO request headers as
+kvadmit's per-request SLO fields.
+
+GIE (and llm-d) carry a request's targets in `x-slo-ttft-ms` and `x-slo-tpot-ms`.
+vLLM passes no header to the engine, so this ASGI middleware (installed with
+kvadmit's Retry-After middleware, vllm_retry_after.py) writes them into the JSON body
+of completion and chat-completion requests as the flat `vllm_xargs` keys kvadmit
+reads (`kvadmit_ttft_slo_s`, `kvadmit_tpot_slo_s`, seconds). A field the body already
+sets wins; a malformed header is passed on as it is, so kvadmit refuses it as
+`invalid` naming the field. Other requests pass through untouched.
+"""
+from __future__ import annotations
+
+import json
+
+from kvadmit.request_fields import FLAT_PREFIX
+
+HEADERS = {b"x-slo-ttft-ms": "ttft_slo_s", b"x-slo-tpot-ms": "tpot_slo_s"}
+PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def slo_fields(headers) -> dict:
+    """The flat kvadmit fields the SLO headers ask for (milliseconds -> seconds)."""
+    out = {}
+    for name, value in headers:
+        field = HEADERS.get(name.lower())
+        if field is None:
+            continue
+        text = value.decode("latin-1").strip()
+        try:
+            out[FLAT_PREFIX + field] = float(text) / 1000.0
+        except ValueError:
+            out[FLAT_PREFIX + field] = text     # kvadmit's field check names it
+    return out
+
+
+def with_fields(body: bytes, fields: dict) -> bytes | None:
+    """The JSON body with `fields` added to its vllm_xargs (the body's own win);
+    None if the body is not a JSON object."""
+    try:
+        doc = json.loads(body or b"{}")
+    except ValueError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    xargs = doc.get("vllm_xargs")
+    if xargs is None:
+        xargs = {}
+    if not isinstance(xargs, dict):
+        return None
+    doc["vllm_xargs"] = {**fields, **xargs}
+    return json.dumps(doc).encode()
+
+
+class SloHeaderMiddleware:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in PATHS:
+            return await self.app(scope, receive, send)
+        fields = slo_fields(scope.get("headers", []))
+        if not fields:
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay([message]), send)
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        new = with_fields(body, fields)
+        if new is None:
+            new = body
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(new)).encode()))
+        scope = {**scope, "headers": headers}
+        await self.app(scope, _replay([{"type": "http.request", "body": new, "more_body": False}],
+                                      receive), send)
+
+
+def _replay(messages, then=None):
+    """An ASGI receive that hands out `messages`, then defers to `then`."""
+    pending = list(messages)
+
+    async def receive():
+        if pending:
+            return pending.pop(0)
+        return await then()
+    return receive
