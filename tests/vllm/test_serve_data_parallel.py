@@ -1,0 +1,74 @@
+"""`vllm serve --data-parallel-size 2` on vLLM's CPU build with kvadmit: each data
+parallel rank's engine core runs its own kvadmit scheduler over its own KV pool
+(vLLM's front end balances requests between them); a burst beyond the ranks' queue
+caps is refused with 503 + Retry-After, the rest is served, and the counters add up.
+(Offline `LLM(data_parallel_size=2)` is not supported by vLLM in one process.)"""
+import os
+import subprocess
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from test_serve import complete, free_port, serve_command
+
+openai = pytest.importorskip("openai")
+
+
+def metrics(base):
+    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    return {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines()
+            if (ln.startswith("kvadmit_") or ln.startswith("vllm:num_preemptions_total"))
+            and " " in ln}
+
+
+def test_two_data_parallel_ranks_each_run_kvadmit(model_dir, tmp_path):
+    port = free_port()
+    prom = tmp_path / "prom"
+    prom.mkdir()
+    cmd = serve_command(model_dir, port, {"kvadmit": {"max_queued_requests": 2}}) + \
+        ["--data-parallel-size", "2"]
+    log = tmp_path / "serve.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(prom)))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.time() < deadline, "no /health in 300 s"
+            try:
+                urllib.request.urlopen(base + "/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+
+        def one(i):
+            try:
+                return ("ok", complete(base, model_dir, 60, 64, i).usage.completion_tokens, None)
+            except openai.APIStatusError as e:
+                return (e.status_code, str(e), e.response.headers.get("retry-after"))
+
+        with ThreadPoolExecutor(20) as pool:
+            results = list(pool.map(one, range(20)))
+        served = [r for r in results if r[0] == "ok"]
+        refused = [r for r in results if r[0] != "ok"]
+        assert served and all(n == 64 for _, n, _ in served), results
+        assert refused, results     # 20 at once: more than 2 x (4 running + 2 queued)
+        for status, msg, retry_after in refused:
+            assert status == 503 and "kvadmit:queue_full" in msg and retry_after, (status, msg)
+        # Two engine cores, each with kvadmit: both ranks report vLLM's series, and
+        # kvadmit's counters (summed over the ranks' processes) add up to the burst.
+        m = metrics(base)
+        engines = {k for k in m if k.startswith("vllm:num_preemptions_total")}
+        assert len(engines) == 2, engines
+        assert m.get("kvadmit_admitted_total", 0) == len(served)
+        assert m.get('kvadmit_rejected_total{reason="queue_full"}', 0) == len(refused)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
