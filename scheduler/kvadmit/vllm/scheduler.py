@@ -284,6 +284,7 @@ class _KvadmitMixin:
         self._kvadmit_count_shared = (cfg.policy == "auto" and self.kv_cache_manager.enable_caching
                                       and self._kvadmit_single_full_attention_group())
         self._kvadmit_metrics = process_metrics()
+        self._kvadmit_publish()      # an idle engine's gauges (headroom: the whole pool) from the start
         logger.info("kvadmit: policy=%s victim=%s on %d blocks of %d tokens", cfg.policy,
                     cfg.victim, pool.num_gpu_blocks - 1, self.block_size)
 
