@@ -23,7 +23,7 @@ def test_sweep_table_json_and_plot(tmp_path, capsys):
     for run in res["runs"]:
         rows = {r["policy"]: r for r in run["rows"]}
         assert set(rows) == {"vllm-default", "sglang", "trtllm-no-evict", "trtllm-max-util",
-                             "peak", "adaptive", "oracle"}
+                             "peak", "adaptive", "auto", "oracle"}
         assert rows["peak"]["preemptions"] == rows["trtllm-no-evict"]["preemptions"] == 0
         assert rows["oracle"]["preemptions"] == 0
         for r in rows.values():
@@ -66,3 +66,21 @@ def test_agents_with_prefix_caching_hit_their_history(tmp_path):
                  "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["runs"][0]["rows"]
     assert all(r["prefix_hit_rate"] > 0.5 for r in rows)
+
+
+def test_a_burst_is_a_workload_like_any_other(tmp_path, capsys):
+    """Every request of the trace at one instant: the table and the JSON (it has no
+    rate to report), not an error."""
+    lines = pathlib.Path(AZURE).read_text().splitlines()
+    burst = tmp_path / "burst.csv"
+    burst.write_text("\n".join([lines[0]] + [f"2023-11-16 18:15:46.0000000,{ln.split(',', 1)[1]}"
+                                             for ln in lines[1:61]]) + "\n")
+    out = tmp_path / "burst.json"
+    assert main(["simulate", "--trace", str(burst), *SMALL_POOL, "--policies", "vllm-default",
+                 "auto", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    run, = res["runs"]
+    assert run["offered_rps"] is None
+    for r in run["rows"]:
+        assert r["finished"] + sum(r["rejected"].values()) == 60, r
+    assert {r["policy"] for r in run["rows"]} == {"vllm-default", "auto"}

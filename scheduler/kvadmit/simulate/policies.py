@@ -50,6 +50,9 @@ BUILTIN: dict[str, PolicySpec] = {p.name: p for p in (
                "kvadmit peak: admit if the running set's exact worst-case KV peak fits"),
     PolicySpec("adaptive", {"policy": "adaptive"},
                "kvadmit adaptive: peak over learned output-length quantiles, tuned online"),
+    PolicySpec("auto", {"policy": "auto"},
+               "kvadmit auto, the default (no configuration): learned lengths, honest caps "
+               "detected, shared prefixes counted once, pause instead of preempt, bypass"),
     PolicySpec("oracle", {"policy": "peak"},
                "clairvoyant limit: peak with every request's true output length as max_tokens",
                oracle=True),
