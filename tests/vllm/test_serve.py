@@ -374,7 +374,7 @@ def test_parallel_sampling_is_one_request(server):
     assert len(r.choices) == 3 and {c.finish_reason for c in r.choices} == {"length"}
     assert r.usage.completion_tokens == 3 * 8
     before = metrics(base)
-    pool, futures = load(base, model, 5)           # 3 run (peak), 2 wait
+    pool, futures = load(base, model, 5, max_tokens=400)   # 3 run (peak), 2 wait, long enough to see
     deadline = time.time() + 60
     while metrics(base).get("kvadmit_waiting_requests", 0) < 1:
         assert time.time() < deadline, "the load never queued"
