@@ -217,7 +217,6 @@ cdef class AdmissionCore:
     cdef double _quantile
     cdef deque[char] _capped_window   # auto: whether each recent finish ran to its max_tokens
     cdef int64_t _n_capped            # auto: how many in _capped_window did
-    cdef int64_t _lengths_window
     cdef vector[int64_t] _shared      # auto: prompt tokens a running request shares with others (prefix hits)
     cdef int64_t _unowned_blocks      # auto: blocks in use that no running request's own part counts
     cdef int64_t _max_shared_blocks   # auto: the longest prefix a running request shares, in blocks
@@ -321,7 +320,6 @@ cdef class AdmissionCore:
             self._target_preemption_rate, self._adapt_interval = AUTO_TARGET_PREEMPTION_RATE, AUTO_INTERVAL
         self._unowned_blocks = self._max_shared_blocks = 0
         self._n_capped = 0
-        self._lengths_window = config.adaptive_window
         self._lengths = OutputLengthModel(
             config.adaptive_bucket_tokens,
             max_model_len if max_model_len > 0 else num_blocks * block_size,
@@ -1301,7 +1299,7 @@ cdef class AdmissionCore:
     cdef void _observe_capped(self, bint capped) noexcept nogil:
         self._capped_window.push_back(capped)
         self._n_capped += capped
-        if <int64_t>self._capped_window.size() > self._lengths_window:
+        if <int64_t>self._capped_window.size() > self._lengths._window:   # the same window
             self._n_capped -= self._capped_window.front()
             self._capped_window.pop_front()
 

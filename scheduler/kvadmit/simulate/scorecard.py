@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvadmit.config import AdmissionConfig
-from kvadmit.simulate.engine import EngineShape, run_native
+from kvadmit.simulate.engine import EngineShape
 from kvadmit.simulate.metrics import Slo, summarize
 from kvadmit.simulate.policies import PolicySpec, parse_policy
-from kvadmit.simulate.run import at_load, capacity_rps
+from kvadmit.simulate.run import at_load, capacity_rps, run_policy
 from kvadmit.simulate.steptime import CPU_TINY, StepTimeModel, get_preset
 from kvadmit.simulate.workload import Workload, agent_sessions, from_trace, synthetic
 from kvadmit.traces import load_trace
@@ -165,16 +165,11 @@ def suite(traces_dir: str | pathlib.Path, quick: bool = False) -> list[Case]:
 def run_cell(case: Case, spec: PolicySpec, model_dir: str | None = None) -> dict:
     """One run on the native engine model, or (``model_dir``) on vLLM's real
     scheduler in-process (`kvadmit.simulate.vllm_engine`)."""
-    w = case.workload.with_oracle_caps() if spec.oracle else case.workload
-    if model_dir is None:
-        raw = run_native(w, spec.config(AdmissionConfig()), spec.shape(case.shape), case.step)
-    else:
-        from kvadmit.simulate.vllm_engine import run_vllm
-        raw = run_vllm(w, None if spec.vllm_own else spec.config(AdmissionConfig()),
-                       spec.shape(case.shape), case.step, model_dir)
+    raw = run_policy(case.workload, spec, "native" if model_dir is None else "vllm", case.shape,
+                     case.step, AdmissionConfig(), model_dir)
     t = raw.totals
     s = summarize(raw.per_request, t, case.slo)
-    if t["finished"] + t["rejected"] != len(w) or t["free_blocks_at_end"] != case.shape.num_blocks:
+    if t["finished"] + t["rejected"] != len(case.workload) or t["free_blocks_at_end"] != case.shape.num_blocks:
         raise AssertionError(f"{case.name}/{spec.name}: lost a request or a block")
     return {"steps": t["steps"], "preemptions": t["preemptions"],
             "recomputed_tokens": t["recomputed_tokens"],
