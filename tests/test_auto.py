@@ -3,13 +3,15 @@
 Pool: 40 blocks of 4 tokens unless a row says otherwise. auto's length quantile
 starts at 0.4 and its length model (16-token buckets) predicts after one finish.
 """
+import dataclasses
+
 import pytest
 from hypothesis import given
-from hypothesis import strategies as st
 
 from helpers import add_running, add_waiting, make_core
 from kvadmit import AdmissionConfig
 from kvadmit.lockstep import Request, run_lockstep
+from test_lockstep import workloads
 
 
 def history(core, early: int, capped: int, max_new: int = 100, length: int = 8):
@@ -175,20 +177,13 @@ def test_auto_bypasses_a_held_head_more_than_the_explicit_default():
         assert core.state(big) == "waiting"
 
 
-@st.composite
-def honest_workloads(draw):
-    """Random arrivals and lengths; every request's max_tokens is its real length."""
-    B = draw(st.sampled_from([1, 4, 16]))
-    n = draw(st.integers(1, 30))
-    reqs = []
-    for _ in range(n):
-        m = draw(st.integers(1, 60))
-        reqs.append(Request(draw(st.integers(0, 20)), draw(st.integers(1, 60)), m, m))
-    need = max(-(-(r.prompt_tokens + r.max_new_tokens) // B) for r in reqs)
-    return reqs, draw(st.integers(need, need * 4)), B
+def honest(w):
+    """test_lockstep's random workloads with every max_tokens the request's real length."""
+    reqs, num_blocks, B = w
+    return [dataclasses.replace(r, max_new_tokens=r.output_tokens) for r in reqs], num_blocks, B
 
 
-@given(honest_workloads())
+@given(workloads().map(honest))
 def test_auto_never_preempts_with_honest_caps(w):
     reqs, num_blocks, B = w
     res = run_lockstep(AdmissionConfig(), reqs, num_blocks, B)

@@ -7,11 +7,10 @@ import os
 import subprocess
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from test_serve import complete, free_port, serve_command
+from test_serve import burst, free_port, serve_command
 
 openai = pytest.importorskip("openai")
 
@@ -45,18 +44,9 @@ def test_two_data_parallel_ranks_each_run_kvadmit(model_dir, tmp_path):
             except OSError:
                 time.sleep(1)
 
-        def one(i):
-            try:
-                return ("ok", complete(base, model_dir, 60, 64, i).usage.completion_tokens, None)
-            except openai.APIStatusError as e:
-                return (e.status_code, str(e), e.response.headers.get("retry-after"))
-
-        with ThreadPoolExecutor(20) as pool:
-            results = list(pool.map(one, range(20)))
-        served = [r for r in results if r[0] == "ok"]
-        refused = [r for r in results if r[0] != "ok"]
-        assert served and all(n == 64 for _, n, _ in served), results
-        assert refused, results     # 20 at once: more than 2 x (4 running + 2 queued)
+        served, refused = burst(base, model_dir, 20, 64)
+        assert served and all(n == 64 for _, n, _ in served), served
+        assert refused, served      # 20 at once: more than 2 x (4 running + 2 queued)
         for status, msg, retry_after in refused:
             assert status == 503 and "kvadmit:queue_full" in msg and retry_after, (status, msg)
         # Two engine cores, each with kvadmit: both ranks report vLLM's series, and
