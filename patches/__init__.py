@@ -8,13 +8,19 @@ against, and `apply()` refusing any other version. See patches/README.md.
 
 
 def wrap(owner, name: str, make_wrapper) -> None:
-    """Replaces ``owner.<name>`` by ``make_wrapper(original)``, once: a second call
-    finds the mark and leaves it (patches are applied in every process, maybe twice)."""
+    """Replaces ``owner.<name>`` by ``make_wrapper(original)``, once per patch: a second
+    call with the same `make_wrapper` finds its mark in the chain of wrappers and leaves
+    it (patches are applied in every process, maybe twice); another patch may wrap the
+    same target on top."""
     original = getattr(owner, name)
-    if getattr(original, "__kvadmit_patch__", False):
-        return
+    mark = f"{make_wrapper.__module__}.{make_wrapper.__qualname__}"
+    fn = original
+    while fn is not None:
+        if getattr(fn, "__kvadmit_patch__", None) == mark:
+            return
+        fn = getattr(fn, "__wrapped__", None)
     wrapper = make_wrapper(original)
-    wrapper.__kvadmit_patch__ = True
+    wrapper.__kvadmit_patch__ = mark
     wrapper.__wrapped__ = original
     wrapper.__doc__ = original.__doc__
     setattr(owner, name, wrapper)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from kvadmit.protocol import RETRY_HINT_RE
 from kvadmit_patches import wrap
-from kvadmit_patches.vllm_slo_headers import SloHeaderMiddleware
 
 TARGET = "vllm.entrypoints.launchers.app.init_entrypoints_middleware"
 # 0.33.0 variant: the same hook. vLLM 0.33.0's init_entrypoints_middleware (in
@@ -65,8 +64,6 @@ def apply() -> bool:
         def init_entrypoints_middleware(args, app, *rest, **kwargs):
             result = original(args, app, *rest, **kwargs)
             app.add_middleware(RetryAfterMiddleware)
-            # GIE's x-slo-* request headers as kvadmit's SLO fields (vllm_slo_headers.py)
-            app.add_middleware(SloHeaderMiddleware)
             return result
         return init_entrypoints_middleware
 

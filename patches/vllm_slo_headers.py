@@ -2,8 +2,8 @@
 kvadmit's per-request SLO fields.
 
 GIE (and llm-d) carry a request's targets in `x-slo-ttft-ms` and `x-slo-tpot-ms`.
-vLLM passes no header to the engine, so this ASGI middleware (installed with
-kvadmit's Retry-After middleware, vllm_retry_after.py) writes them into the JSON body
+vLLM passes no header to the engine, so this ASGI middleware (installed when the
+API server app is built, as the Retry-After one, vllm_retry_after.py) writes them into the JSON body
 of completion and chat-completion requests as the flat `vllm_xargs` keys kvadmit
 reads (`kvadmit_ttft_slo_s`, `kvadmit_tpot_slo_s`, seconds). A field the body already
 sets wins; a malformed header is passed on as it is, so kvadmit refuses it as
@@ -14,7 +14,10 @@ from __future__ import annotations
 import json
 
 from kvadmit.request_fields import FLAT_PREFIX
+from kvadmit_patches import wrap
 
+TARGET = "vllm.entrypoints.launchers.app.init_entrypoints_middleware"
+VERSIONS = ("0.32.0", "0.33.0")     # the same hook as vllm_retry_after.py
 HEADERS = {b"x-slo-ttft-ms": "ttft_slo_s", b"x-slo-tpot-ms": "tpot_slo_s"}
 PATHS = ("/v1/completions", "/v1/chat/completions")
 
@@ -89,3 +92,22 @@ def _replay(messages, then=None):
             return pending.pop(0)
         return await then()
     return receive
+
+
+def apply() -> bool:
+    """Installs the middleware hook once; False (nothing done) on other versions."""
+    import vllm
+
+    if vllm.__version__ not in VERSIONS:
+        return False
+    import vllm.entrypoints.launchers.app as app_module
+
+    def make(original):
+        def init_entrypoints_middleware(args, app, *rest, **kwargs):
+            result = original(args, app, *rest, **kwargs)
+            app.add_middleware(SloHeaderMiddleware)
+            return result
+        return init_entrypoints_middleware
+
+    wrap(app_module, "init_entrypoints_middleware", make)
+    return True

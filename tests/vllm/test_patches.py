@@ -9,7 +9,8 @@ import vllm
 from kvadmit import ConfigError
 from kvadmit.protocol import Refusal
 from kvadmit.vllm.plugin import check_vllm_config
-from kvadmit_patches import vllm_config_check, vllm_http_status, vllm_orca, vllm_retry_after
+from kvadmit_patches import (vllm_config_check, vllm_http_status, vllm_orca, vllm_retry_after,
+                             vllm_slo_headers)
 
 
 @pytest.mark.parametrize("patch, owner, name", [
@@ -17,17 +18,23 @@ from kvadmit_patches import vllm_config_check, vllm_http_status, vllm_orca, vllm
     (vllm_http_status, "vllm.v1.engine.parallel_sampling:ParentRequest",
      "_get_child_sampling_params"),
     (vllm_retry_after, "vllm.entrypoints.launchers.app", "init_entrypoints_middleware"),
+    (vllm_slo_headers, "vllm.entrypoints.launchers.app", "init_entrypoints_middleware"),
     (vllm_config_check, "vllm.engine.arg_utils:EngineArgs", "create_engine_config"),
     (vllm_orca, "vllm.entrypoints.serve.utils.orca_metrics", "get_named_metrics_from_prometheus"),
     (vllm_orca, "vllm.entrypoints.serve.utils.orca_metrics", "create_orca_header"),
-], ids=["generate", "child-params", "middleware", "config-check", "orca-named", "orca-header"])
+], ids=["generate", "child-params", "middleware", "slo-headers", "config-check", "orca-named",
+        "orca-header"])
 def test_every_patch_applies_to_the_installed_vllm(patch, owner, name):
     import importlib
     assert vllm.__version__ in patch.VERSIONS
     assert patch.apply(check_vllm_config) if patch is vllm_config_check else patch.apply()
     module, _, cls = owner.partition(":")
     target = getattr(importlib.import_module(module), cls) if cls else importlib.import_module(module)
-    assert getattr(getattr(target, name), "__kvadmit_patch__", False)
+    marks, fn = [], getattr(target, name)
+    while fn is not None:                 # several patches may wrap one target
+        marks.append(getattr(fn, "__kvadmit_patch__", None))
+        fn = getattr(fn, "__wrapped__", None)
+    assert any(m and m.startswith(patch.__name__ + ".") for m in marks), marks
 
 
 def refused_output(refusal: Refusal):

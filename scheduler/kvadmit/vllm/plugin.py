@@ -41,7 +41,8 @@ def check_vllm_config(vllm_config) -> None:
 
 
 def register() -> None:
-    from kvadmit_patches import vllm_config_check, vllm_http_status, vllm_orca, vllm_retry_after
+    from kvadmit_patches import (vllm_config_check, vllm_http_status, vllm_orca, vllm_retry_after,
+                                 vllm_slo_headers)
 
     from kvadmit.vllm.metrics import register_bridge
 
@@ -60,6 +61,10 @@ def register() -> None:
         import vllm
         logger.warning("kvadmit: no Retry-After patch for vLLM %s (written for %s)",
                        vllm.__version__, ", ".join(vllm_retry_after.VERSIONS))
+    if not vllm_slo_headers.apply():
+        import vllm
+        logger.warning("kvadmit: no SLO request-header patch for vLLM %s (written for %s)",
+                       vllm.__version__, ", ".join(vllm_slo_headers.VERSIONS))
     if not vllm_orca.apply():
         import vllm
         logger.warning("kvadmit: no ORCA load-report patch for vLLM %s (written for %s)",
