@@ -45,7 +45,13 @@ cdef inline uint64_t _mix_hash(uint64_t prev, uint64_t value, uint64_t index) no
 cdef class NativeEngine:
     """Continuous-batching engine model around an `AdmissionCore` (see the
     comment at the top of native/sim.pxi). Build it, `add_requests`, `run`,
-    then read `results()`, `totals()` and `timeline()`."""
+    then read `results()`, `totals()` and `timeline()`.
+
+    Or step it on a clock a driver shares with other engines (a fleet): `start(t0)`,
+    then `add_requests` (arrivals not before the last `advance`'s `until`) and
+    `advance(until)` in turns, reading `signals()` and `take_rejections()` between
+    them, and `drain()` at the end. The same requests added at the same times give
+    the results `run` gives."""
     cdef readonly AdmissionCore core
     cdef readonly BlockAllocator allocator
     cdef int64_t _bs, _nblocks, _max_seqs, _max_active, _budget, _hash_block, _watermark
@@ -74,7 +80,11 @@ cdef class NativeEngine:
     cdef vector[int32_t] _paused_reqs  # the requests paused this step
     cdef vector[char] _is_paused       # per request
     cdef int64_t _next                  # position in _open
-    cdef bint _ran
+    cdef bint _ran, _stepping
+    cdef double _horizon                # stepping: no step starts at or after it yet
+    cdef vector[double] _retry          # per request: the rejection's Retry-After (-1: none)
+    cdef vector[int32_t] _rej_log       # rejected requests, in order
+    cdef size_t _rej_taken              # how many of them take_rejections() returned
     # totals
     cdef double _clock, _t0, _kv_block_s, _busy_s, _next_sample
     cdef int64_t _steps, _preemptions, _recomputed, _out_tokens, _prefill_tokens
@@ -147,7 +157,7 @@ cdef class NativeEngine:
         ``delay_s[i]`` after its parent finished or was refused; its arrival_s
         is ignored. ``ttft_slo_s`` / ``tpot_slo_s`` (negative: the config's
         defaults) and ``session`` (-1: none) go to the core with each arrival."""
-        if self._ran:
+        if self._ran and not self._stepping:
             raise RuntimeError("add_requests after run")
         cdef Py_ssize_t n = len(arrival_s), i, base = self._arr.size()
         for name, seq in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens),
@@ -183,6 +193,9 @@ cdef class NativeEngine:
                 raise ValueError(f"delay_s[{i}]={dl}: must be a finite number >= 0")
             if par < 0 and (not isfinite(t) or t < last):
                 raise ValueError(f"arrival_s[{i}]={t}: arrivals must be finite and not decrease")
+            if par < 0 and self._stepping and t < self._horizon:
+                raise ValueError(f"arrival_s[{i}]={t}: before the engine's horizon "
+                                 f"{self._horizon} (the last advance's until)")
             if p < 1:
                 raise ValueError(f"prompt_tokens[{i}]={p}: must be >= 1")
             if o < 1 or o > m:
@@ -219,6 +232,7 @@ cdef class NativeEngine:
         self._is_paused.resize(total, 0)
         self._rstate.resize(total, RQ_PENDING)
         self._reason.resize(total, -1)
+        self._retry.resize(total, -1.0)
         self._t_first.resize(total, -1.0)
         self._t_done.resize(total, -1.0)
         self._blocks.resize(total)
@@ -345,9 +359,11 @@ cdef class NativeEngine:
             self._arr[c] = t + self._delay[c]
             self._released.push(pair[double, int64_t](-self._arr[c], -c))
 
-    cdef void _reject(self, int32_t r, str reason):
+    cdef void _reject(self, int32_t r, Rejection rej):
         self._rstate[r] = RQ_REJECTED
-        self._reason[r] = REJECT_REASONS.index(reason)
+        self._reason[r] = REJECT_REASONS.index(rej.reason)
+        self._retry[r] = rej.retry_after_s if rej.retry_after_s is not None else -1.0
+        self._rej_log.push_back(r)
         self._t_done[r] = self._clock
         self._n_rejected += 1
         self._hashes[r].clear()
@@ -386,9 +402,9 @@ cdef class NativeEngine:
                 v = self._slot_req[slot]
                 self._slot_req[slot] = -1
                 self._slot[v] = -1
-                self._reject(v, rej.reason)
+                self._reject(v, rej)
             if not res.accepted:
-                self._reject(r, res.rejection.reason)
+                self._reject(r, res.rejection)
                 continue
             if res.slot >= <int64_t>self._slot_req.size():
                 self._slot_req.resize(res.slot + 1, -1)
@@ -591,10 +607,21 @@ cdef class NativeEngine:
             raise ValueError("no request has a fixed arrival time (every one has a parent)")
         self._clock = self._t0 = self._arr[self._open[0]]
         self._next_sample = self._t0
+        self._loop(INFINITY, progress, progress_every)
+        if progress is not None:
+            progress(self._n_done + self._n_rejected, total)
+        self._check_idle()
+
+    cdef bint _loop(self, double until, object progress, int64_t progress_every) except -1:
+        """Steps until the clock reaches `until` (no step starts at or after it;
+        an idle engine's clock moves to it) or, with nothing left to arrive, the
+        engine is idle: True then."""
         cdef int64_t since = 0
         cdef int st
         cdef double t
         while True:
+            if self._clock >= until:
+                return False
             self._arrivals()
             st = self._step()
             if st == STEP_PREEMPTED_ONLY:
@@ -603,13 +630,16 @@ cdef class NativeEngine:
                 since += 1
                 if progress is not None and since >= progress_every:
                     since = 0
-                    progress(self._n_done + self._n_rejected, total)
+                    progress(self._n_done + self._n_rejected, <int64_t>self._arr.size())
                 continue
             # Only requests of sessions outside a full agent window wait: sleep until
             # an idle session leaves it (or the next arrival, if sooner).
             if self._running.empty() and not self.core._waiting.empty():
                 t = self.core._next_expiry()
                 if t < INFINITY and t <= self._next_arrival():
+                    if t >= until:
+                        self._clock = max(self._clock, until)
+                        return False
                     self._clock = max(self._clock, t)
                     before = self.core._n_active
                     self.core.expire_sessions(self._clock)
@@ -617,19 +647,96 @@ cdef class NativeEngine:
                     if self.core._n_active < before:
                         continue
             if self._next_arrival() < INFINITY:
+                if self._next_arrival() >= until:
+                    self._clock = max(self._clock, until)
+                    return False
                 self._clock = max(self._clock, self._next_arrival())
                 continue
             if self._running.empty() and self.core._waiting.empty():
-                break
+                if until < INFINITY:
+                    self._clock = max(self._clock, until)
+                return True
             raise RuntimeError(
                 f"native engine stuck at t={self._clock:.3f}s: {self.core._waiting.size()} waiting, "
                 f"{self._running.size()} running, {self.allocator._free._count} free blocks, "
                 f"nothing schedulable")
-        if progress is not None:
-            progress(self._n_done + self._n_rejected, total)
+
+    cdef _check_idle(self):
         if self.allocator._free._count != self._nblocks:
             raise AssertionError(f"leak: {self._nblocks - self.allocator._free._count} blocks "
                                  f"still used at idle")
+
+    # ------------------------------------------------------------------
+    # Stepping: a driver's clock (several engines on one virtual clock)
+    def start(self, double t0):
+        """Starts the engine's clock at `t0` for stepping (instead of `run`)."""
+        if self._ran:
+            raise RuntimeError("start after run or start")
+        if not isfinite(t0):
+            raise ValueError(f"t0={t0}: must be finite")
+        if not self._open.empty() and self._arr[self._open[0]] < t0:
+            raise ValueError(f"t0={t0}: after the first arrival {self._arr[self._open[0]]}")
+        self._ran = self._stepping = True
+        self._clock = self._t0 = self._horizon = t0
+        self._next_sample = t0
+
+    def advance(self, double until):
+        """Runs steps that start before `until` (the clock ends at or past it, at
+        the end of the step that crosses it; an idle engine's clock moves to
+        it). Requests added afterwards must not arrive before `until`. Returns
+        True if the engine is idle with nothing left to arrive."""
+        if not self._stepping:
+            raise RuntimeError("advance before start")
+        if not until >= self._horizon:
+            raise ValueError(f"until={until}: before the last advance's until {self._horizon}")
+        idle = self._loop(until, None, 0)
+        self._horizon = until
+        return idle
+
+    def drain(self):
+        """Steps until every request added is done or refused; checks that every
+        KV block is back."""
+        if not self._stepping:
+            raise RuntimeError("drain before start")
+        self._loop(INFINITY, None, 0)
+        self._horizon = max(self._horizon, self._clock)
+        self._check_idle()
+
+    @property
+    def clock(self):
+        return self._clock
+
+    def take_rejections(self):
+        """The requests refused since the last call, in order: (index, reason,
+        engine time of the refusal, Retry-After in seconds or None)."""
+        cdef list out = []
+        cdef int32_t r
+        while self._rej_taken < self._rej_log.size():
+            r = self._rej_log[self._rej_taken]
+            self._rej_taken += 1
+            out.append((r, REJECT_REASONS[self._reason[r]], self._t_done[r],
+                        self._retry[r] if self._retry[r] >= 0 else None))
+        return out
+
+    def signals(self):
+        """What the engine publishes now: the core's `router_signals()`, vLLM's
+        gauges (waiting, running, KV usage), the blocks running requests hold
+        (Dynamo's active decode blocks), requests finished and refused so far,
+        prefix-cache hit and query tokens so far, and the engine's clock."""
+        cdef int64_t used = self._nblocks - self.allocator._free._count
+        sig = self.core.router_signals()
+        sig["num_requests_waiting"] = self.core._waiting.size()
+        sig["num_requests_running"] = self._running.size()
+        sig["kv_cache_usage_perc"] = used / <double>self._nblocks
+        sig["active_blocks"] = used
+        sig["num_blocks"] = self._nblocks
+        sig["finished"] = self._n_done
+        sig["rejected"] = self._n_rejected
+        sig["preemptions"] = self._preemptions
+        sig["prefix_hit_tokens"] = self._hit_tokens
+        sig["prefix_query_tokens"] = self._query_tokens
+        sig["clock_s"] = self._clock
+        return sig
 
     def results(self):
         """Per request, in the order added: arrival, first-token and finish times
