@@ -44,11 +44,11 @@ def other_workloads(step) -> list[dict]:
     for name, w, blocks, mml in cases:
         base = run_native(w, AdmissionConfig(policy="overcommit"), shape_of(blocks, mml), step).totals
         ours = run_native(w, AdmissionConfig(**CONFIGS["adaptive+pause"]), shape_of(blocks, mml), step).totals
-        rows.append({"workload": name, "vllm_rule": [base["steps"], base["preemptions"]],
-                     "adaptive_pause": [ours["steps"], ours["preemptions"]],
-                     "steps_ratio": ours["steps"] / base["steps"]})
-        print(f"{name:36} {base['steps']:>17}/{base['preemptions']:<6} "
-              f"{ours['steps']:>9}/{ours['preemptions']:<5} {rows[-1]['steps_ratio']:11.3f}")
+        rows.append({"workload": name, "vllm_rule": [base.steps, base.preemptions],
+                     "adaptive_pause": [ours.steps, ours.preemptions],
+                     "steps_ratio": ours.steps / base.steps})
+        print(f"{name:36} {base.steps:>17}/{base.preemptions:<6} "
+              f"{ours.steps:>9}/{ours.preemptions:<5} {rows[-1]['steps_ratio']:11.3f}")
     return rows
 
 
@@ -78,10 +78,10 @@ def main() -> None:
     for name, wl, cfg in runs:
         r = run_native(wl, AdmissionConfig(**cfg), shape, step)
         t = r.totals
-        rows.append({"config": name, "settings": cfg, "steps": t["steps"],
-                     "preemptions": t["preemptions"], "recomputed_tokens": t["recomputed_tokens"],
+        rows.append({"config": name, "settings": cfg, "steps": t.steps,
+                     "preemptions": t.preemptions, "recomputed_tokens": t.recomputed_tokens,
                      "paused": r.extra["core"]["paused"]})
-        print(f"{name:42} {t['steps']:6d} {t['preemptions']:8d} {t['recomputed_tokens']:10d} "
+        print(f"{name:42} {t.steps:6d} {t.preemptions:8d} {t.recomputed_tokens:10d} "
               f"{rows[-1]['paused']:7d}")
     others = other_workloads(step)
     print(f"saved {save('adaptive_frontier', {'rows': rows, 'other_workloads': others})}")

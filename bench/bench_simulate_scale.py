@@ -40,12 +40,12 @@ def main() -> None:
                 raw = run_native(w, cfg, shape, step)
                 tot = raw.totals
                 rows.append({"requests": len(w), "load": load, "policy": name, "build_s": build,
-                             "run_s": raw.wall_s, "steps": tot["steps"],
-                             "preemptions": tot["preemptions"], "finished": tot["finished"],
-                             "rejected": tot["rejected"]})
+                             "run_s": raw.wall_s, "steps": tot.steps,
+                             "preemptions": tot.preemptions, "finished": tot.finished,
+                             "rejected": tot.rejected})
                 print(f"{len(w):9d} {load:5.2f} {name:>12} {build:8.2f} {raw.wall_s:7.2f} "
-                      f"{tot['steps']:9d} {tot['preemptions']:8d} {tot['finished']:9d} "
-                      f"{tot['rejected']:8d}", flush=True)
+                      f"{tot.steps:9d} {tot.preemptions:8d} {tot.finished:9d} "
+                      f"{tot.rejected:8d}", flush=True)
     path = save("simulate_scale", {"trace": args.trace, "preset": step.as_dict(), "rows": rows})
     print(f"saved {path}")
 

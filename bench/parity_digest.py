@@ -67,7 +67,8 @@ def main(argv=None) -> int:
             spec = parse_policy(row)
             raw = run_policy(case.workload, spec, "native", case.shape, case.step, AdmissionConfig())
             runs[f"{case.name}/{spec.name}"] = run_digest(
-                [raw.per_request, raw.totals, raw.extra.get("core", {})])
+                # totals as the dict NativeEngine.totals() gave (the saved digests hash it)
+                [raw.per_request, raw.totals.as_dict(), raw.extra.get("core", {})])
             print(f"  {case.name}/{spec.name}: {runs[f'{case.name}/{spec.name}']}", file=sys.stderr)
     overall = run_digest(runs)
     print(f"{len(runs)} runs, digest {overall} ({time.perf_counter() - t0:.0f} s)")

@@ -125,8 +125,8 @@ def test_agent_workload_with_a_small_window_finishes():
     w = agent_sessions(60, 2.0, seed=1, turns_mean=4, tool_wait_mean_s=1.0)
     raw = run_native(w, AdmissionConfig(policy="overcommit", agent_window=True, agent_window_init=4),
                      EngineShape(num_blocks=1200, prefix_caching=True), get_preset("h100-8b"))
-    assert raw.totals["finished"] + raw.totals["rejected"] == len(w)
-    assert raw.totals["finished"] > len(w) // 2
+    assert raw.totals.finished + raw.totals.rejected == len(w)
+    assert raw.totals.finished > len(w) // 2
     assert set(raw.per_request["rejected"]) <= {None, "context_length"}   # turns past 8192
 
 

@@ -103,9 +103,9 @@ def test_honest_caps_with_a_shared_prefix_do_not_preempt():
     shape = EngineShape(num_blocks=32, block_size=16, max_model_len=512, max_num_seqs=8,
                         max_num_batched_tokens=512, prefix_caching=True)
     run = run_native(w, AdmissionConfig(), shape, CPU_TINY)
-    assert run.totals["prefix_hit_tokens"] == 160          # B really shares A's prompt
-    assert run.totals["preemptions"] == 0 and run.extra["core"]["paused"] == 0
-    assert run.totals["finished"] == 3
+    assert run.totals.prefix_hit_tokens == 160          # B really shares A's prompt
+    assert run.totals.preemptions == 0 and run.extra["core"]["paused"] == 0
+    assert run.totals.finished == 3
 
 
 def test_cancel_admit_forgets_what_the_request_shared():

@@ -112,10 +112,10 @@ def test_native_engine_pauses_instead_of_preempting(policy):
     for shortfall in ("preempt", "pause"):
         r = run_native(w, AdmissionConfig(shortfall=shortfall, **base), shape, get_preset("cpu-tiny"))
         t = r.totals
-        assert t["finished"] == len(w) and t["rejected"] == 0, shortfall
-        assert t["output_tokens"] == sum(w.output_tokens), shortfall
-        assert t["free_blocks_at_end"] == shape.num_blocks, shortfall
-        runs[shortfall] = (t["preemptions"], r.extra["core"]["paused"])
+        assert t.finished == len(w) and t.rejected == 0, shortfall
+        assert t.output_tokens == sum(w.output_tokens), shortfall
+        assert t.free_blocks_at_end == shape.num_blocks, shortfall
+        runs[shortfall] = (t.preemptions, r.extra["core"]["paused"])
     assert runs["preempt"][0] > 0 and runs["preempt"][1] == 0
     assert runs["pause"][1] > 0
     assert runs["pause"][0] < runs["preempt"][0], runs

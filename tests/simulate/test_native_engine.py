@@ -155,3 +155,25 @@ def test_every_request_completes_or_is_refused_and_blocks_come_back(reqs, policy
     assert t["free_blocks_at_end"] == 12
     if policy in ("reserve", "peak"):
         assert t["preemptions"] == 0
+
+
+def test_native_totals_have_exactly_the_totals_fields():
+    """The native engine's counters and the Python drivers' (RunRecord) are one
+    `Totals`: a counter one side adds and the other lacks fails here or in
+    RunRecord.totals (a missing keyword), not silently in a table."""
+    import dataclasses
+
+    from kvadmit.simulate.record import RunRecord, Totals
+    e = engine()
+    e.add_requests([0.0, 0.0], [4, 4], [5, 5], [5, 5])
+    e.run()
+    counts = e.totals()
+    totals = Totals.from_engine(counts)
+    assert totals.as_dict() == counts and list(totals.as_dict()) == list(counts)
+    with pytest.raises(ValueError, match=r"missing \['held_for_blocks'\]"):
+        Totals.from_engine({k: v for k, v in counts.items() if k != "held_for_blocks"})
+    with pytest.raises(ValueError, match=r"not in Totals \['new_counter'\]"):
+        Totals.from_engine({**counts, "new_counter": 1})
+    record = RunRecord(1, 3, 0.0, 1.0).totals(2.0, 3, prefix_hit_tokens=0, prefix_query_tokens=0,
+                                               held_for_blocks=0)
+    assert [f.name for f in dataclasses.fields(record)] == list(counts)

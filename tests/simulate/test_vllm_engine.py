@@ -38,11 +38,11 @@ def served(run, workload):
         else:
             assert pr["finish_s"][i] >= pr["arrival_s"][i] >= 0, i
     t = run.totals
-    assert t["finished"] + t["rejected"] == len(workload)
-    assert t["finished"] == sum(r is None for r in pr["rejected"])
-    assert t["output_tokens"] == sum(pr["output_tokens"])
-    assert t["preemptions"] == sum(pr["preemptions"])
-    assert t["free_blocks_at_end"] == run.extra["vllm_num_gpu_blocks"] - 1
+    assert t.finished + t.rejected == len(workload)
+    assert t.finished == sum(r is None for r in pr["rejected"])
+    assert t.output_tokens == sum(pr["output_tokens"])
+    assert t.preemptions == sum(pr["preemptions"])
+    assert t.free_blocks_at_end == run.extra["vllm_num_gpu_blocks"] - 1
 
 
 def test_hand_made_timeline(model_dir):
@@ -64,13 +64,13 @@ def test_hand_made_timeline(model_dir):
     assert pr["output_tokens"] == [3, 2, 1]
     assert pr["preemptions"] == [0, 0, 0] and pr["rejected"] == [None] * 3
     t = run.totals
-    assert (t["steps"], t["makespan_s"], t["busy_s"]) == (5, 11.0, 5.0)
-    assert t["batch_tokens"] == 40 + 20 + 10 + 3 and t["prefill_tokens"] == 70
-    assert t["output_tokens"] == 6 and t["recomputed_tokens"] == 0
+    assert (t.steps, t.makespan_s, t.busy_s) == (5, 11.0, 5.0)
+    assert t.batch_tokens == 40 + 20 + 10 + 3 and t.prefill_tokens == 70
+    assert t.output_tokens == 6 and t.recomputed_tokens == 0
     # blocks after each step's schedule: 2 (r0: 32 tokens), 5 (r0 3 + r1 2), 5, 3, 1
-    assert t["kv_util_peak"] == 5 / 20
-    assert t["kv_util_mean"] == pytest.approx((2 + 5 + 5 + 3 + 1) / (11.0 * 20))
-    assert (t["finished"], t["rejected"], t["free_blocks_at_end"]) == (3, 0, 20)
+    assert t.kv_util_peak == 5 / 20
+    assert t.kv_util_mean == pytest.approx((2 + 5 + 5 + 3 + 1) / (11.0 * 20))
+    assert (t.finished, t.rejected, t.free_blocks_at_end) == (3, 0, 20)
     tl = run.timeline
     assert tl["t"] == [0.5 * k for k in range(23)]
     # sampled after each step: t=0..1 after step 1, 1.5..2 after step 2, ...
@@ -85,11 +85,11 @@ def test_azure_excerpt_finishes_everything_without_a_leak(model_dir, azure):
                    progress=lambda done, total: calls.append((done, total)))
     served(run, azure)
     t = run.totals
-    assert t["preemptions"] > 0 and t["recomputed_tokens"] > 0   # the pool is overloaded
-    assert t["rejected"] > 0                                     # prompt + cap over 2048
+    assert t.preemptions > 0 and t.recomputed_tokens > 0   # the pool is overloaded
+    assert t.rejected > 0                                     # prompt + cap over 2048
     assert set(run.per_request["rejected"]) == {None, "context_length"}
-    assert 0 < t["kv_util_mean"] <= t["kv_util_peak"] <= 1.0
-    assert t["busy_s"] <= t["makespan_s"]
+    assert 0 < t.kv_util_mean <= t.kv_util_peak <= 1.0
+    assert t.busy_s <= t.makespan_s
     assert calls[-1] == (len(azure), len(azure)) and len(calls) > 1
     tl = run.timeline
     assert len(tl["t"]) > 100 and max(tl["used_blocks"]) <= AZURE_SHAPE.num_blocks
@@ -100,7 +100,7 @@ def test_overcommit_lifo_equals_vllms_own_scheduler(model_dir, azure):
     base = run_vllm(azure, None, AZURE_SHAPE, CPU_TINY, model_dir)
     ours = run_vllm(azure, AdmissionConfig(policy="overcommit", victim="lifo"), AZURE_SHAPE,
                     CPU_TINY, model_dir)
-    assert base.totals["preemptions"] > 0
+    assert base.totals.preemptions > 0
     assert ours.per_request == base.per_request
     assert ours.totals == base.totals
     assert ours.timeline == base.timeline
@@ -115,9 +115,9 @@ def test_peak_never_preempts_where_vllm_does(model_dir):
     peak = run_vllm(w, AdmissionConfig(policy="peak"), shape, CPU_TINY, model_dir)
     served(base, w)
     served(peak, w)
-    assert base.totals["preemptions"] > 0
-    assert peak.totals["preemptions"] == 0 and peak.totals["recomputed_tokens"] == 0
-    assert peak.totals["rejected"] == base.totals["rejected"] == 0
+    assert base.totals.preemptions > 0
+    assert peak.totals.preemptions == 0 and peak.totals.recomputed_tokens == 0
+    assert peak.totals.rejected == base.totals.rejected == 0
     assert peak.extra["core"]["preempted"] == 0
 
 
@@ -150,8 +150,8 @@ def test_prefix_ids_become_shared_tokens(model_dir):
     run = run_vllm(w, None, shape, StepTimeModel(0.01, 1e-5, 1e-7), model_dir)
     served(run, w)
     t = run.totals
-    assert t["prefix_query_tokens"] > 0
-    assert t["prefix_hit_tokens"] > 0.5 * sum(w.prompt_tokens[i] for i in range(len(w))
+    assert t.prefix_query_tokens > 0
+    assert t.prefix_hit_tokens > 0.5 * sum(w.prompt_tokens[i] for i in range(len(w))
                                                if w.parent[i] >= 0)
     pr = run.per_request
     for i, p in enumerate(w.parent):
@@ -184,7 +184,7 @@ def test_matches_the_native_engine(model_dir, config, rate, full_input):
     ours = run_vllm(w, config, shape, CPU_TINY, model_dir)
     native = run_native(w, config or AdmissionConfig(policy="overcommit"), shape, CPU_TINY)
     if config is None:
-        assert native.totals["preemptions"] > 0
+        assert native.totals.preemptions > 0
     elif config is PAUSE or config.policy == "auto":
         # Both engines paused the same requests in the same steps.
         assert native.extra["core"]["paused"] > 0
@@ -193,9 +193,9 @@ def test_matches_the_native_engine(model_dir, config, rate, full_input):
         assert "queue_delay" in native.per_request["rejected"]
     for k in ("steps", "preemptions", "recomputed_tokens", "output_tokens", "prefill_tokens",
               "batch_tokens", "finished", "rejected", "free_blocks_at_end"):
-        assert ours.totals[k] == native.totals[k], k
+        assert getattr(ours.totals, k) == getattr(native.totals, k), k
     for k in ("makespan_s", "busy_s", "kv_util_mean", "kv_util_peak"):
-        assert ours.totals[k] == pytest.approx(native.totals[k]), k
+        assert getattr(ours.totals, k) == pytest.approx(getattr(native.totals, k)), k
     a, b = ours.per_request, native.per_request
     assert a["rejected"] == b["rejected"]
     for i in range(len(w)):
@@ -227,15 +227,15 @@ def test_vllm_knobs_match_the_native_engine(model_dir, knob, prefix):
     ours = run_vllm(w, None, shape, CPU_TINY, model_dir)
     native = run_native(w, spec.config(AdmissionConfig()), shape, CPU_TINY)
     plain = run_native(w, AdmissionConfig(policy="overcommit"), base, CPU_TINY)
-    assert (native.totals["steps"], native.totals["preemptions"]) != \
-        (plain.totals["steps"], plain.totals["preemptions"])
+    assert (native.totals.steps, native.totals.preemptions) != \
+        (plain.totals.steps, plain.totals.preemptions)
     keys = ["steps", "preemptions", "recomputed_tokens", "output_tokens", "prefill_tokens",
             "batch_tokens", "finished", "rejected", "free_blocks_at_end"]
     if prefix:
-        assert native.totals["preemptions"] > 0 and native.totals["prefix_hit_tokens"] > 0
+        assert native.totals.preemptions > 0 and native.totals.prefix_hit_tokens > 0
         keys += ["prefix_hit_tokens", "prefix_query_tokens"]
     for k in keys:
-        assert ours.totals[k] == native.totals[k], k
+        assert getattr(ours.totals, k) == getattr(native.totals, k), k
     a, b = ours.per_request, native.per_request
     assert a["rejected"] == b["rejected"]
     for i in range(len(w)):
@@ -258,10 +258,10 @@ def test_auto_with_prefix_caching_matches_the_native_engine(model_dir):
     ours = run_vllm(w, AdmissionConfig(), shape, CPU_TINY, model_dir)
     native = run_native(w, AdmissionConfig(), shape, CPU_TINY)
     counted_per_request = run_native(w, AdmissionConfig(policy="adaptive"), shape, CPU_TINY)
-    assert native.totals["steps"] < counted_per_request.totals["steps"]
+    assert native.totals.steps < counted_per_request.totals.steps
     for k in ("steps", "preemptions", "recomputed_tokens", "output_tokens", "finished", "rejected",
               "free_blocks_at_end", "prefix_hit_tokens"):
-        assert ours.totals.get(k) == native.totals[k], k
+        assert getattr(ours.totals, k) == getattr(native.totals, k), k
     assert ours.extra["core"]["paused"] == native.extra["core"]["paused"]
 
 

@@ -5,6 +5,7 @@ import pathlib
 import pytest
 
 from kvadmit.simulate.metrics import Slo, percentile, summarize
+from kvadmit.simulate.record import Totals
 from kvadmit.simulate.steptime import H100, LLAMA_8B, PRESETS, StepTimeModel, roofline
 from kvadmit.simulate.workload import agent_sessions, from_trace, synthetic
 from kvadmit.traces import TraceError
@@ -81,9 +82,10 @@ def test_goodput_counts_refused_requests_as_misses():
     per = {"arrival_s": [0.0, 0.0, 1.0, 2.0], "first_token_s": [0.5, 3.0, 1.2, -1.0],
            "finish_s": [1.5, 3.5, 3.2, 2.0], "output_tokens": [11, 6, 3, 0],
            "preemptions": [0, 0, 0, 0], "rejected": [None, None, None, "queue_full"]}
-    totals = {"makespan_s": 4.0, "output_tokens": 20, "preemptions": 0, "recomputed_tokens": 0,
-              "steps": 9, "kv_util_mean": 0.5, "kv_util_peak": 0.9, "prefix_hit_tokens": 0,
-              "prefix_query_tokens": 0}
+    totals = Totals(makespan_s=4.0, output_tokens=20, preemptions=0, recomputed_tokens=0,
+                    steps=9, kv_util_mean=0.5, kv_util_peak=0.9, prefix_hit_tokens=0,
+                    prefix_query_tokens=0, prefill_tokens=20, batch_tokens=40, held_for_blocks=0,
+                    busy_s=4.0, finished=3, rejected=1, free_blocks_at_end=10)
     s = summarize(per, totals, Slo(ttft_s=1.0, tpot_s=0.5))
     # TTFT 0.5/3.0/0.2, TPOT 0.1/0.1/1.0: only the first meets both
     assert s["goodput"] == 0.25 and s["finished"] == 3 and s["rejected"] == {"queue_full": 1}

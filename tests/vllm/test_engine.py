@@ -85,9 +85,9 @@ def test_real_lengths_below_the_cap(model_dir, tmp_path):
                       ("auto", AdmissionConfig())):
         sim = run_native(w, cfg, shape, get_preset("cpu-tiny")).totals
         real = rows[name]
-        assert abs(sim["steps"] - real["steps"]) <= 0.15 * real["steps"], (name, sim, real)
-        assert abs(sim["preemptions"] - real["preemptions"]) <= max(2, 0.15 * real["preemptions"]), \
-            (name, sim["preemptions"], real["preemptions"])
+        assert abs(sim.steps - real["steps"]) <= 0.15 * real["steps"], (name, sim, real)
+        assert abs(sim.preemptions - real["preemptions"]) <= max(2, 0.15 * real["preemptions"]), \
+            (name, sim.preemptions, real["preemptions"])
 
 
 def test_config_names():

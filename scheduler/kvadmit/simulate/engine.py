@@ -2,8 +2,8 @@
 
 `run_native` drives the compiled engine model (`kvadmit._native.NativeEngine`);
 `kvadmit.simulate.vllm_engine.run_vllm` drives vLLM's real V1 scheduler. Both
-return a `RawRun` with the same fields, so metrics, tables and plots do not
-care which engine ran.
+return a `RawRun` with the same fields (its totals one `Totals`), so metrics,
+tables and plots do not care which engine ran.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from kvadmit._native import NativeEngine
 from kvadmit.config import AdmissionConfig
+from kvadmit.simulate.record import Totals
 from kvadmit.simulate.steptime import StepTimeModel
 from kvadmit.simulate.workload import Workload
 
@@ -56,10 +57,10 @@ class EngineShape:
 class RawRun:
     """What one engine run produced. ``per_request`` columns are in workload order:
     arrival_s, first_token_s, finish_s (-1: never), output_tokens, preemptions,
-    rejected (reason or None). ``totals`` and ``timeline`` as NativeEngine's."""
+    rejected (reason or None). ``timeline`` as NativeEngine's."""
     engine: str
     per_request: dict
-    totals: dict
+    totals: Totals
     timeline: dict
     wall_s: float
     extra: dict = field(default_factory=dict)
@@ -91,5 +92,5 @@ def run_native(workload: Workload, config: AdmissionConfig, shape: EngineShape,
                      workload.ttft_slo_s, workload.tpot_slo_s, workload.session)
     eng.run(progress=progress)
     wall = time.perf_counter() - t0
-    return RawRun("native", eng.results(), eng.totals(), eng.timeline(), wall,
+    return RawRun("native", eng.results(), Totals.from_engine(eng.totals()), eng.timeline(), wall,
                   extra={"core": eng.core.stats()})

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvadmit.simulate.record import Totals
+
 
 @dataclass(frozen=True)
 class Slo:
@@ -46,7 +48,7 @@ def request_latencies(per_request: dict) -> tuple[list[float], list[float], list
     return ttft, tpot, served
 
 
-def summarize(per_request: dict, totals: dict, slo: Slo, ttft_slo_s: list[float] | None = None,
+def summarize(per_request: dict, totals: Totals, slo: Slo, ttft_slo_s: list[float] | None = None,
               tpot_slo_s: list[float] | None = None) -> dict:
     n = len(per_request["arrival_s"])
     ttft, tpot, served = request_latencies(per_request)
@@ -61,18 +63,18 @@ def summarize(per_request: dict, totals: dict, slo: Slo, ttft_slo_s: list[float]
     for r in per_request["rejected"]:
         if r is not None:
             rejected[r] = rejected.get(r, 0) + 1
-    span = totals["makespan_s"]
+    span = totals.makespan_s
     st, sp = sorted(ttft), sorted(tpot)
     return {
         "requests": n, "finished": sum(served), "rejected": rejected,
         "goodput": good / n if n else 0.0,
         "good_rps": good / span if span > 0 else 0.0,
-        "throughput_tok_s": totals["output_tokens"] / span if span > 0 else 0.0,
+        "throughput_tok_s": totals.output_tokens / span if span > 0 else 0.0,
         "ttft_p50_s": percentile(st, 50), "ttft_p99_s": percentile(st, 99),
         "tpot_p50_s": percentile(sp, 50), "tpot_p99_s": percentile(sp, 99),
-        "preemptions": totals["preemptions"], "recomputed_tokens": totals["recomputed_tokens"],
-        "steps": totals["steps"], "makespan_s": span,
-        "kv_util_mean": totals["kv_util_mean"], "kv_util_peak": totals["kv_util_peak"],
-        "prefix_hit_rate": (totals["prefix_hit_tokens"] / totals["prefix_query_tokens"]
-                            if totals.get("prefix_query_tokens") else 0.0),
+        "preemptions": totals.preemptions, "recomputed_tokens": totals.recomputed_tokens,
+        "steps": totals.steps, "makespan_s": span,
+        "kv_util_mean": totals.kv_util_mean, "kv_util_peak": totals.kv_util_peak,
+        "prefix_hit_rate": (totals.prefix_hit_tokens / totals.prefix_query_tokens
+                            if totals.prefix_query_tokens else 0.0),
     }

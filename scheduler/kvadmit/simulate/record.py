@@ -3,8 +3,8 @@
 One definition of the run's accounting for the Python engine drivers (vLLM's
 scheduler on the virtual clock, `kvadmit.simulate.vllm_engine`); the compiled
 native engine (`native/sim.pxi`) keeps the same counters with the same
-definitions, and the parity tests (tests/simulate/test_vllm_engine.py) hold both
-to the same numbers:
+definitions, both report them as one `Totals`, and the parity tests
+(tests/simulate/test_vllm_engine.py) hold both to the same numbers:
 - a step is a schedule that computed tokens; its batch is its scheduled tokens;
 - recomputed tokens: tokens computed again below the most a request had computed
   (after a preemption threw its KV away);
@@ -15,7 +15,49 @@ to the same numbers:
 """
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 PENDING, IN_ENGINE, DONE, REJECTED = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class Totals:
+    """A run's totals, the same fields from every engine driver: `RunRecord.totals`
+    (vLLM's scheduler) builds it, `Totals.from_engine` checks the native engine's
+    dict against it (a counter one engine adds and the other lacks fails there, and
+    in tests/simulate/test_vllm_engine.py). The field order is the JSON key order."""
+    steps: int
+    preemptions: int
+    recomputed_tokens: int
+    output_tokens: int
+    prefill_tokens: int
+    batch_tokens: int
+    prefix_hit_tokens: int        # prefix-cache hits over queries, counted at each admission
+    prefix_query_tokens: int
+    held_for_blocks: int          # admissions the core held for lack of blocks (vLLM: 0, unknown)
+    makespan_s: float             # first open-loop arrival to the last step's end
+    busy_s: float                 # modelled time spent in steps
+    kv_util_mean: float           # block-seconds used over makespan x pool
+    kv_util_peak: float
+    finished: int
+    rejected: int
+    free_blocks_at_end: int
+
+    @classmethod
+    def from_engine(cls, counts: dict) -> "Totals":
+        """The totals of an engine that reports them as a dict (`NativeEngine.totals()`):
+        its keys must be exactly these fields."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing = [k for k in names if k not in counts]
+        extra = [k for k in counts if k not in names]
+        if missing or extra:
+            raise ValueError(f"engine totals do not match Totals: missing {missing}, "
+                             f"not in Totals {extra}")
+        return cls(**counts)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 class RunRecord:
@@ -104,20 +146,22 @@ class RunRecord:
     def unfinished(self) -> list[int]:
         return [i for i in range(self.n) if self.state[i] not in (DONE, REJECTED)]
 
-    def totals(self, clock: float, free_blocks: int, **engine_counts) -> dict:
+    def totals(self, clock: float, free_blocks: int, *, prefix_hit_tokens: int,
+               prefix_query_tokens: int, held_for_blocks: int) -> Totals:
+        """The run's totals at `clock`; the engine's own counters are its to give."""
         span = clock - self.t0
         nb = self.num_blocks
-        return {
-            "steps": self.steps, "preemptions": self.preemptions,
-            "recomputed_tokens": self.recomputed, "output_tokens": self.out_tokens,
-            "prefill_tokens": self.prefill_tokens, "batch_tokens": self.batch_tokens,
-            **engine_counts,
-            "makespan_s": span, "busy_s": self.busy_s,
-            "kv_util_mean": self.kv_block_s / (span * nb) if span > 0 else 0.0,
-            "kv_util_peak": self.peak_used / nb,
-            "finished": self.finished, "rejected": self.rejected,
-            "free_blocks_at_end": free_blocks,
-        }
+        return Totals(
+            steps=self.steps, preemptions=self.preemptions,
+            recomputed_tokens=self.recomputed, output_tokens=self.out_tokens,
+            prefill_tokens=self.prefill_tokens, batch_tokens=self.batch_tokens,
+            prefix_hit_tokens=prefix_hit_tokens, prefix_query_tokens=prefix_query_tokens,
+            held_for_blocks=held_for_blocks,
+            makespan_s=span, busy_s=self.busy_s,
+            kv_util_mean=self.kv_block_s / (span * nb) if span > 0 else 0.0,
+            kv_util_peak=self.peak_used / nb,
+            finished=self.finished, rejected=self.rejected,
+            free_blocks_at_end=free_blocks)
 
     def per_request(self) -> dict:
         return {"arrival_s": self.arrival, "first_token_s": self.first_token,

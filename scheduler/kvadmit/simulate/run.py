@@ -77,11 +77,12 @@ def capacity_rps(workload: Workload, shape: EngineShape, step: StepTimeModel,
                    max_tokens=[workload.max_tokens[i] for i in idx])
     raw = run_native(sat, AdmissionConfig(policy="overcommit", victim="lifo"),
                      replace(shape, prefix_caching=False), step)
-    if raw.totals["finished"] == 0 or raw.totals["makespan_s"] <= 0:
+    t = raw.totals
+    if t.finished == 0 or t.makespan_s <= 0:
         raise ValueError(f"workload {workload.name}: no request of the first {n} completes on "
-                         f"this engine shape (rejections: {raw.totals['rejected']}), so it has "
+                         f"this engine shape (rejections: {t.rejected}), so it has "
                          f"no capacity to scale --load by")
-    return raw.totals["finished"] / raw.totals["makespan_s"]
+    return t.finished / t.makespan_s
 
 
 def offered_rps(workload: Workload) -> float:

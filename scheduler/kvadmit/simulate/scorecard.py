@@ -169,14 +169,14 @@ def run_cell(case: Case, spec: PolicySpec, model_dir: str | None = None) -> dict
                      case.step, AdmissionConfig(), model_dir)
     t = raw.totals
     s = summarize(raw.per_request, t, case.slo)
-    if t["finished"] + t["rejected"] != len(case.workload) or t["free_blocks_at_end"] != case.shape.num_blocks:
+    if t.finished + t.rejected != len(case.workload) or t.free_blocks_at_end != case.shape.num_blocks:
         raise AssertionError(f"{case.name}/{spec.name}: lost a request or a block")
-    return {"steps": t["steps"], "preemptions": t["preemptions"],
-            "recomputed_tokens": t["recomputed_tokens"],
+    return {"steps": t.steps, "preemptions": t.preemptions,
+            "recomputed_tokens": t.recomputed_tokens,
             "paused": raw.extra.get("core", {}).get("paused", 0),
             "goodput": s["goodput"], "throughput_tok_s": s["throughput_tok_s"],
-            "makespan_s": t["makespan_s"], "ttft_p99_s": s["ttft_p99_s"],
-            "finished": t["finished"], "rejected": t["rejected"], "wall_s": raw.wall_s}
+            "makespan_s": t.makespan_s, "ttft_p99_s": s["ttft_p99_s"],
+            "finished": t.finished, "rejected": t.rejected, "wall_s": raw.wall_s}
 
 
 def best_watermark(cells: dict[str, dict]) -> str:

@@ -616,10 +616,10 @@ def simulate(config: BenchConfig, workload: list[BenchRequest], engine: BenchEng
     cfg, shape = config.sim(engine.sim_shape())
     raw = run_native(as_burst(workload), cfg, shape, get_preset("cpu-tiny"))
     t = raw.totals
-    return {"config": config.label, "steps": t["steps"], "preemptions": t["preemptions"],
-            "recomputed_tokens": t["recomputed_tokens"],
-            "paused": raw.extra["core"].get("paused", 0), "makespan_s": t["makespan_s"],
-            "finished": t["finished"], "rejected": t["rejected"]}
+    return {"config": config.label, "steps": t.steps, "preemptions": t.preemptions,
+            "recomputed_tokens": t.recomputed_tokens,
+            "paused": raw.extra["core"].get("paused", 0), "makespan_s": t.makespan_s,
+            "finished": t.finished, "rejected": t.rejected}
 
 
 def default_goals(rows: list[dict], sims: dict[str, dict], honest: bool) -> dict | None:
