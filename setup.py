@@ -1,6 +1,6 @@
-"""Builds the compiled core, kvadmit._native, from the Cython sources in native/.
-
-and lays out the packages; the metadata lives in pyproject.toml.
+"""Builds the compiled core, kvadmit._native and the modules it builds on, from the
+Cython sources in native/kvadmit/, and lays out the packages; the metadata lives in
+pyproject.toml.
 """
 from Cython.Build import cythonize
 from setuptools import Extension, find_packages, setup
@@ -11,13 +11,23 @@ packages = find_packages("scheduler") + ["kvadmit_patches"] + [
     "kvadmit_patches." + p for p in find_packages("patches")]
 package_dir = {"": "scheduler", "kvadmit_patches": "patches"}
 
+# The compiled core: one extension module per part, each native/kvadmit/<name>.pyx
+# with a .pxd declaring the C-level API its users cimport. native/ is on Cython's
+# include path, so `from kvadmit._allocator cimport BlockAllocator` finds
+# native/kvadmit/_allocator.pxd, and every module compiles under the name Python
+# imports it by. Leaves first; kvadmit._native (the core and the engine model)
+# re-exports them all.
+NATIVE_MODULES = ["_free_queue", "_allocator", "_curves", "_length_model", "_step_time",
+                  "_agent_window", "_native"]
+
 extensions = [
     Extension(
-        "kvadmit._native",
-        sources=["native/_native.pyx"],
+        f"kvadmit.{name}",
+        sources=[f"native/kvadmit/{name}.pyx"],
         language="c++",
         extra_compile_args=["-O3", "-std=c++17"],
     )
+    for name in NATIVE_MODULES
 ]
 
 setup(
@@ -25,6 +35,7 @@ setup(
     package_dir=package_dir,
     ext_modules=cythonize(
         extensions,
+        include_path=["native"],
         compiler_directives={
             "language_level": "3",
             "boundscheck": False,

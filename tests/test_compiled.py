@@ -6,6 +6,10 @@ import pathlib
 import kvadmit
 from kvadmit import _native
 
+# The compiled modules setup.py builds (native/kvadmit/*.pyx).
+NATIVE_MODULES = sorted(p.stem for p in (pathlib.Path(__file__).resolve().parents[1]
+                                         / "native" / "kvadmit").glob("*.pyx"))
+
 
 def test_native_module_is_an_extension_module():
     path = pathlib.Path(_native.__file__)
@@ -18,7 +22,11 @@ def test_native_module_is_an_extension_module():
 def test_core_classes_are_extension_types():
     for cls in (kvadmit.AdmissionCore, kvadmit.BlockAllocator, kvadmit.FreeBlockQueue,
                 kvadmit.BlockObjectQueue, kvadmit.OutputLengthModel):
-        assert cls.__module__ == "kvadmit._native"
+        # Each lives in one of the core's compiled modules (kvadmit._native re-exports them).
+        assert getattr(_native, cls.__name__) is cls
+        module = importlib.import_module(cls.__module__)
+        assert cls.__module__.startswith("kvadmit._"), cls.__module__
+        assert isinstance(module.__loader__, importlib.machinery.ExtensionFileLoader), cls.__module__
         # Extension types have no Python source and no instance __dict__.
         assert not hasattr(cls, "__dict__") or "__dict__" not in cls.__dict__
         try:
@@ -30,4 +38,12 @@ def test_core_classes_are_extension_types():
 
 def test_no_python_fallback_module_next_to_the_extension():
     pkg = pathlib.Path(kvadmit.__file__).parent
-    assert not (pkg / "_native.py").exists()
+    for name in NATIVE_MODULES:
+        assert not (pkg / f"{name}.py").exists(), name
+
+
+def test_every_native_module_is_an_extension_module():
+    assert {"_native", "_allocator", "_curves"} <= set(NATIVE_MODULES), NATIVE_MODULES
+    for name in NATIVE_MODULES:
+        module = importlib.import_module(f"kvadmit.{name}")
+        assert isinstance(module.__loader__, importlib.machinery.ExtensionFileLoader), name

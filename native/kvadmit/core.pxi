@@ -1299,7 +1299,7 @@ cdef class AdmissionCore:
     cdef void _observe_capped(self, bint capped) noexcept nogil:
         self._capped_window.push_back(capped)
         self._n_capped += capped
-        if <int64_t>self._capped_window.size() > self._lengths._window:   # the same window
+        if <int64_t>self._capped_window.size() > self._lengths.c_window():   # the same window
             self._n_capped -= self._capped_window.front()
             self._capped_window.pop_front()
 

@@ -15,17 +15,15 @@
 # hash too, is freed to the tail and evicted on its own; a lookup answers the
 # earliest cached block still holding the hash.
 
+from cython.operator cimport dereference as deref
+from libc.stdint cimport int32_t, int64_t, uint64_t
+from libcpp.unordered_map cimport unordered_map
+from libcpp.vector cimport vector
+
+from kvadmit._free_queue cimport FreeBlockQueue
+
 cdef class BlockAllocator:
     """Fixed pool of ``num_blocks`` KV blocks: allocate/free/share/cache, O(1) a block."""
-    cdef FreeBlockQueue _free
-    cdef vector[int32_t] _ref
-    cdef vector[uint64_t] _hash
-    cdef vector[char] _has_hash
-    cdef unordered_map[uint64_t, int32_t] _cached      # hash -> its earliest cached block
-    cdef unordered_map[uint64_t, vector[int32_t]] _dups  # hash -> later blocks, in caching order
-    cdef int32_t _n
-    cdef int64_t _num_cached_free
-    cdef int64_t _num_hashed                            # blocks holding a hash
 
     def __cinit__(self, int64_t num_blocks):
         if num_blocks < 1 or num_blocks > 2_000_000_000:
@@ -71,7 +69,7 @@ cdef class BlockAllocator:
 
     cdef int c_allocate(self, int64_t n, int32_t* out) noexcept nogil:
         """Takes n blocks into out[0..n); -1 (nothing taken) if fewer are free."""
-        if n < 0 or n > self._free._count:
+        if n < 0 or n > self._free.c_len():
             return -1
         cdef int64_t i
         cdef int32_t b
@@ -136,12 +134,6 @@ cdef class BlockAllocator:
         self._free.c_prepend(b)
         return True
 
-    cdef inline int32_t c_lookup(self, uint64_t h) noexcept nogil:
-        cdef unordered_map[uint64_t, int32_t].iterator it = self._cached.find(h)
-        if it == self._cached.end():
-            return -1
-        return deref(it).second
-
     cdef int64_t c_prefix_hits(self, const uint64_t* hashes, int64_t n) noexcept nogil:
         cdef int64_t i
         for i in range(n):
@@ -157,7 +149,7 @@ cdef class BlockAllocator:
     @property
     def num_free(self):
         """Blocks with no owner (includes cached-free ones)."""
-        return self._free._count
+        return self._free.c_len()
 
     @property
     def num_cached_free(self):
@@ -166,7 +158,7 @@ cdef class BlockAllocator:
 
     @property
     def num_used(self):
-        return self._n - self._free._count
+        return self._n - self._free.c_len()
 
     @property
     def num_cached(self):
@@ -174,14 +166,14 @@ cdef class BlockAllocator:
         return self._num_hashed
 
     def can_allocate(self, int64_t n):
-        return 0 <= n <= self._free._count
+        return 0 <= n <= self._free.c_len()
 
     def allocate(self, int64_t n):
         """Takes n blocks (ref_cnt 1 each) and returns their ids."""
         if n < 0:
             raise ValueError(f"allocate(n={n}): n must be >= 0")
-        if n > self._free._count:
-            raise ValueError(f"allocate(n={n}): only {self._free._count} blocks free")
+        if n > self._free.c_len():
+            raise ValueError(f"allocate(n={n}): only {self._free.c_len()} blocks free")
         cdef vector[int32_t] out
         out.resize(n)
         self.c_allocate(n, out.data())

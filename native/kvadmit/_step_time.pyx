@@ -1,6 +1,9 @@
-# SLO and agent-window building blocks: an online step-time model and the
-# AIMD rule for the active-agent window. Both are small, pure and exact so the
-# core (and the tests) can drive them with injected numbers.
+# The SLO guard's step-time model: how long an engine step takes for its
+# scheduled tokens and context, fitted online. Small, pure and exact so the core
+# (and the tests) can drive it with injected numbers.
+
+from libc.math cimport isfinite, sqrt
+from libc.stdint cimport int64_t
 
 cdef double[3] _FEATURE_SCALE = [1.0, 1.0 / 1024.0, 1.0 / 65536.0]
 
@@ -11,11 +14,6 @@ cdef class StepTimeFit:
     normalised feature: 1, tokens / 1024, context / 65536) sets how much that
     start weighs: at 1.0 about one observed step, so real steps take over at once
     and the preset only answers until they arrive."""
-    cdef double _theta[3]
-    cdef double _p[3][3]
-    cdef readonly double forgetting
-    cdef double _p_max
-    cdef readonly int64_t observations
 
     def __init__(self, double a, double b, double c, double forgetting=0.995,
                  double prior_std_s=1.0):
@@ -87,27 +85,3 @@ cdef class StepTimeFit:
         """(a, b, c) in seconds, seconds per token, seconds per context token."""
         return (self._theta[0] * _FEATURE_SCALE[0], self._theta[1] * _FEATURE_SCALE[1],
                 self._theta[2] * _FEATURE_SCALE[2])
-
-
-cdef double c_next_agent_window(double window, double usage, double hit_rate, double alpha,
-                                double beta, double u_low, double u_high, double h_thresh,
-                                double w_min, double w_max) noexcept nogil:
-    if usage < u_low:
-        window = window + alpha
-    elif usage > u_high and hit_rate < h_thresh:
-        window = window * beta
-    if window < w_min:
-        window = w_min
-    if window > w_max:
-        window = w_max
-    return window
-
-
-def next_agent_window(double window, double usage, double hit_rate, double alpha=2.0,
-                      double beta=0.5, double u_low=0.2, double u_high=0.5, double h_thresh=0.2,
-                      double w_min=1.0, double w_max=1e9):
-    """CONCUR's AIMD rule: grow the active-agent window by ``alpha`` while KV usage
-    is below ``u_low``; multiply it by ``beta`` when usage is above ``u_high`` and
-    the prefix hit rate is below ``h_thresh`` (thrashing); otherwise hold."""
-    return c_next_agent_window(window, usage, hit_rate, alpha, beta, u_low, u_high, h_thresh,
-                               w_min, w_max)

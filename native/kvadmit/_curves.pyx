@@ -13,15 +13,9 @@
 # so each term needs the sum of q, the count, the count of s == 0 and the count
 # of s > B - b, kept in a Fenwick tree over residues s.
 
-cdef struct Curve:
-    int64_t steps    # decode steps left, >= 1
-    int64_t tokens   # tokens held at the next step
-
-cdef inline int64_t cdiv(int64_t a, int64_t b) noexcept nogil:
-    return (a + b - 1) // b
-
-cdef bint curve_longer(const Curve& a, const Curve& b) noexcept nogil:
-    return a.steps > b.steps
+from libc.stdint cimport INT64_MAX, int32_t, int64_t
+from libcpp.algorithm cimport sort
+from libcpp.vector cimport vector
 
 cdef inline void _fen_add(vector[int32_t]& fen, int64_t s, int32_t d) noexcept nogil:
     cdef int64_t i = s + 1

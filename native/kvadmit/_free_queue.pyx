@@ -9,17 +9,15 @@
 # and error behaviour of vLLM's FreeKVCacheBlockQueue, for objects that carry a
 # `block_id`, so vLLM's BlockPool can use it as its `free_block_queue`.
 
+from cpython.object cimport PyObject
+from libc.stdint cimport int32_t, int64_t
+from libcpp.vector cimport vector
+
 cdef class FreeBlockQueue:
     """Queue of free block ids 0..num_blocks-1 with O(1) removal anywhere.
 
     Initially holds every block in id order (or none, with ``fill=False``).
     """
-    cdef vector[int32_t] _prev
-    cdef vector[int32_t] _next
-    cdef int32_t _n
-    cdef int32_t _head
-    cdef int32_t _tail
-    cdef int64_t _count
 
     def __cinit__(self, int64_t num_blocks, bint fill=True):
         if num_blocks < 0 or num_blocks > 2_000_000_000:
@@ -39,53 +37,6 @@ cdef class FreeBlockQueue:
         if fill:
             for b in range(self._n):
                 self._link_before(self._tail, b)
-
-    # --- C-level operations (no Python objects) -------------------------
-    cdef inline bint c_contains(self, int32_t b) noexcept nogil:
-        return 0 <= b < self._n and self._prev[b] != -1
-
-    cdef inline void _link_before(self, int32_t at, int32_t b) noexcept nogil:
-        cdef int32_t p = self._prev[at]
-        self._next[p] = b
-        self._prev[b] = p
-        self._next[b] = at
-        self._prev[at] = b
-        self._count += 1
-
-    cdef inline void _unlink(self, int32_t b) noexcept nogil:
-        cdef int32_t p = self._prev[b]
-        cdef int32_t nx = self._next[b]
-        self._next[p] = nx
-        self._prev[nx] = p
-        self._prev[b] = -1
-        self._next[b] = -1
-        self._count -= 1
-
-    cdef inline int32_t c_popleft(self) noexcept nogil:
-        """The head's id, unlinked; -1 when empty."""
-        cdef int32_t b = self._next[self._head]
-        if b == self._tail:
-            return -1
-        self._unlink(b)
-        return b
-
-    cdef inline int c_remove(self, int32_t b) noexcept nogil:
-        if not self.c_contains(b):
-            return -1
-        self._unlink(b)
-        return 0
-
-    cdef inline int c_append(self, int32_t b) noexcept nogil:
-        if b < 0 or b >= self._n or self._prev[b] != -1:
-            return -1
-        self._link_before(self._tail, b)
-        return 0
-
-    cdef inline int c_prepend(self, int32_t b) noexcept nogil:
-        if b < 0 or b >= self._n or self._prev[b] != -1:
-            return -1
-        self._link_before(self._next[self._head], b)
-        return 0
 
     cdef int _check_append(self, int64_t b) except -1:
         if b < 0 or b >= self._n:
@@ -211,13 +162,6 @@ cdef class BlockObjectQueue:
     all start free, in id order, as in vLLM. The links live in a native
     FreeBlockQueue; objects are looked up by id only at the boundary.
     """
-    cdef FreeBlockQueue _q
-    cdef list _blocks
-    # Fast path for __slots__ blocks (vLLM's KVCacheBlock is a slots dataclass):
-    # read block_id at its slot offset instead of a full attribute lookup.
-    cdef PyObject* _slot_type
-    cdef Py_ssize_t _id_offset
-
     def __init__(self, list blocks):
         cdef Py_ssize_t i
         for i in range(len(blocks)):
@@ -236,14 +180,6 @@ cdef class BlockObjectQueue:
                     and all(type(b) is cls for b in blocks)):
                 self._slot_type = <PyObject*>cls
                 self._id_offset = (<PyMemberDescrObject*>descr).d_member.offset
-
-    cdef inline int64_t _id(self, object block) except? -9:
-        cdef PyObject* v
-        if <PyObject*>Py_TYPE(block) == self._slot_type:
-            v = (<PyObject**>((<char*><PyObject*>block) + self._id_offset))[0]
-            if v != NULL and PyLong_CheckExact(<object>v):
-                return PyLong_AsLongLong(<object>v)
-        return block.block_id
 
     @property
     def num_free_blocks(self):

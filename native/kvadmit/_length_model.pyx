@@ -10,16 +10,14 @@
 # `min_samples` lengths, or when no finished request ran longer than g, it
 # predicts the worst case, max_new - g.
 
+from libc.math cimport ceil
+from libc.stdint cimport int32_t, int64_t
+from libcpp.vector cimport vector
+
+from kvadmit._curves cimport cdiv
+
 cdef class OutputLengthModel:
     """Quantiles of recent output lengths, conditioned on tokens generated so far."""
-    cdef vector[int32_t] _fenwick
-    cdef vector[int32_t] _ring
-    cdef int64_t _ring_pos
-    cdef int64_t _count
-    cdef int64_t _window
-    cdef int64_t _bucket
-    cdef int64_t _nbuckets
-    cdef int64_t _min_samples
 
     def __cinit__(self, int64_t bucket_tokens=16, int64_t max_tokens=131072,
                   int64_t window=4096, int64_t min_samples=32):
@@ -141,18 +139,6 @@ cdef class OutputLengthModel:
         if not (0.0 < quantile <= 1.0):
             raise ValueError(f"quantile={quantile}: must be in (0, 1]")
         return self.c_predict_remaining(generated, max_new, quantile)
-
-
-cdef inline double c_next_quantile(double q, double base, double q_max, int64_t preemptions,
-                                   int64_t admissions, double target_rate) noexcept nogil:
-    if admissions <= 0:
-        return q
-    if <double>preemptions > target_rate * admissions:
-        return q + (q_max - q) / 2.0
-    if preemptions == 0 and q > base:
-        q -= (q - base) / 4.0
-        return base if q < base + 1e-9 else q
-    return q
 
 
 def next_quantile(double q, double base, double q_max, int64_t preemptions,
