@@ -79,6 +79,7 @@ cdef class NativeEngine:
     cdef vector[char] _pause           # per running position: paused this step (shortfall: pause)
     cdef vector[int32_t] _paused_reqs  # the requests paused this step
     cdef vector[char] _is_paused       # per request
+    cdef vector[int64_t] _paused_sessions   # sessions the agent window paused (scratch)
     cdef int64_t _next                  # position in _open
     cdef bint _ran, _stepping
     cdef double _horizon                # stepping: no step starts at or after it yet
@@ -291,8 +292,10 @@ cdef class NativeEngine:
         free queue: still reusable, evicted before active sessions' (CONCUR)."""
         cdef size_t i, j
         cdef unordered_map[int64_t, vector[pair[int32_t, uint64_t]]].iterator it
-        for i in range(self.core._paused_log.size()):
-            it = self._sess_blocks.find(self.core._paused_log[i])
+        self._paused_sessions.clear()
+        self.core.agent_window.c_take_paused(self._paused_sessions)
+        for i in range(self._paused_sessions.size()):
+            it = self._sess_blocks.find(self._paused_sessions[i])
             if it == self._sess_blocks.end():
                 continue
             # tail first, so the session's first block ends up taken last
@@ -301,7 +304,6 @@ cdef class NativeEngine:
                 j -= 1
                 self.allocator.c_demote(deref(it).second[j].first, deref(it).second[j].second)
             self._sess_blocks.erase(it)
-        self.core._paused_log.clear()
 
     cdef size_t _running_erase(self, int32_t r) noexcept nogil:
         """Takes r out of the running list (admission order kept); its old index."""
@@ -330,7 +332,7 @@ cdef class NativeEngine:
         self.core._finish_at(self._slot[r], t)
         cdef size_t i
         cdef int32_t b
-        if self._prefix and self._sess[r] >= 0 and self.core._agents:
+        if self._prefix and self._sess[r] >= 0 and self.core.agent_window.enabled:
             # The session's context so far, for demotion if it is paused later.
             self._sess_blocks[self._sess[r]].clear()
             for i in range(self._blocks[r].size()):
@@ -590,7 +592,7 @@ cdef class NativeEngine:
             self._tl_preempt.push_back(self._preemptions)
             self._tl_hit.push_back(self._hit_tokens)
             self._tl_query.push_back(self._query_tokens)
-            self._tl_window.push_back(self.core._window)
+            self._tl_window.push_back(self.core.agent_window.c_size())
             self._next_sample += self._sample_dt
         return STEP_RAN
 
@@ -635,16 +637,16 @@ cdef class NativeEngine:
             # Only requests of sessions outside a full agent window wait: sleep until
             # an idle session leaves it (or the next arrival, if sooner).
             if self._running.empty() and not self.core._waiting.empty():
-                t = self.core._next_expiry()
+                t = self.core.agent_window.c_next_expiry()
                 if t < INFINITY and t <= self._next_arrival():
                     if t >= until:
                         self._clock = max(self._clock, until)
                         return False
                     self._clock = max(self._clock, t)
-                    before = self.core._n_active
+                    before = self.core.agent_window.c_active()
                     self.core.expire_sessions(self._clock)
                     self._demote_paused()
-                    if self.core._n_active < before:
+                    if self.core.agent_window.c_active() < before:
                         continue
             if self._next_arrival() < INFINITY:
                 if self._next_arrival() >= until:

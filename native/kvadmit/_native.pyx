@@ -18,7 +18,7 @@ from libcpp.queue cimport priority_queue
 from libcpp.unordered_map cimport unordered_map
 from libcpp.vector cimport vector
 
-from kvadmit._agent_window cimport c_next_agent_window
+from kvadmit._agent_window cimport AgentWindow
 from kvadmit._allocator cimport BlockAllocator
 from kvadmit._curves cimport Curve, cdiv, curve_longer, peak_blocks_sorted
 from kvadmit._length_model cimport OutputLengthModel, c_next_quantile

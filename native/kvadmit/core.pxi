@@ -133,14 +133,6 @@ cdef class ArrivalResult:
         return f"ArrivalResult(rejected, {self.rejection!r})"
 
 
-cdef struct AgentSession:
-    char active
-    int32_t waiting        # requests queued (never started or preempted)
-    int32_t running
-    double idle_since      # when it last had nothing queued or running
-    int64_t activated      # activation order (LIFO pause)
-
-
 cdef struct VictimKey:
     int64_t k1
     int64_t k2
@@ -243,16 +235,10 @@ cdef class AdmissionCore:
     cdef vector[double] _engine_t, _engine_tie   # the engine's arrival time and tie-break
     cdef cmap[double, int32_t] _tpot_running     # TPOT targets of running requests (multiset)
     # agent window
-    cdef bint _agents
-    cdef vector[int64_t] _session
+    cdef readonly AgentWindow agent_window   # sessions, W, idle expiry, the pause log
+    cdef vector[int64_t] _session        # per slot: its session (-1: none)
     cdef vector[char] _activated_by     # this slot's admission activated its session
-    cdef unordered_map[int64_t, AgentSession] _sessions
-    cdef double _window, _window_min, _window_max, _agent_alpha, _agent_beta, _usage_low, _usage_high, _hit_threshold, _idle_s
-    cdef int64_t _agent_interval_steps, _agent_cooldown_intervals, _cooldown_left, _n_active, _activations
-    cdef int64_t _interval_steps, _interval_hit_tokens, _interval_query_tokens, _window_changes
-    cdef double _interval_usage_sum, _last_now, _ema_step_tokens
-    cdef vector[double] _window_history
-    cdef vector[int64_t] _paused_log       # sessions paused or expired, for the engine's cache
+    cdef double _last_now, _ema_step_tokens
     cdef int64_t _n_len_obs
     cdef double _len_abs_err, _len_pred_sum, _len_actual_sum
 
@@ -300,21 +286,8 @@ cdef class AdmissionCore:
         self.step_time = StepTimeFit(config.step_time_a, config.step_time_b, config.step_time_c,
                                      config.step_time_forgetting)
         self._step_budget = 0
-        self._agents = config.agent_window
-        self._window = config.agent_window_init
-        self._window_min = config.agent_window_min
-        self._window_max = config.agent_window_max
-        self._agent_alpha = config.agent_alpha
-        self._agent_beta = config.agent_beta
-        self._usage_low = config.agent_usage_low
-        self._usage_high = config.agent_usage_high
-        self._hit_threshold = config.agent_hit_threshold
-        self._agent_interval_steps = config.agent_interval_steps
-        self._agent_cooldown_intervals = config.agent_cooldown_intervals
-        self._idle_s = config.agent_idle_s
-        self._cooldown_left = self._n_active = self._activations = 0
-        self._interval_steps = self._interval_hit_tokens = self._interval_query_tokens = self._window_changes = 0
-        self._interval_usage_sum = self._last_now = 0.0
+        self.agent_window = AgentWindow(config, num_blocks)
+        self._last_now = 0.0
         if self._policy == P_AUTO:
             self._quantile_base, self._quantile_max = AUTO_QUANTILE, AUTO_MAX_QUANTILE
             self._target_preemption_rate, self._adapt_interval = AUTO_TARGET_PREEMPTION_RATE, AUTO_INTERVAL
@@ -515,10 +488,7 @@ cdef class AdmissionCore:
         return self.step_time.c_predict(tokens, self._running_context() + self._tokens(s)) <= target
 
     cdef inline bint _agent_held(self, int32_t s) noexcept nogil:
-        if not self._agents or self._session[s] < 0:
-            return False
-        return (not self._sessions[self._session[s]].active
-                and self._n_active >= <int64_t>self._window)
+        return self.agent_window.c_holds(self._session[s])
 
     cdef int _decide(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil:
         if self._agent_held(s):
@@ -602,14 +572,12 @@ cdef class AdmissionCore:
         self._state[s] = ST_WAITING
         self._waiting[self._qkey(s)] = s
         self._queued_tokens += self._queued_of(s)
-        if self._agents and self._session[s] >= 0:
-            self._sessions[self._session[s]].waiting += 1
+        self.agent_window.c_queued(self._session[s])
 
     cdef void _dequeue(self, int32_t s) noexcept nogil:
         self._waiting.erase(self._qkey(s))
         self._queued_tokens -= self._queued_of(s)
-        if self._agents and self._session[s] >= 0:
-            self._session_leaves(s, True)
+        self.agent_window.c_unqueued(self._session[s], self._last_now)
         if self._sheddable[s]:
             self._shed_order.erase(self._shed_key(s))
             self._sheddable[s] = 0
@@ -622,8 +590,7 @@ cdef class AdmissionCore:
         self._run_ctx += self._tokens(s)
         if self._tpot[s] > 0:
             self._tpot_running[self._tpot[s]] += 1
-        if self._agents and self._session[s] >= 0:
-            self._sessions[self._session[s]].running += 1
+        self.agent_window.c_started(self._session[s])
 
     cdef void _run_remove(self, int32_t s) noexcept nogil:
         cdef int32_t pos = self._run_pos[s]
@@ -641,18 +608,7 @@ cdef class AdmissionCore:
             deref(it).second -= 1
             if deref(it).second == 0:
                 self._tpot_running.erase(it)
-        if self._agents and self._session[s] >= 0:
-            self._session_leaves(s, False)
-
-    cdef void _session_leaves(self, int32_t s, bint from_waiting) noexcept nogil:
-        """s stops waiting (or running); a session left with nothing is idle from now."""
-        cdef AgentSession* a = &self._sessions[self._session[s]]
-        if from_waiting:
-            a.waiting -= 1
-        else:
-            a.running -= 1
-        if a.waiting == 0 and a.running == 0:
-            a.idle_since = self._last_now
+        self.agent_window.c_stopped(self._session[s], self._last_now)
 
     cdef void _release(self, int32_t s) noexcept nogil:
         self._state[s] = ST_FREE
@@ -717,7 +673,7 @@ cdef class AdmissionCore:
         """Waiting requests (and their prefill tokens) that the queue order serves
         before s: all of them in arrival order, else a walk to s's position
         (skipping requests held outside the agent window: they do not block s)."""
-        if not self._priority_order and not self._deadline_order and not self._agents:
+        if not self._priority_order and not self._deadline_order and not self.agent_window.enabled:
             reqs[0] = self._waiting.size()
             tokens[0] = self._queued_tokens
             return
@@ -854,9 +810,8 @@ cdef class AdmissionCore:
         self._arrive_t[s] = now
         self._engine_t[s] = arrival_time
         self._engine_tie[s] = arrival_tie
-        self._session[s] = session if self._agents else -1
-        if self._agents and session >= 0 and self._sessions.count(session) == 0:
-            self._sessions[session] = AgentSession(0, 0, 0, now, -1)
+        self._session[s] = session if self.agent_window.enabled else -1
+        self.agent_window.c_track(self._session[s], now)
         self._state[s] = ST_WAITING  # provisional, so helpers may read it
         if not self._fits_capacity(s, True):
             self._release(s)
@@ -1097,15 +1052,8 @@ cdef class AdmissionCore:
             if not self._agent_held(deref(it).second):
                 self._bypassed[deref(it).second] += 1
             inc(it)
-        cdef AgentSession* a
-        if self._agents and self._session[s] >= 0:
-            a = &self._sessions[self._session[s]]
-            self._activated_by[s] = not a.active
-            if not a.active:
-                a.active = 1
-                a.activated = self._activations
-                self._activations += 1
-                self._n_active += 1
+        if self._session[s] >= 0:
+            self._activated_by[s] = self.agent_window.c_activate(self._session[s])
         cdef int64_t queued = self._queued_of(s)
         self._dequeue(s)
         self._admit_seq[s] = self._seq
@@ -1151,12 +1099,8 @@ cdef class AdmissionCore:
         if not self._drain.empty():
             self._drain_tokens -= self._drain.back().second
             self._drain.pop_back()      # its admission entry (the latest, as a rule)
-        cdef AgentSession* a
-        if self._agents and self._session[s] >= 0 and self._activated_by[s]:
-            a = &self._sessions[self._session[s]]
-            if a.active and a.running == 0:       # the admission that activated it is undone
-                a.active = 0
-                self._n_active -= 1
+        if self._session[s] >= 0 and self._activated_by[s]:
+            self.agent_window.c_undo_activation(self._session[s])   # its admission is undone
         self._activated_by[s] = 0
 
     cdef void _maybe_adapt(self) noexcept:
@@ -1357,22 +1301,10 @@ cdef class AdmissionCore:
 
     cdef void _c_observe_cache(self, int64_t used_blocks, int64_t hit_tokens, int64_t query_tokens,
                                double now) noexcept nogil:
-        if not self._agents:
+        if not self.agent_window.enabled:
             return
         self._advance(now)
-        self._interval_usage_sum += used_blocks / <double>self.num_blocks
-        self._interval_hit_tokens += hit_tokens
-        self._interval_query_tokens += query_tokens
-        self._interval_steps += 1
-        if self._interval_steps >= self._agent_interval_steps:
-            self._agent_update(self._interval_usage_sum / self._interval_steps,
-                               self._interval_hit_tokens / <double>self._interval_query_tokens if self._interval_query_tokens > 0 else 1.0)
-            self._interval_steps = self._interval_hit_tokens = self._interval_query_tokens = 0
-            self._interval_usage_sum = 0.0
-        if self._n_active > <int64_t>self._window:
-            self._pause_excess()
-        elif self._n_active >= <int64_t>self._window:
-            self._expire_idle()    # a full window: an idle session must not hold a place
+        self.agent_window.c_observe_cache(used_blocks, hit_tokens, query_tokens, self._last_now)
 
     cdef inline int64_t _shared_term(self) noexcept nogil:
         """Blocks auto adds to the own curves: those in use that no running request
@@ -1429,111 +1361,38 @@ cdef class AdmissionCore:
             self._max_shared_blocks = shared_tokens // self.block_size
         self._profile_dirty = True
 
-    cdef void _agent_update(self, double usage, double hit_rate) noexcept nogil:
-        cdef double w = c_next_agent_window(self._window, usage, hit_rate, self._agent_alpha, self._agent_beta,
-                                            self._usage_low, self._usage_high, self._hit_threshold,
-                                            self._window_min, self._window_max)
-        if w > self._window and self._cooldown_left > 0:
-            w = self._window            # hysteresis: no regrowth right after a cut
-        if w < self._window:
-            self._cooldown_left = self._agent_cooldown_intervals
-        elif self._cooldown_left > 0:
-            self._cooldown_left -= 1
-        if w != self._window:
-            self._window_changes += 1
-        self._window = w
-        self._window_history.push_back(w)
-        self._expire_idle()
-
-    cdef void _expire_idle(self) noexcept nogil:
-        """Sessions with nothing queued or running for agent_idle_s leave the window
-        (and the table)."""
-        cdef unordered_map[int64_t, AgentSession].iterator it = self._sessions.begin()
-        while it != self._sessions.end():
-            # (a relative tolerance: `_next_expiry` + idle_s must expire exactly)
-            if (deref(it).second.waiting == 0 and deref(it).second.running == 0
-                    and self._last_now - deref(it).second.idle_since
-                    >= self._idle_s * (1.0 - 1e-12) - 1e-12):
-                if deref(it).second.active:
-                    self._n_active -= 1
-                    self._paused_log.push_back(deref(it).first)
-                it = self._sessions.erase(it)
-            else:
-                inc(it)
-
-    cdef double _next_expiry(self) noexcept nogil:
-        """When the first active idle session will leave the window (INFINITY: none)."""
-        cdef double t = INFINITY
-        cdef unordered_map[int64_t, AgentSession].iterator it = self._sessions.begin()
-        while it != self._sessions.end():
-            if (deref(it).second.active and deref(it).second.waiting == 0
-                    and deref(it).second.running == 0
-                    and deref(it).second.idle_since + self._idle_s < t):
-                t = deref(it).second.idle_since + self._idle_s
-            inc(it)
-        return t
-
     def next_session_expiry(self):
         """When the first active idle session leaves the agent window (inf: none).
         An engine with only window-held requests waiting can sleep until then."""
-        return self._next_expiry()
+        return self.agent_window.c_next_expiry()
 
     def expire_sessions(self, double now):
         """Lets idle sessions leave the window as of `now` (engines call it when idle;
         observe_cache does it every step while the window is full)."""
         self._advance(now)
-        self._expire_idle()
+        self.agent_window.c_expire_idle(self._last_now)
 
     def take_paused_sessions(self):
         """Sessions paused or expired since the last call (an engine can demote
         their cached prefixes)."""
-        cdef list out = [x for x in self._paused_log]
-        self._paused_log.clear()
-        return out
-
-    cdef void _pause_excess(self) noexcept nogil:
-        """Pauses the most recently activated sessions between generations (none
-        of their requests running) until at most W are active."""
-        cdef unordered_map[int64_t, AgentSession].iterator it
-        cdef AgentSession* pick
-        cdef int64_t picked
-        while self._n_active > <int64_t>self._window:
-            pick = NULL
-            it = self._sessions.begin()
-            while it != self._sessions.end():
-                if deref(it).second.active and deref(it).second.running == 0 and (
-                        pick == NULL or deref(it).second.activated > pick.activated):
-                    pick = &deref(it).second
-                    picked = deref(it).first
-                inc(it)
-            if pick == NULL:
-                return               # the rest are mid-generation: paused when they finish
-            pick.active = 0
-            self._n_active -= 1
-            self._paused_log.push_back(picked)
-
-    cdef bint _session_active(self, int64_t session) noexcept nogil:
-        if not self._agents or session < 0:
-            return True
-        cdef unordered_map[int64_t, AgentSession].iterator it = self._sessions.find(session)
-        return it != self._sessions.end() and deref(it).second.active
+        return self.agent_window.take_paused_sessions()
 
     def session_active(self, int64_t session):
         """Whether this session is inside the agent window (True without agent_window)."""
-        return self._session_active(session)
+        return self.agent_window.c_is_active(session)
 
     @property
     def agent_window_size(self):
         """The current W (the number of sessions that may be active)."""
-        return self._window
+        return self.agent_window.c_size()
 
     @property
     def active_sessions(self):
-        return self._n_active
+        return self.agent_window.c_active()
 
     def window_history(self):
         """W after each AIMD update, oldest first."""
-        return [w for w in self._window_history]
+        return self.agent_window.history()
 
     # ------------------------------------------------------------------
     # Public API: victims
@@ -1700,8 +1559,7 @@ cdef class AdmissionCore:
             "new_token_ratio": self._ratio, "quantile": self._quantile,
             "step_time_fit": dict(zip(("a", "b", "c"), self.step_time.coefficients),
                                   observations=self.step_time.observations),
-            "agent_window": {"size": self._window, "active_sessions": self._n_active,
-                             "sessions": self._sessions.size(), "changes": self._window_changes},
+            "agent_window": self.agent_window.stats(),
             "length_predictions": {
                 "finished": self._n_len_obs,
                 "mean_predicted": self._len_pred_sum / self._n_len_obs if self._n_len_obs else 0.0,
