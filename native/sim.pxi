@@ -577,8 +577,7 @@ cdef class NativeEngine:
         self._steps += 1
         self.core._on_step()
         # As the engine adapters do: the fit is also reported (stats), guard or not.
-        self.core.step_time.c_observe(batch, ctx, dt)
-        self.core._c_note_step_tokens(batch)
+        self.core.slo_guard.c_observe_step(batch, ctx, dt)
         self.core._c_observe_cache(self._nblocks - self.allocator._free._count, self._step_hit,
                                    self._step_query, t_end)
         self.core.c_observe_used_blocks(self._nblocks - self.allocator._free._count)

@@ -22,6 +22,7 @@ from kvadmit._agent_window cimport AgentWindow
 from kvadmit._allocator cimport BlockAllocator
 from kvadmit._curves cimport Curve, cdiv, curve_longer, peak_blocks_sorted
 from kvadmit._length_model cimport OutputLengthModel, c_next_quantile
+from kvadmit._slo_guard cimport SloGuard
 from kvadmit._step_time cimport StepTimeFit
 
 # Re-exported: Python code and tests import the whole core from kvadmit._native.

@@ -227,18 +227,15 @@ cdef class AdmissionCore:
     cdef double _retry_line_end               # when the last refused client was told to return
     cdef int64_t _retry_line_len              # refused clients told to return after now
     # SLO guard
-    cdef bint _slo_guard, _deadline_order
-    cdef double _default_ttft_s, _default_tpot_s
-    cdef readonly StepTimeFit step_time
-    cdef int64_t _step_budget
+    cdef readonly SloGuard slo_guard     # TPOT hold, TTFT prediction, the step-time fit
+    cdef bint _deadline_order
     cdef vector[double] _ttft, _tpot, _arrive_t
     cdef vector[double] _engine_t, _engine_tie   # the engine's arrival time and tie-break
-    cdef cmap[double, int32_t] _tpot_running     # TPOT targets of running requests (multiset)
     # agent window
     cdef readonly AgentWindow agent_window   # sessions, W, idle expiry, the pause log
     cdef vector[int64_t] _session        # per slot: its session (-1: none)
     cdef vector[char] _activated_by     # this slot's admission activated its session
-    cdef double _last_now, _ema_step_tokens
+    cdef double _last_now
     cdef int64_t _n_len_obs
     cdef double _len_abs_err, _len_pred_sum, _len_actual_sum
 
@@ -279,13 +276,8 @@ cdef class AdmissionCore:
         self._retry_max = config.retry_after_max_s
         self._drain_window = config.drain_window_s
         self._max_q_delay = config.max_queue_delay_s
-        self._slo_guard = config.slo_guard
+        self.slo_guard = SloGuard(config)
         self._deadline_order = config.queue_order == "deadline"
-        self._default_ttft_s = config.default_ttft_slo_s
-        self._default_tpot_s = config.default_tpot_slo_s
-        self.step_time = StepTimeFit(config.step_time_a, config.step_time_b, config.step_time_c,
-                                     config.step_time_forgetting)
-        self._step_budget = 0
         self.agent_window = AgentWindow(config, num_blocks)
         self._last_now = 0.0
         if self._policy == P_AUTO:
@@ -449,43 +441,9 @@ cdef class AdmissionCore:
     cdef inline double _running_context(self) noexcept nogil:
         return <double>self._run_ctx
 
-    cdef double _prefill_time(self, double q, double r, double ctx) noexcept nogil:
-        """Steps (and their time) to prefill q tokens beside r decoding requests."""
-        cdef double per_step = (self._step_budget - r) if self._step_budget > 0 else q
-        if per_step < 1.0:
-            per_step = 1.0
-        cdef double n = ceil(q / per_step) if q > 0 else 1.0
-        cdef double chunk = q / n
-        return n * self.step_time.c_predict(r + chunk, ctx + chunk)
-
-    cdef double _predict_ttft(self, int64_t ahead_tokens, int64_t queued, double drain) noexcept:
-        """The TTFT of a request arriving now behind `ahead` waiting requests
-        (`ahead_tokens` of prefill), predicted for when it would run (Mooncake):
-        the later of (a) prefilling all of it and itself under the step-time model
-        and (b) the queue draining at the recent admission pace (which includes
-        waits for KV; `drain`, from _predicted_delay), plus its own prefill."""
-        cdef double r = self._running.size()
-        cdef double ctx = self._running_context()
-        cdef double compute = self._prefill_time(ahead_tokens + queued, r, ctx)
-        if drain > 0:
-            drain += self._prefill_time(queued, r, ctx)
-        return compute if compute > drain else drain
-
     cdef bint _tpot_ok(self, int32_t s) noexcept nogil:
-        """The TPOT guard: with s running, a decode step stays within the tightest
-        TPOT target among the running requests and s (always true with nothing running)."""
-        if not self._slo_guard or self._running.empty():
-            return True
-        cdef double target = self._tpot[s]
-        if not self._tpot_running.empty() and (target <= 0 or deref(self._tpot_running.begin()).first < target):
-            target = deref(self._tpot_running.begin()).first
-        if target <= 0:
-            return True
-        # Steps carry others' prefill chunks too: use the recent tokens per step.
-        cdef double tokens = self._running.size() + 1.0
-        if self._ema_step_tokens + 1.0 > tokens:
-            tokens = self._ema_step_tokens + 1.0
-        return self.step_time.c_predict(tokens, self._running_context() + self._tokens(s)) <= target
+        return self.slo_guard.c_tpot_ok(self._tpot[s], self._running.size(),
+                                        self._running_context() + self._tokens(s))
 
     cdef inline bint _agent_held(self, int32_t s) noexcept nogil:
         return self.agent_window.c_holds(self._session[s])
@@ -588,8 +546,7 @@ cdef class AdmissionCore:
         self._running.push_back(s)
         self._reserve_sum += self._reserve_blocks(s)
         self._run_ctx += self._tokens(s)
-        if self._tpot[s] > 0:
-            self._tpot_running[self._tpot[s]] += 1
+        self.slo_guard.c_started(self._tpot[s])
         self.agent_window.c_started(self._session[s])
 
     cdef void _run_remove(self, int32_t s) noexcept nogil:
@@ -602,12 +559,7 @@ cdef class AdmissionCore:
         self._reserve_sum -= self._reserve_blocks(s)
         self._run_ctx -= self._tokens(s)
         self._dirty()
-        cdef cmap[double, int32_t].iterator it
-        if self._tpot[s] > 0:
-            it = self._tpot_running.find(self._tpot[s])
-            deref(it).second -= 1
-            if deref(it).second == 0:
-                self._tpot_running.erase(it)
+        self.slo_guard.c_stopped(self._tpot[s])
         self.agent_window.c_stopped(self._session[s], self._last_now)
 
     cdef void _release(self, int32_t s) noexcept nogil:
@@ -805,8 +757,8 @@ cdef class AdmissionCore:
         self._bypassed[s] = 0
         self._preempts[s] = 0
         self._pred_total[s] = 0
-        self._ttft[s] = ttft_slo_s if ttft_slo_s >= 0 else self._default_ttft_s
-        self._tpot[s] = tpot_slo_s if tpot_slo_s >= 0 else self._default_tpot_s
+        self._ttft[s] = self.slo_guard.c_ttft_target(ttft_slo_s)
+        self._tpot[s] = self.slo_guard.c_tpot_target(tpot_slo_s)
         self._arrive_t[s] = now
         self._engine_t[s] = arrival_time
         self._engine_tie[s] = arrival_tie
@@ -831,7 +783,7 @@ cdef class AdmissionCore:
                 f"{self._max_q_tokens}", "max_queued_tokens", self._max_q_tokens, None), [])
         cdef double delay
         cdef int64_t ahead = 0, ahead_tokens = 0
-        if self._max_q_delay > 0 or (self._slo_guard and self._ttft[s] > 0):
+        if self._max_q_delay > 0 or (self.slo_guard.enabled and self._ttft[s] > 0):
             self._ahead_of(s, &ahead, &ahead_tokens)
             delay = self._predicted_delay(ahead, ahead_tokens, queued, now)
         if self._max_q_delay > 0:
@@ -844,8 +796,9 @@ cdef class AdmissionCore:
                     f"{self._max_q_delay:g}", "max_queue_delay_s", self._max_q_delay,
                     min(delay - self._max_q_delay, self._retry_max)), [])
         cdef double ttft_pred
-        if self._slo_guard and self._ttft[s] > 0:
-            ttft_pred = self._predict_ttft(ahead_tokens, queued, delay)
+        if self.slo_guard.enabled and self._ttft[s] > 0:
+            ttft_pred = self.slo_guard.c_predict_ttft(ahead_tokens, queued, delay, self._running.size(),
+                                                      self._running_context())
             if ttft_pred > self._ttft[s]:
                 self._release(s)
                 return ArrivalResult(False, -1, self._reject(
@@ -1265,16 +1218,17 @@ cdef class AdmissionCore:
         """The engine's token budget a step (vLLM max_num_batched_tokens), for TTFT predictions."""
         if tokens < 0:
             raise ValueError(f"step budget tokens={tokens}: must be >= 0 (0: unknown)")
-        self._step_budget = tokens
+        self.slo_guard.c_set_step_budget(tokens)
 
     def observe_step(self, double tokens, double context, double seconds):
         """An engine step took `seconds` for `tokens` scheduled tokens over `context`
         tokens of KV: refines the step-time model the SLO guard predicts with."""
-        self.step_time.observe(tokens, context, seconds)
-        self._c_note_step_tokens(tokens)
+        self.slo_guard.observe_step(tokens, context, seconds)
 
-    cdef void _c_note_step_tokens(self, double tokens) noexcept nogil:
-        self._ema_step_tokens += 0.05 * (tokens - self._ema_step_tokens)
+    @property
+    def step_time(self):
+        """The step-time fit the SLO guard predicts with (kvadmit.StepTimeFit)."""
+        return self.slo_guard.step_time
 
     def predict_ttft(self, int64_t prompt_tokens, double now):
         """The TTFT the SLO guard predicts for an arrival of `prompt_tokens` at
@@ -1290,8 +1244,9 @@ cdef class AdmissionCore:
         cdef int64_t ahead, ahead_tokens
         self._ahead_of(s, &ahead, &ahead_tokens)
         self._release(s)
-        return self._predict_ttft(ahead_tokens, prompt_tokens,
-                                  self._predicted_delay(ahead, ahead_tokens, prompt_tokens, now))
+        cdef double delay = self._predicted_delay(ahead, ahead_tokens, prompt_tokens, now)
+        return self.slo_guard.c_predict_ttft(ahead_tokens, prompt_tokens, delay, self._running.size(),
+                                             self._running_context())
 
     def observe_cache(self, int64_t used_blocks, int64_t hit_tokens, int64_t query_tokens,
                       double now=0.0):
