@@ -63,8 +63,9 @@ def add_parser(sub) -> None:
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--prefix-caching", action="store_true",
                    help="reuse KV of shared prefixes (Mooncake hash_ids, agent sessions)")
-    p.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES, metavar="POLICY",
-                   help=f"built-in ({', '.join(BUILTIN)}) or NAME=JSON with kvadmit keys")
+    p.add_argument("--policies", nargs="+", metavar="POLICY",
+                   help=f"built-in ({', '.join(BUILTIN)}) or NAME=JSON with kvadmit keys "
+                   f"(default: all built-in; with --instances: vllm-default and auto)")
     p.add_argument("--config", help="JSON of kvadmit keys applied to kvadmit's policies "
                    "(peak, adaptive, oracle, custom), e.g. queue caps")
     p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO, seconds")
@@ -72,6 +73,8 @@ def add_parser(sub) -> None:
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", help="write a PNG here (needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    from kvadmit.simulate.fleet_cli import add_fleet_arguments
+    add_fleet_arguments(p)
     p.set_defaults(fn=cmd_simulate)
 
 
@@ -129,7 +132,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         chunked_prefill=not args.no_chunked_prefill, prefix_caching=args.prefix_caching)
     base = AdmissionConfig.from_json(args.config) if args.config else AdmissionConfig()
-    policies = [parse_policy(p) for p in args.policies]
+    if args.instances is not None:
+        from kvadmit.simulate.fleet_cli import check_fleet_args
+        check_fleet_args(args)
+    policies = [parse_policy(p) for p in args.policies or DEFAULT_POLICIES]
     slo = Slo(args.slo_ttft, args.slo_tpot)
     model_dir = None
     if args.engine == "vllm":
@@ -151,6 +157,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     else:
         print(f"SLO: TTFT <= {slo.ttft_s:g} s and TPOT <= {slo.tpot_s * 1e3:g} ms (also the targets "
               f"kvadmit's slo_guard sees); goodput = share of all requests meeting both")
+    if args.instances is not None:
+        from kvadmit.simulate.fleet_cli import cmd_fleet
+        return cmd_fleet(args, workload, shape, step, base, slo)
     cap = None
     if args.load or args.sweep:
         cap = capacity_rps(workload, shape, step)

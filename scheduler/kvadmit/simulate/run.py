@@ -15,7 +15,7 @@ from kvadmit.simulate.workload import Workload
 CAPACITY_SAMPLE = 4000
 
 
-def progress_line(label: str):
+def progress_line(label: str, what: str = "requests done"):
     """A progress line on stderr, refreshed at most twice a second; call with done=None to clear."""
     last = [0.0]
 
@@ -25,7 +25,7 @@ def progress_line(label: str):
             print("\r" + " " * 70 + "\r", end="", file=sys.stderr, flush=True)
         elif now - last[0] >= 0.5 or done == total:
             last[0] = now
-            print(f"\r  {label}: {done}/{total} requests done", end="", file=sys.stderr, flush=True)
+            print(f"\r  {label}: {done}/{total} {what}", end="", file=sys.stderr, flush=True)
     return report
 
 

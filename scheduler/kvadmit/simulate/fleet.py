@@ -1,0 +1,310 @@
+"""A fleet: N native engines behind a router, on one virtual clock.
+
+Each instance is a `NativeEngine` (its own policy and config) stepped with its
+step API. The driver's time advances in sync ticks (a quarter of the scrape
+interval): at each tick every engine runs the steps that start before it, and
+the driver collects what the engines answered (finished, refused with a reason
+and a Retry-After); at every scrape (each fourth tick) the router gets each
+instance's `signals()`, which it then uses, stale, until the next scrape.
+Between ticks requests arrive in time order and the router places each at
+once; an engine sees it at its next step boundary, as `run` would.
+
+Clients: a request refused with a Retry-After (by an engine, or by the router)
+comes back that many seconds later (an engine's refusal reaches the client at
+the next tick at the latest), to another instance where one is left, at most
+`max_retries` times; a refusal without a hint (Dynamo's 529) is retried after
+`retry_backoff_s`; one that can never succeed (context length) is final. The
+client's TTFT counts from its first attempt.
+
+Work: O(events) in the driver: arrivals and retries (each O(N) in the router)
+and ticks (O(N) each); the engines' steps run natively.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+
+from kvadmit._native import NativeEngine
+from kvadmit.config import AdmissionConfig
+from kvadmit.simulate.engine import EngineShape
+from kvadmit.simulate.metrics import Slo, summarize
+from kvadmit.simulate.policies import PolicySpec
+from kvadmit.simulate.routers import ROUTERS, Refusal, Request, make_router
+from kvadmit.simulate.steptime import StepTimeModel
+from kvadmit.simulate.workload import Workload
+
+SYNC_PER_SCRAPE = 4
+MAX_INSTANCES = 1024
+MAX_RETRIES = 100
+
+
+@dataclass(frozen=True)
+class FleetSetup:
+    """The fleet: one policy per instance, the router and the clients' retry rule."""
+    policies: tuple[PolicySpec, ...]
+    router: str
+    scrape_interval_s: float = 0.2
+    max_retries: int = 3
+    retry_backoff_s: float = 1.0
+    busy_threshold: float = 0.9
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        n = len(self.policies)
+        if not 1 <= n <= MAX_INSTANCES:
+            raise ValueError(f"--instances {n}: must be in [1, {MAX_INSTANCES}]")
+        if self.router not in ROUTERS:
+            raise ValueError(f"--router {self.router!r}: must be one of {', '.join(ROUTERS)}")
+        if not (math.isfinite(self.scrape_interval_s) and 0.001 <= self.scrape_interval_s <= 60):
+            raise ValueError(f"--scrape-interval {self.scrape_interval_s}: must be in [0.001, 60] seconds")
+        if not 0 <= self.max_retries <= MAX_RETRIES:
+            raise ValueError(f"--max-retries {self.max_retries}: must be in [0, {MAX_RETRIES}]")
+        if not (math.isfinite(self.retry_backoff_s) and self.retry_backoff_s > 0):
+            raise ValueError(f"--retry-backoff {self.retry_backoff_s}: must be a number of seconds > 0")
+        if not 0 < self.busy_threshold <= 1:
+            raise ValueError(f"--busy-threshold {self.busy_threshold}: must be in (0, 1] "
+                             f"(a share of the KV pool)")
+
+    @property
+    def label(self) -> str:
+        names = [p.name for p in self.policies]
+        return names[0] if len(set(names)) == 1 else "+".join(names)
+
+
+@dataclass
+class FleetRun:
+    per_request: dict                 # client view, in workload order (as RawRun's)
+    totals: dict                      # summed over instances (makespan: the fleet's)
+    instances: list[dict]             # per instance: totals and its share of the work
+    counts: dict                      # retries, router refusals, engine refusals, gave up
+    placed: list                      # per request: the instance of its last attempt (-1: router)
+    attempts: list                    # per request: attempts made
+    wall_s: float
+    timeline: dict = field(default_factory=dict)
+
+
+def _engine(spec: PolicySpec, base: AdmissionConfig, shape: EngineShape, step: StepTimeModel,
+            workload: Workload) -> NativeEngine:
+    sh = spec.shape(shape)
+    return NativeEngine(spec.config(base), sh.num_blocks, sh.block_size, sh.max_model_len,
+                        sh.max_num_seqs, sh.max_num_batched_tokens,
+                        chunked_prefill=sh.chunked_prefill, prefix_caching=sh.prefix_caching,
+                        step_a=step.a, step_b=step.b, step_c=step.c,
+                        hash_block_tokens=workload.hash_block_tokens if sh.prefix_caching else 0,
+                        sample_interval_s=max(workload.open_loop_span_s() / 500.0, 0.05),
+                        reserve_full_input=sh.reserve_full_input,
+                        watermark_blocks=sh.watermark_blocks,
+                        max_num_active_seqs=sh.max_num_active_seqs)
+
+
+class _Outbox:
+    """Requests routed to one engine since the last tick, added in one call."""
+
+    def __init__(self, prefix: bool):
+        self.prefix = prefix
+        self.clear()
+
+    def clear(self):
+        self.arr, self.prompt, self.out, self.mx, self.ttft, self.tpot = [], [], [], [], [], []
+        self.off, self.ids, self.hashed = [0], [], []
+
+    def flush(self, eng: NativeEngine) -> None:
+        if not self.arr:
+            return
+        eng.add_requests(self.arr, self.prompt, self.out, self.mx, None,
+                         self.off if self.prefix else None, self.ids if self.prefix else None,
+                         self.hashed, None, None, self.ttft, self.tpot)
+        self.clear()
+
+
+def run_fleet(workload: Workload, setup: FleetSetup, shape: EngineShape, step: StepTimeModel,
+              base: AdmissionConfig, slo: Slo, progress=None) -> FleetRun:
+    if workload.parent is not None and any(p >= 0 for p in workload.parent):
+        raise ValueError(f"workload {workload.name}: a fleet replays open-loop requests only "
+                         f"(session turns that wait for their previous turn are not routed yet)")
+    if workload.hash_block_tokens and workload.hash_block_tokens % shape.block_size:
+        raise ValueError(f"workload {workload.name}: prefix-id blocks of {workload.hash_block_tokens} "
+                         f"tokens are not a multiple of block_size={shape.block_size}")
+    n_inst, n = len(setup.policies), len(workload)
+    t_wall = time.perf_counter()
+    engines = [_engine(p, base, shape, step, workload) for p in setup.policies]
+    oracle = [p.oracle for p in setup.policies]
+    prefix = [p.shape(shape).prefix_caching and workload.hash_ids is not None for p in setup.policies]
+    router = make_router(setup.router, n_inst, shape.block_size,
+                         [p.shape(shape).num_blocks for p in setup.policies], seed=setup.seed,
+                         busy_threshold=setup.busy_threshold,
+                         scrape_interval_s=setup.scrape_interval_s)
+    ttft = workload.ttft_slo_s or [slo.ttft_s] * n
+    tpot = workload.tpot_slo_s or [slo.tpot_s] * n
+    hashed = workload.hashed_tokens
+
+    attempts = [0] * n
+    exclude: list = [None] * n
+    final_reason: list = [None] * n
+    owner = [[] for _ in range(n_inst)]            # engine-local index -> request
+    outbox = [_Outbox(prefix[e]) for e in range(n_inst)]
+    retries: list = []                             # heap of (time, seq, request)
+    counts = {"retries": 0, "router_refusals": 0, "engine_refusals": 0, "gave_up": 0}
+    finished_seen = [0] * n_inst
+    req_view = Request(0, 0, 0.0, 0.0)
+
+    t0 = workload.arrival_s[0] if n else 0.0
+    for eng in engines:
+        eng.start(t0)
+    tick = setup.scrape_interval_s / SYNC_PER_SCRAPE
+    k_sync = 0                                    # the next tick is t0 + k_sync * tick
+    nxt = 0                                       # the next first arrival
+    seq = 0
+    last_report = 0.0
+
+    def refused(i: int, t: float, reason: str, retry_after, at_instance: int | None) -> None:
+        nonlocal seq
+        if retry_after is None and reason in ("router_busy",):
+            retry_after = setup.retry_backoff_s
+        if retry_after is None or attempts[i] > setup.max_retries:
+            final_reason[i] = reason
+            if retry_after is not None:
+                counts["gave_up"] += 1
+            return
+        if at_instance is not None:
+            if exclude[i] is None:
+                exclude[i] = set()
+            exclude[i].add(at_instance)
+        counts["retries"] += 1
+        seq += 1
+        heapq.heappush(retries, (t + retry_after, seq, i))
+
+    def sync(t: float, scrape: bool) -> bool:
+        """Every engine runs to t; their answers are collected. True if all are idle."""
+        all_idle = True
+        sigs = []
+        for e, eng in enumerate(engines):
+            outbox[e].flush(eng)
+            all_idle &= eng.advance(t)
+            for local, reason, t_rej, ra in eng.take_rejections():
+                i = owner[e][local]
+                counts["engine_refusals"] += 1
+                router.answered(e, 1)
+                # the client hears of it at this tick at the latest
+                refused(i, max(t_rej, t) if ra is None else max(t_rej + ra, t) - ra, reason, ra, e)
+            sig = eng.signals()
+            if sig["finished"] != finished_seen[e]:
+                router.answered(e, sig["finished"] - finished_seen[e])
+                finished_seen[e] = sig["finished"]
+            sigs.append(sig)
+        if scrape:
+            router.observe(sigs)
+        return all_idle
+
+    def route(i: int, t: float) -> None:
+        attempts[i] += 1
+        req_view.prompt_tokens = workload.prompt_tokens[i]
+        req_view.max_tokens = workload.max_tokens[i]
+        req_view.ttft_slo_s = ttft[i]
+        req_view.tpot_slo_s = tpot[i]
+        req_view.hash_ids = workload.hash_ids_of(i) if workload.hash_ids is not None else None
+        choice = router.choose(req_view, t, exclude[i] or ())
+        if isinstance(choice, Refusal):
+            counts["router_refusals"] += 1
+            refused(i, t, choice.reason, choice.retry_after_s, None)
+            return
+        e = choice
+        router.sent(e, req_view)
+        ob = outbox[e]
+        ob.arr.append(t)
+        ob.prompt.append(workload.prompt_tokens[i])
+        ob.out.append(workload.output_tokens[i])
+        ob.mx.append(workload.output_tokens[i] if oracle[e] else workload.max_tokens[i])
+        ob.ttft.append(ttft[i])
+        ob.tpot.append(tpot[i])
+        ob.hashed.append(hashed[i] if hashed is not None else workload.prompt_tokens[i])
+        if ob.prefix:
+            ob.ids.extend(req_view.hash_ids)
+            ob.off.append(len(ob.ids))
+        owner[e].append(i)
+
+    idle = False
+    while True:
+        t_arr = workload.arrival_s[nxt] if nxt < n else math.inf
+        t_ret = retries[0][0] if retries else math.inf
+        t_ev = min(t_arr, t_ret)
+        t_sync = t0 + k_sync * tick
+        if t_sync <= t_ev:
+            if t_ev == math.inf and idle and not any(ob.arr for ob in outbox):
+                break
+            if idle and t_ev < math.inf and t_ev > t_sync + tick:
+                # nothing runs anywhere until t_ev: skip the empty ticks
+                k_skip = int((t_ev - t0) / tick)
+                k_skip -= k_skip % SYNC_PER_SCRAPE
+                while k_skip > k_sync and t0 + k_skip * tick > t_ev:   # rounding
+                    k_skip -= SYNC_PER_SCRAPE
+                if k_skip > k_sync:
+                    k_sync = k_skip
+                    t_sync = t0 + k_sync * tick
+            idle = sync(t_sync, k_sync % SYNC_PER_SCRAPE == 0)
+            k_sync += 1
+            if progress is not None and time.perf_counter() - last_report > 0.5:
+                last_report = time.perf_counter()
+                progress(nxt, n)
+            continue
+        idle = False
+        if t_arr <= t_ret:
+            route(nxt, t_arr)
+            nxt += 1
+        else:
+            t, _, i = heapq.heappop(retries)
+            route(i, t)
+    for eng in engines:
+        eng.drain()
+    if progress is not None:
+        progress(n, n)
+    return _assemble(workload, engines, owner, final_reason, counts, attempts, t0,
+                     time.perf_counter() - t_wall)
+
+
+def _assemble(workload: Workload, engines, owner, final_reason, counts, attempts, t0: float,
+              wall_s: float) -> FleetRun:
+    n = len(workload)
+    first, finish = [-1.0] * n, [-1.0] * n
+    out_tok, preempt = [0] * n, [0] * n
+    rejected = list(final_reason)
+    placed = [-1] * n
+    instances, tot = [], {}
+    for e, eng in enumerate(engines):
+        res, t = eng.results(), eng.totals()
+        served = 0
+        for local, i in enumerate(owner[e]):
+            placed[i] = e if placed[i] < 0 or res["rejected"][local] is None else placed[i]
+            if res["rejected"][local] is None:
+                first[i], finish[i] = res["first_token_s"][local], res["finish_s"][local]
+                out_tok[i], preempt[i] = res["output_tokens"][local], res["preemptions"][local]
+                served += 1
+        instances.append({"routed": len(owner[e]), "served": served, **t})
+        for k, v in t.items():
+            if isinstance(v, (int, float)):
+                tot[k] = tot.get(k, 0) + v
+    for i in range(n):
+        if rejected[i] is None and first[i] < 0:
+            raise AssertionError(f"request {i}: neither served nor refused")
+    end = max([f for f in finish if f >= 0], default=t0)
+    tot["makespan_s"] = end - t0
+    tot["kv_util_mean"] = sum(x["kv_util_mean"] for x in instances) / len(instances)
+    tot["kv_util_peak"] = max(x["kv_util_peak"] for x in instances)
+    per_request = {"arrival_s": list(workload.arrival_s), "first_token_s": first, "finish_s": finish,
+                   "output_tokens": out_tok, "preemptions": preempt, "rejected": rejected}
+    return FleetRun(per_request, tot, instances, counts, placed, list(attempts), wall_s)
+
+
+def summarize_fleet(run: FleetRun, workload: Workload, slo: Slo) -> dict:
+    """`summarize`'s numbers for the fleet, plus retries, router refusals and the
+    load imbalance (the busiest instance's output tokens over the mean)."""
+    s = summarize(run.per_request, run.totals, slo, workload.ttft_slo_s, workload.tpot_slo_s)
+    toks = [x["output_tokens"] for x in run.instances]
+    mean = sum(toks) / len(toks)
+    s.update(run.counts)
+    s["imbalance"] = max(toks) / mean if mean > 0 else 1.0
+    s["per_instance"] = [{k: x[k] for k in ("routed", "served", "output_tokens", "preemptions",
+                                            "kv_util_mean", "busy_s")} for x in run.instances]
+    return s
