@@ -31,6 +31,7 @@ from kvadmit.config import AdmissionConfig
 from kvadmit.simulate.engine import EngineShape
 from kvadmit.simulate.metrics import Slo, summarize
 from kvadmit.simulate.policies import PolicySpec
+from kvadmit.simulate.record import Totals
 from kvadmit.simulate.routers import ROUTERS, Refusal, Request, make_router
 from kvadmit.simulate.steptime import StepTimeModel
 from kvadmit.simulate.workload import Workload
@@ -76,7 +77,7 @@ class FleetSetup:
 @dataclass
 class FleetRun:
     per_request: dict                 # client view, in workload order (as RawRun's)
-    totals: dict                      # summed over instances (makespan: the fleet's)
+    totals: Totals                    # summed over instances (makespan: the fleet's)
     instances: list[dict]             # per instance: totals and its share of the work
     counts: dict                      # retries, router refusals, engine refusals, gave up
     placed: list                      # per request: the instance of its last attempt (-1: router)
@@ -292,6 +293,7 @@ def _assemble(workload: Workload, engines, owner, final_reason, counts, attempts
     tot["makespan_s"] = end - t0
     tot["kv_util_mean"] = sum(x["kv_util_mean"] for x in instances) / len(instances)
     tot["kv_util_peak"] = max(x["kv_util_peak"] for x in instances)
+    tot = Totals.from_engine(tot)
     per_request = {"arrival_s": list(workload.arrival_s), "first_token_s": first, "finish_s": finish,
                    "output_tokens": out_tok, "preemptions": preempt, "rejected": rejected}
     return FleetRun(per_request, tot, instances, counts, placed, list(attempts), wall_s)
