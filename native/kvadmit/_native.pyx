@@ -20,6 +20,8 @@ from libcpp.vector cimport vector
 
 from kvadmit._agent_window cimport AgentWindow
 from kvadmit._allocator cimport BlockAllocator
+from kvadmit._arrival_gate cimport (ArrivalGate, ArrivalResult, Rejection, R_INVALID,
+                                    R_KV_CAPACITY, R_QUEUE_FULL)
 from kvadmit._curves cimport Curve, cdiv, curve_longer, peak_blocks_sorted
 from kvadmit._length_model cimport OutputLengthModel, c_next_quantile
 from kvadmit._slo_guard cimport SloGuard
@@ -28,12 +30,13 @@ from kvadmit._step_time cimport StepTimeFit
 # Re-exported: Python code and tests import the whole core from kvadmit._native.
 from kvadmit._agent_window import next_agent_window
 from kvadmit._allocator import bench_native_cycles
+from kvadmit._arrival_gate import REJECT_REASONS
 from kvadmit._curves import peak_blocks
 from kvadmit._free_queue import BlockObjectQueue, FreeBlockQueue
 from kvadmit._length_model import next_quantile
 # (cimported types are C-level names here: their Python names are set explicitly)
-globals().update(BlockAllocator=BlockAllocator, OutputLengthModel=OutputLengthModel,
-                 StepTimeFit=StepTimeFit)
+globals().update(ArrivalResult=ArrivalResult, BlockAllocator=BlockAllocator,
+                 OutputLengthModel=OutputLengthModel, Rejection=Rejection, StepTimeFit=StepTimeFit)
 
 include "core.pxi"
 include "sim.pxi"

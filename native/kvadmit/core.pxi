@@ -14,8 +14,6 @@ STATES = ("free", "waiting", "running")
 POLICIES = ("overcommit", "reserve", "peak", "predict", "adaptive", "auto")
 VICTIMS = ("lifo", "priority", "lcf", "length")
 DECISIONS = ("admit", "hold_blocks", "hold_capacity", "hold_slo", "hold_agent", "hold_paused")
-REJECT_REASONS = ("queue_full", "queued_tokens_full", "context_length", "kv_capacity", "shed",
-                  "queue_delay", "slo_infeasible", "invalid")
 
 cdef enum:  # indexes into POLICIES
     P_OVERCOMMIT = 0
@@ -39,17 +37,6 @@ cdef enum:  # indexes into DECISIONS
     D_HOLD_AGENT = 4      # its session is outside the active-agent window
     D_HOLD_PAUSED = 5     # running requests are paused this step (shortfall: pause)
     N_DECISIONS = 6
-
-cdef enum:  # indexes into REJECT_REASONS
-    R_QUEUE_FULL = 0
-    R_QUEUED_TOKENS = 1
-    R_CONTEXT = 2
-    R_KV_CAPACITY = 3
-    R_SHED = 4
-    R_QUEUE_DELAY = 5
-    R_SLO = 6
-    R_INVALID = 7         # malformed request (its engine fields, its numbers)
-    N_REJECT_REASONS = 8
 
 # `auto`: the zero-config default. Its length quantile and controller settings are
 # fixed here (not the adaptive_* keys): one setting for every workload.
@@ -84,53 +71,6 @@ cdef extern from *:
         double tie
         int64_t second
         bint operator<(const QKey&)
-
-
-cdef class Rejection:
-    """Why a request was refused: a reason code, a message naming the limit,
-    and a Retry-After hint in seconds (None when retrying cannot help)."""
-    cdef readonly str reason
-    cdef readonly str message
-    cdef readonly str limit      # the config field or engine limit that refused it
-    cdef readonly object limit_value
-    cdef readonly object retry_after_s
-
-    def __init__(self, reason, message, limit, limit_value, retry_after_s):
-        self.reason = reason
-        self.message = message
-        self.limit = limit
-        self.limit_value = limit_value
-        self.retry_after_s = retry_after_s
-
-    @property
-    def retryable(self):
-        """True for overload (try again later), False for a request this server can never take."""
-        return self.retry_after_s is not None
-
-    def __repr__(self):
-        return f"Rejection({self.reason!r}, {self.message!r}, retry_after_s={self.retry_after_s})"
-
-
-cdef class ArrivalResult:
-    """Outcome of `AdmissionCore.arrive`: accepted with a slot, or rejected.
-
-    ``shed`` lists (slot, Rejection) for waiting requests evicted to make room
-    (priority shedding); the caller must finish them with that rejection."""
-    cdef readonly bint accepted
-    cdef readonly int64_t slot
-    cdef readonly Rejection rejection
-    cdef readonly list shed
-
-    def __init__(self, accepted, slot, rejection, shed):
-        self.accepted = accepted
-        self.slot = slot
-        self.rejection = rejection
-        self.shed = shed
-
-    def __repr__(self):
-        if self.accepted:
-            return f"ArrivalResult(accepted, slot={self.slot}, shed={len(self.shed)})"
-        return f"ArrivalResult(rejected, {self.rejection!r})"
 
 
 cdef struct VictimKey:
@@ -175,13 +115,12 @@ cdef class AdmissionCore:
     cdef readonly object config
     # settings
     cdef int _policy, _victim
-    cdef bint _priority_order, _bypass, _shed
-    cdef int64_t _max_bypass, _lookahead, _max_q_reqs, _max_q_tokens, _prefill_chunk
+    cdef bint _priority_order, _bypass
+    cdef int64_t _max_bypass, _lookahead, _prefill_chunk
     cdef double _predict_init_ratio, _predict_min_ratio, _predict_ratio_decay
     cdef int64_t _predict_clip_tokens, _predict_retract_steps
     cdef double _quantile_base, _quantile_max, _target_preemption_rate
     cdef int64_t _adapt_interval
-    cdef double _retry_default, _retry_max, _drain_window, _max_q_delay
     # ledger, indexed by slot
     cdef vector[int64_t] _prompt, _cached, _computed, _generated, _max_new
     cdef vector[int64_t] _priority, _arrival, _admit_seq, _admit_step, _blocks, _pred_total
@@ -213,19 +152,11 @@ cdef class AdmissionCore:
     cdef int64_t _unowned_blocks      # auto: blocks in use that no running request's own part counts
     cdef int64_t _max_shared_blocks   # auto: the longest prefix a running request shares, in blocks
     cdef int64_t _adapt_admits, _adapt_preempts
-    # drain rate (Retry-After)
-    cdef deque[pair[double, int64_t]] _drain   # (backlog clock, prefill tokens) per admission
-    cdef int64_t _drain_tokens                 # sum of the prefill tokens in _drain
-    cdef double _t_last, _backlog_s
-    cdef bint _seen_time
+    cdef readonly ArrivalGate gate      # caps, refusals, drain rate and Retry-After
     # counters
     cdef int64_t _n_arrived, _n_admitted, _n_preempted, _n_finished, _n_aborted
     cdef int64_t _held[N_DECISIONS]           # (request, step) pairs held at the queue head
     cdef vector[int64_t] _held_step           # per slot: the step its last hold was counted in
-    cdef int64_t _rejected[N_REJECT_REASONS]
-    # Retry-After line: refused clients are told to come back one after another
-    cdef double _retry_line_end               # when the last refused client was told to return
-    cdef int64_t _retry_line_len              # refused clients told to return after now
     # SLO guard
     cdef readonly SloGuard slo_guard     # TPOT hold, TTFT prediction, the step-time fit
     cdef bint _deadline_order
@@ -259,9 +190,7 @@ cdef class AdmissionCore:
         self._lookahead = config.bypass_lookahead
         if config.head_of_line == "auto" and self._bypass:
             self._max_bypass, self._lookahead = AUTO_MAX_BYPASS, AUTO_LOOKAHEAD
-        self._max_q_reqs = config.max_queued_requests
-        self._max_q_tokens = config.max_queued_tokens
-        self._shed = config.shed_lower_priority
+        self.gate = ArrivalGate(config)
         self._prefill_chunk = config.prefill_chunk_tokens
         self._predict_init_ratio = config.predict_init_ratio
         self._predict_min_ratio = config.predict_init_ratio * config.predict_min_ratio_factor
@@ -272,10 +201,6 @@ cdef class AdmissionCore:
         self._quantile_max = config.adaptive_max_quantile
         self._target_preemption_rate = config.adaptive_target_preemption_rate
         self._adapt_interval = config.adaptive_interval
-        self._retry_default = config.retry_after_default_s
-        self._retry_max = config.retry_after_max_s
-        self._drain_window = config.drain_window_s
-        self._max_q_delay = config.max_queue_delay_s
         self.slo_guard = SloGuard(config)
         self._deadline_order = config.queue_order == "deadline"
         self.agent_window = AgentWindow(config, num_blocks)
@@ -304,13 +229,7 @@ cdef class AdmissionCore:
         cdef int i
         for i in range(N_DECISIONS):
             self._held[i] = 0
-        for i in range(N_REJECT_REASONS):
-            self._rejected[i] = 0
-        self._retry_line_end = 0.0
-        self._retry_line_len = 0
         self._len_abs_err = self._len_pred_sum = self._len_actual_sum = 0.0
-        self._seen_time = False
-        self._t_last = self._backlog_s = 0.0
 
     # ------------------------------------------------------------------
     # Per-request numbers
@@ -568,58 +487,13 @@ cdef class AdmissionCore:
 
     # ------------------------------------------------------------------
     # Drain rate and Retry-After
-    cdef void _note_time(self, double now) noexcept nogil:
-        """Advances the backlog clock: seconds during which requests were waiting.
-        Admissions are counted against it, so the drain rate is the engine's pace
-        at taking queued work, not the arrival rate of a lightly loaded server."""
-        if self._seen_time and now > self._t_last:
-            if not self._waiting.empty():
-                self._backlog_s += now - self._t_last
-            self._t_last = now
-        elif not self._seen_time:
-            self._t_last = now
-            self._seen_time = True
+    cdef inline void _note_time(self, double now) noexcept nogil:
+        """The arrival gate's backlog clock (it runs while anything waits)."""
+        self.gate.c_note_time(now, not self._waiting.empty())
 
-    cdef bint _drain_rates(self, double now, double* reqs_per_s, double* tokens_per_s):
-        """Admissions and their prefill tokens per second of backlog over the last
-        drain_window_s of backlog (False: none observed yet)."""
-        self._note_time(now)
-        cdef double horizon = self._backlog_s - self._drain_window
-        while not self._drain.empty() and self._drain.front().first < horizon:
-            self._drain_tokens -= self._drain.front().second
-            self._drain.pop_front()
-        cdef double span = min(self._backlog_s, self._drain_window)
-        if span <= 0.0 or self._drain.empty():
-            return False
-        reqs_per_s[0] = self._drain.size() / span
-        tokens_per_s[0] = self._drain_tokens / span
-        return True
-
-    cdef bint _paced_rates(self, double now, double* reqs_per_s, double* tokens_per_s):
-        """The drain rates for Retry-After hints: measured over at least
-        retry_after_default_s of backlog (a burst's first admissions, a few ms apart
-        while the engine still had room, are not the pace it keeps once full)."""
-        if not self._drain_rates(now, reqs_per_s, tokens_per_s):
-            return False
-        cdef double span = min(self._backlog_s, self._drain_window)
-        if span < self._retry_default:
-            reqs_per_s[0] *= span / self._retry_default
-            tokens_per_s[0] *= span / self._retry_default
-        return True
-
-    cdef object _retry_after(self, double excess_reqs, double excess_tokens, double now):
-        """Seconds until the observed admission rate drains the excess (None: cannot drain)."""
-        cdef double rr, rt
-        if not self._paced_rates(now, &rr, &rt):
-            return self._retry_default
-        cdef double wait = 0.0
-        if excess_reqs > 0:
-            wait = excess_reqs / rr
-        if excess_tokens > 0 and rt > 0:
-            wait = max(wait, excess_tokens / rt)
-        elif excess_tokens > 0:
-            wait = max(wait, self._retry_default)
-        return min(max(wait, 0.0), self._retry_max)
+    cdef inline double _predicted_delay(self, int64_t ahead, int64_t ahead_tokens, int64_t queued,
+                                        double now) noexcept nogil:
+        return self.gate.c_predicted_delay(ahead, ahead_tokens, queued, now, not self._waiting.empty())
 
     cdef void _ahead_of(self, int32_t s, int64_t* reqs, int64_t* tokens) noexcept nogil:
         """Waiting requests (and their prefill tokens) that the queue order serves
@@ -638,70 +512,26 @@ cdef class AdmissionCore:
                 tokens[0] += self._queued_of(deref(it).second)
             inc(it)
 
-    cdef double _predicted_delay(self, int64_t ahead, int64_t ahead_tokens, int64_t queued,
-                                 double now):
-        """Queueing delay of an arrival behind `ahead` waiting requests (and their
-        `ahead_tokens` of prefill), plus itself, at the recent admission rate
-        (0 when nothing is ahead or no rate is known yet)."""
-        cdef double rr, rt, wait
-        if ahead == 0 or not self._drain_rates(now, &rr, &rt):
-            return 0.0
-        wait = (ahead + 1) / rr
-        if rt > 0:
-            wait = max(wait, (ahead_tokens + queued) / rt)
-        return wait
-
-    cdef double _in_line(self, double wait, double now):
-        """Spreads a burst's Retry-After hints: a refused client is told to come back
-        no earlier than its own predicted wait and one admission after the client
-        refused before it (at the recent admission rate, `_paced_rates`; with none yet,
-        retry_after_default_s / max_queued_requests), so a refused burst returns as
-        a line, not all at once. Deterministic: the k-th refusal gets the k-th place."""
-        cdef double rr, rt, spacing, at = now + wait
-        if self._retry_line_end > now:
-            if self._paced_rates(now, &rr, &rt) and rr > 0:
-                spacing = 1.0 / rr
-            else:
-                spacing = self._retry_default / max(self._max_q_reqs, 1)
-            at = max(at, self._retry_line_end + spacing)
-            self._retry_line_len += 1
-        else:
-            self._retry_line_len = 1
-        at = min(at, now + self._retry_max)
-        self._retry_line_end = at
-        return at - now
-
-    cdef Rejection _reject(self, int code, str message, str limit, object value, object retry):
-        """Counts a refusal; a retryable one gets its place in the retry line and its
-        message the numbers a client needs (the message names the queue and the cap)."""
-        cdef double now = self._t_last, wait
-        self._rejected[code] += 1
-        if retry is not None:
-            wait = self._in_line(retry, now)
-            message = (f"{message}; room expected in {retry:.3g} s, retry in {wait:.3g} s "
-                       f"(place {self._retry_line_len} in the retry line)")
-            retry = wait
-        return Rejection(REJECT_REASONS[code], message, limit, value, retry)
-
     def refuse_invalid(self, str message, str limit=None):
         """Counts the refusal of a malformed request (reason 'invalid', never
         retryable) and returns it: one an engine adapter found before `arrive`
         (its fields, its token ids), or that `arrive` raised ValueError for.
         Not counted as an arrival: it never reached the queue."""
-        return self._reject(R_INVALID, message, limit, None, None)
+        return self.gate.c_refuse(R_INVALID, message, limit, None, None, not self._waiting.empty())
 
     def refuse_oversized_group(self, int64_t samples):
         """Counts and returns the refusal of a parallel-sampling request whose
         `samples` sequences could never be queued together (more than
         max_queued_requests): queue_full, never retryable. An arrival, as the
         request's other refusals are (None when it fits the cap)."""
-        if self._max_q_reqs <= 0 or samples <= self._max_q_reqs:
+        cdef int64_t cap = self.gate.max_queued_requests
+        if cap <= 0 or samples <= cap:
             return None
         self._n_arrived += 1
-        return self._reject(
+        return self.gate.c_refuse(
             R_QUEUE_FULL, f"the request's n={samples} samples exceed max_queued_requests="
-            f"{self._max_q_reqs}: they can never be queued together",
-            "max_queued_requests", self._max_q_reqs, None)
+            f"{cap}: they can never be queued together",
+            "max_queued_requests", cap, None, not self._waiting.empty())
 
     # ------------------------------------------------------------------
     # Public API: arrivals
@@ -733,13 +563,29 @@ cdef class AdmissionCore:
         self._note_time(now)
         self._advance(now)
         self._n_arrived += 1
-        cdef int64_t total = prompt_tokens + max_new_tokens
-        if self.max_model_len > 0 and total > self.max_model_len:
-            return ArrivalResult(False, -1, self._reject(
-                R_CONTEXT,
-                f"prompt_tokens ({prompt_tokens}) + max_new_tokens ({max_new_tokens}) = {total} "
-                f"exceeds max_model_len={self.max_model_len}",
-                "max_model_len", self.max_model_len, None), [])
+        cdef Rejection refused = self.gate.c_refuse_context(prompt_tokens, max_new_tokens,
+                                                            self.max_model_len, not self._waiting.empty())
+        if refused is not None:
+            return ArrivalResult(False, -1, refused, [])
+        cdef int32_t s = self._new_request(prompt_tokens, max_new_tokens, priority, cached_tokens, now,
+                                           ttft_slo_s, tpot_slo_s, session, arrival_time, arrival_tie)
+        cdef list shed = []
+        refused = self._refusal(s, now)
+        if refused is None:
+            refused = self._make_room(s, now, shed)
+        if refused is not None:
+            self._release(s)
+            return ArrivalResult(False, -1, refused, [])
+        self._enqueue(s)
+        self._sheddable[s] = 1
+        self._shed_order[self._shed_key(s)] = s
+        return ArrivalResult(True, s, None, shed)
+
+    cdef int32_t _new_request(self, int64_t prompt_tokens, int64_t max_new_tokens, int64_t priority,
+                              int64_t cached_tokens, double now, double ttft_slo_s, double tpot_slo_s,
+                              int64_t session, double arrival_time, double arrival_tie):
+        """A slot holding an arrival's numbers, not yet queued (its state is waiting
+        so the policies may read it)."""
         cdef int32_t s = self._new_slot()
         self._prompt[s] = prompt_tokens
         self._cached[s] = cached_tokens
@@ -765,76 +611,59 @@ cdef class AdmissionCore:
         self._session[s] = session if self.agent_window.enabled else -1
         self.agent_window.c_track(self._session[s], now)
         self._state[s] = ST_WAITING  # provisional, so helpers may read it
+        return s
+
+    cdef Rejection _refusal(self, int32_t s, double now):
+        """Why the new request s can never be queued here (the KV pool, the prefill
+        cap), or cannot now (its predicted queueing delay or TTFT); None: it may queue."""
+        cdef bint backlog = not self._waiting.empty()
         if not self._fits_capacity(s, True):
-            self._release(s)
-            return ArrivalResult(False, -1, self._reject(
+            return self.gate.c_refuse(
                 R_KV_CAPACITY,
                 f"request needs more KV than the whole pool holds under policy "
-                f"'{POLICIES[self._policy]}' (prompt_tokens={prompt_tokens}, "
-                f"max_new_tokens={max_new_tokens}, pool={self.num_blocks} blocks of "
+                f"'{POLICIES[self._policy]}' (prompt_tokens={self._prompt[s]}, "
+                f"max_new_tokens={self._max_new[s]}, pool={self.num_blocks} blocks of "
                 f"{self.block_size} tokens)",
-                "num_blocks", self.num_blocks, None), [])
+                "num_blocks", self.num_blocks, None, backlog)
         cdef int64_t queued = self._queued_of(s)
-        if self._max_q_tokens > 0 and queued > self._max_q_tokens:
-            self._release(s)
-            return ArrivalResult(False, -1, self._reject(
-                R_QUEUED_TOKENS,
-                f"prompt needs {queued} tokens of prefill, more than max_queued_tokens="
-                f"{self._max_q_tokens}", "max_queued_tokens", self._max_q_tokens, None), [])
+        cdef Rejection refused = self.gate.c_refuse_prefill(queued, backlog)
+        if refused is not None:
+            return refused
         cdef double delay
         cdef int64_t ahead = 0, ahead_tokens = 0
-        if self._max_q_delay > 0 or (self.slo_guard.enabled and self._ttft[s] > 0):
+        cdef bint ttft_guarded = self.slo_guard.enabled and self._ttft[s] > 0
+        if self.gate.max_queue_delay_s > 0 or ttft_guarded:
             self._ahead_of(s, &ahead, &ahead_tokens)
             delay = self._predicted_delay(ahead, ahead_tokens, queued, now)
-        if self._max_q_delay > 0:
-            if delay > self._max_q_delay:
-                self._release(s)
-                return ArrivalResult(False, -1, self._reject(
-                    R_QUEUE_DELAY,
-                    f"predicted queueing delay {delay:.3g} s ({self._waiting.size()} requests and "
-                    f"{self._queued_tokens} prompt tokens waiting) exceeds max_queue_delay_s="
-                    f"{self._max_q_delay:g}", "max_queue_delay_s", self._max_q_delay,
-                    min(delay - self._max_q_delay, self._retry_max)), [])
-        cdef double ttft_pred
-        if self.slo_guard.enabled and self._ttft[s] > 0:
-            ttft_pred = self.slo_guard.c_predict_ttft(ahead_tokens, queued, delay, self._running.size(),
-                                                      self._running_context())
-            if ttft_pred > self._ttft[s]:
-                self._release(s)
-                return ArrivalResult(False, -1, self._reject(
-                    R_SLO,
-                    f"predicted TTFT {ttft_pred:.3g} s ({self._waiting.size()} requests waiting, "
-                    f"{self._running.size()} running) exceeds its target ttft_slo_s="
-                    f"{self._ttft[s]:g}", "ttft_slo_s", self._ttft[s],
-                    min(ttft_pred - self._ttft[s], self._retry_max)), [])
-        cdef list shed = []
+        if self.gate.max_queue_delay_s > 0:
+            refused = self.gate.c_refuse_delay(delay, self._waiting.size(), self._queued_tokens,
+                                               not self._waiting.empty())
+            if refused is not None:
+                return refused
+        if ttft_guarded:
+            return self.gate.c_refuse_slo(
+                self.slo_guard.c_predict_ttft(ahead_tokens, queued, delay, self._running.size(),
+                                              self._running_context()),
+                self._ttft[s], self._waiting.size(), self._running.size(), not self._waiting.empty())
+        return None
+
+    cdef Rejection _make_room(self, int32_t s, double now, list shed):
+        """Room in the queue for the new request s under the caps: none needed, or
+        strictly less important waiting requests shed (appended to `shed`); else the
+        refusal of s."""
+        cdef int64_t queued = self._queued_of(s)
         cdef int64_t over_reqs = 0, over_tokens = 0
-        if self._max_q_reqs > 0:
-            over_reqs = <int64_t>self._waiting.size() + 1 - self._max_q_reqs
-        if self._max_q_tokens > 0:
-            over_tokens = self._queued_tokens + queued - self._max_q_tokens
-        if over_reqs > 0 or over_tokens > 0:
-            if not (self._shed and self._shed_for(priority, over_reqs, over_tokens, now, shed)):
-                self._release(s)
-                if over_reqs > 0:
-                    rej = self._reject(
-                        R_QUEUE_FULL,
-                        f"queue full: {self._waiting.size()} requests waiting, "
-                        f"max_queued_requests={self._max_q_reqs}",
-                        "max_queued_requests", self._max_q_reqs,
-                        self._retry_after(over_reqs, 0, now))
-                else:
-                    rej = self._reject(
-                        R_QUEUED_TOKENS,
-                        f"queue full: {self._queued_tokens} prompt tokens waiting + {queued} "
-                        f"exceeds max_queued_tokens={self._max_q_tokens}",
-                        "max_queued_tokens", self._max_q_tokens,
-                        self._retry_after(0, over_tokens, now))
-                return ArrivalResult(False, -1, rej, [])
-        self._enqueue(s)
-        self._sheddable[s] = 1
-        self._shed_order[self._shed_key(s)] = s
-        return ArrivalResult(True, s, None, shed)
+        if self.gate.max_queued_requests > 0:
+            over_reqs = <int64_t>self._waiting.size() + 1 - self.gate.max_queued_requests
+        if self.gate.max_queued_tokens > 0:
+            over_tokens = self._queued_tokens + queued - self.gate.max_queued_tokens
+        if over_reqs <= 0 and over_tokens <= 0:
+            return None
+        if self.gate.shed_lower_priority and self._shed_for(self._priority[s], over_reqs, over_tokens,
+                                                            now, shed):
+            return None
+        return self.gate.c_refuse_full(over_reqs, over_tokens, self._waiting.size(),
+                                       self._queued_tokens, queued, now, not self._waiting.empty())
 
     cdef bint _shed_for(self, int64_t priority, int64_t over_reqs, int64_t over_tokens,
                         double now, list out):
@@ -857,13 +686,8 @@ cdef class AdmissionCore:
         for v in picked:
             self._dequeue(v)
             self._release(v)
-            out.append((v, self._reject(
-                R_SHED,
-                f"shed from a full queue by a higher-priority request (priority {priority} "
-                f"< {self._priority[v]})",
-                "max_queued_requests" if over_reqs > 0 else "max_queued_tokens",
-                self._max_q_reqs if over_reqs > 0 else self._max_q_tokens,
-                self._retry_default)))
+            out.append((v, self.gate.c_refuse_shed(priority, self._priority[v], over_reqs > 0,
+                                                   not self._waiting.empty())))
         return True
 
     # ------------------------------------------------------------------
@@ -1021,8 +845,7 @@ cdef class AdmissionCore:
                 else self._max_new[s] - self._generated[s])
         self._n_admitted += 1
         self._adapt_admits += 1
-        self._drain.push_back(pair[double, int64_t](self._backlog_s, queued))
-        self._drain_tokens += queued
+        self.gate.c_admitted(queued)
         self._maybe_adapt()
 
     def withdraw(self, int64_t slot):
@@ -1049,9 +872,7 @@ cdef class AdmissionCore:
         self._n_admitted -= 1
         if self._adapt_admits > 0:
             self._adapt_admits -= 1
-        if not self._drain.empty():
-            self._drain_tokens -= self._drain.back().second
-            self._drain.pop_back()      # its admission entry (the latest, as a rule)
+        self.gate.c_admission_undone()
         if self._session[s] >= 0 and self._activated_by[s]:
             self.agent_window.c_undo_activation(self._session[s])   # its admission is undone
         self._activated_by[s] = 0
@@ -1508,7 +1329,7 @@ cdef class AdmissionCore:
             "preempted": self._n_preempted, "paused": self.paused,
             "finished": self._n_finished, "aborted": self._n_aborted,
             "held": {DECISIONS[i]: self._held[i] for i in range(1, N_DECISIONS)},
-            "rejected": {REJECT_REASONS[i]: self._rejected[i] for i in range(N_REJECT_REASONS)},
+            "rejected": self.gate.rejected(),
             "waiting": self._waiting.size(), "running": self._running.size(),
             "queued_tokens": self._queued_tokens,
             "new_token_ratio": self._ratio, "quantile": self._quantile,

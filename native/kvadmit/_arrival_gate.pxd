@@ -1,0 +1,71 @@
+# The arrival gate's C-level API (see _arrival_gate.pyx).
+from libc.stdint cimport int64_t
+from libcpp.deque cimport deque
+from libcpp.pair cimport pair
+
+cdef enum:  # indexes into REJECT_REASONS
+    R_QUEUE_FULL = 0
+    R_QUEUED_TOKENS = 1
+    R_CONTEXT = 2
+    R_KV_CAPACITY = 3
+    R_SHED = 4
+    R_QUEUE_DELAY = 5
+    R_SLO = 6
+    R_INVALID = 7         # malformed request (its engine fields, its numbers)
+    N_REJECT_REASONS = 8
+
+
+cdef class Rejection:
+    cdef readonly str reason
+    cdef readonly str message
+    cdef readonly str limit      # the config field or engine limit that refused it
+    cdef readonly object limit_value
+    cdef readonly object retry_after_s
+
+
+cdef class ArrivalResult:
+    cdef readonly bint accepted
+    cdef readonly int64_t slot
+    cdef readonly Rejection rejection
+    cdef readonly list shed
+
+
+cdef class ArrivalGate:
+    cdef readonly int64_t max_queued_requests, max_queued_tokens   # 0: no cap
+    cdef readonly bint shed_lower_priority
+    cdef readonly double max_queue_delay_s                         # 0: no cap
+    cdef double _retry_default, _retry_max, _drain_window
+    # drain rate: admissions against the backlog clock (seconds with requests waiting)
+    cdef deque[pair[double, int64_t]] _drain   # (backlog clock, prefill tokens) per admission
+    cdef int64_t _drain_tokens                 # sum of the prefill tokens in _drain
+    cdef double _t_last, _backlog_s
+    cdef bint _seen_time
+    # Retry-After line: refused clients are told to come back one after another
+    cdef double _retry_line_end               # when the last refused client was told to return
+    cdef int64_t _retry_line_len              # refused clients told to return after now
+    cdef int64_t _rejected[N_REJECT_REASONS]
+
+    cdef void c_note_time(self, double now, bint backlog) noexcept nogil
+    cdef void c_admitted(self, int64_t prefill_tokens) noexcept nogil
+    cdef void c_admission_undone(self) noexcept nogil
+    cdef double c_predicted_delay(self, int64_t ahead, int64_t ahead_tokens, int64_t queued,
+                                  double now, bint backlog) noexcept nogil
+    cdef Rejection c_refuse(self, int code, str message, str limit, object value, object retry,
+                            bint backlog)
+    cdef Rejection c_refuse_context(self, int64_t prompt_tokens, int64_t max_new_tokens,
+                                    int64_t max_model_len, bint backlog)
+    cdef Rejection c_refuse_prefill(self, int64_t queued, bint backlog)
+    cdef Rejection c_refuse_delay(self, double delay, int64_t waiting, int64_t queued_tokens,
+                                  bint backlog)
+    cdef Rejection c_refuse_slo(self, double predicted, double target, int64_t waiting,
+                                int64_t running, bint backlog)
+    cdef Rejection c_refuse_full(self, int64_t over_reqs, int64_t over_tokens, int64_t waiting,
+                                 int64_t queued_tokens, int64_t queued, double now, bint backlog)
+    cdef Rejection c_refuse_shed(self, int64_t priority, int64_t victim_priority, bint over_reqs,
+                                 bint backlog)
+    cdef bint _drain_rates(self, double now, bint backlog, double* reqs_per_s,
+                           double* tokens_per_s) noexcept nogil
+    cdef bint _paced_rates(self, double now, bint backlog, double* reqs_per_s,
+                           double* tokens_per_s) noexcept nogil
+    cdef object _retry_after(self, double excess_reqs, double excess_tokens, double now, bint backlog)
+    cdef double _in_line(self, double wait, double now, bint backlog) noexcept nogil

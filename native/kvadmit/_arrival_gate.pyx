@@ -1,0 +1,279 @@
+# The arrival gate: which arrivals the queue takes, and what a refused client is told.
+#
+# Caps (max_queued_requests, max_queued_tokens, max_queue_delay_s), priority
+# shedding's refusals, and every Rejection the core gives: its reason, a message
+# naming the limit and the numbers, and a Retry-After hint. The hint comes from
+# the drain rate, the engine's recent pace at taking queued work: admissions
+# counted against a backlog clock that runs only while requests wait (so a lightly
+# loaded server's arrival rate is not mistaken for its pace); a refused burst is
+# told to come back as a line, one admission apart, not all at once.
+#
+# The core owns the queue; it passes what the gate needs to know of it (whether
+# anything waits, how much) with each call.
+
+from libc.stdint cimport int64_t
+from libcpp.deque cimport deque
+from libcpp.pair cimport pair
+
+REJECT_REASONS = ("queue_full", "queued_tokens_full", "context_length", "kv_capacity", "shed",
+                  "queue_delay", "slo_infeasible", "invalid")
+
+
+cdef class Rejection:
+    """Why a request was refused: a reason code, a message naming the limit,
+    and a Retry-After hint in seconds (None when retrying cannot help)."""
+
+    def __init__(self, reason, message, limit, limit_value, retry_after_s):
+        self.reason = reason
+        self.message = message
+        self.limit = limit
+        self.limit_value = limit_value
+        self.retry_after_s = retry_after_s
+
+    @property
+    def retryable(self):
+        """True for overload (try again later), False for a request this server can never take."""
+        return self.retry_after_s is not None
+
+    def __repr__(self):
+        return f"Rejection({self.reason!r}, {self.message!r}, retry_after_s={self.retry_after_s})"
+
+
+cdef class ArrivalResult:
+    """Outcome of `AdmissionCore.arrive`: accepted with a slot, or rejected.
+
+    ``shed`` lists (slot, Rejection) for waiting requests evicted to make room
+    (priority shedding); the caller must finish them with that rejection."""
+
+    def __init__(self, accepted, slot, rejection, shed):
+        self.accepted = accepted
+        self.slot = slot
+        self.rejection = rejection
+        self.shed = shed
+
+    def __repr__(self):
+        if self.accepted:
+            return f"ArrivalResult(accepted, slot={self.slot}, shed={len(self.shed)})"
+        return f"ArrivalResult(rejected, {self.rejection!r})"
+
+
+cdef class ArrivalGate:
+    """The arrival gate of one core (its settings from the config). ``backlog``
+    arguments: whether any request is waiting in the core's queue now."""
+
+    def __init__(self, config):
+        self.max_queued_requests = config.max_queued_requests
+        self.max_queued_tokens = config.max_queued_tokens
+        self.shed_lower_priority = config.shed_lower_priority
+        self.max_queue_delay_s = config.max_queue_delay_s
+        self._retry_default = config.retry_after_default_s
+        self._retry_max = config.retry_after_max_s
+        self._drain_window = config.drain_window_s
+        cdef int i
+        for i in range(N_REJECT_REASONS):
+            self._rejected[i] = 0
+        self._retry_line_end = 0.0
+        self._retry_line_len = 0
+        self._seen_time = False
+        self._t_last = self._backlog_s = 0.0
+        self._drain_tokens = 0
+
+    # --- drain rate ------------------------------------------------------
+    cdef void c_note_time(self, double now, bint backlog) noexcept nogil:
+        """Advances the backlog clock: seconds during which requests were waiting.
+        Admissions are counted against it, so the drain rate is the engine's pace
+        at taking queued work, not the arrival rate of a lightly loaded server."""
+        if self._seen_time and now > self._t_last:
+            if backlog:
+                self._backlog_s += now - self._t_last
+            self._t_last = now
+        elif not self._seen_time:
+            self._t_last = now
+            self._seen_time = True
+
+    cdef void c_admitted(self, int64_t prefill_tokens) noexcept nogil:
+        """A waiting request with `prefill_tokens` to prefill was admitted."""
+        self._drain.push_back(pair[double, int64_t](self._backlog_s, prefill_tokens))
+        self._drain_tokens += prefill_tokens
+
+    cdef void c_admission_undone(self) noexcept nogil:
+        """The latest admission (as a rule) was undone."""
+        if not self._drain.empty():
+            self._drain_tokens -= self._drain.back().second
+            self._drain.pop_back()
+
+    cdef bint _drain_rates(self, double now, bint backlog, double* reqs_per_s,
+                           double* tokens_per_s) noexcept nogil:
+        """Admissions and their prefill tokens per second of backlog over the last
+        drain_window_s of backlog (False: none observed yet)."""
+        self.c_note_time(now, backlog)
+        cdef double horizon = self._backlog_s - self._drain_window
+        while not self._drain.empty() and self._drain.front().first < horizon:
+            self._drain_tokens -= self._drain.front().second
+            self._drain.pop_front()
+        cdef double span = min(self._backlog_s, self._drain_window)
+        if span <= 0.0 or self._drain.empty():
+            return False
+        reqs_per_s[0] = self._drain.size() / span
+        tokens_per_s[0] = self._drain_tokens / span
+        return True
+
+    cdef bint _paced_rates(self, double now, bint backlog, double* reqs_per_s,
+                           double* tokens_per_s) noexcept nogil:
+        """The drain rates for Retry-After hints: measured over at least
+        retry_after_default_s of backlog (a burst's first admissions, a few ms apart
+        while the engine still had room, are not the pace it keeps once full)."""
+        if not self._drain_rates(now, backlog, reqs_per_s, tokens_per_s):
+            return False
+        cdef double span = min(self._backlog_s, self._drain_window)
+        if span < self._retry_default:
+            reqs_per_s[0] *= span / self._retry_default
+            tokens_per_s[0] *= span / self._retry_default
+        return True
+
+    cdef object _retry_after(self, double excess_reqs, double excess_tokens, double now, bint backlog):
+        """Seconds until the observed admission rate drains the excess (None: cannot drain)."""
+        cdef double rr, rt
+        if not self._paced_rates(now, backlog, &rr, &rt):
+            return self._retry_default
+        cdef double wait = 0.0
+        if excess_reqs > 0:
+            wait = excess_reqs / rr
+        if excess_tokens > 0 and rt > 0:
+            wait = max(wait, excess_tokens / rt)
+        elif excess_tokens > 0:
+            wait = max(wait, self._retry_default)
+        return min(max(wait, 0.0), self._retry_max)
+
+    cdef double c_predicted_delay(self, int64_t ahead, int64_t ahead_tokens, int64_t queued,
+                                  double now, bint backlog) noexcept nogil:
+        """Queueing delay of an arrival behind `ahead` waiting requests (and their
+        `ahead_tokens` of prefill), plus itself, at the recent admission rate
+        (0 when nothing is ahead or no rate is known yet)."""
+        cdef double rr, rt, wait
+        if ahead == 0 or not self._drain_rates(now, backlog, &rr, &rt):
+            return 0.0
+        wait = (ahead + 1) / rr
+        if rt > 0:
+            wait = max(wait, (ahead_tokens + queued) / rt)
+        return wait
+
+    # --- refusals --------------------------------------------------------
+    cdef double _in_line(self, double wait, double now, bint backlog) noexcept nogil:
+        """Spreads a burst's Retry-After hints: a refused client is told to come back
+        no earlier than its own predicted wait and one admission after the client
+        refused before it (at the recent admission rate, `_paced_rates`; with none yet,
+        retry_after_default_s / max_queued_requests), so a refused burst returns as
+        a line, not all at once. Deterministic: the k-th refusal gets the k-th place."""
+        cdef double rr, rt, spacing, at = now + wait
+        if self._retry_line_end > now:
+            if self._paced_rates(now, backlog, &rr, &rt) and rr > 0:
+                spacing = 1.0 / rr
+            else:
+                spacing = self._retry_default / max(self.max_queued_requests, 1)
+            at = max(at, self._retry_line_end + spacing)
+            self._retry_line_len += 1
+        else:
+            self._retry_line_len = 1
+        at = min(at, now + self._retry_max)
+        self._retry_line_end = at
+        return at - now
+
+    cdef Rejection c_refuse(self, int code, str message, str limit, object value, object retry,
+                            bint backlog):
+        """Counts a refusal; a retryable one gets its place in the retry line and its
+        message the numbers a client needs (the message names the queue and the cap)."""
+        cdef double now = self._t_last, wait
+        self._rejected[code] += 1
+        if retry is not None:
+            wait = self._in_line(retry, now, backlog)
+            message = (f"{message}; room expected in {retry:.3g} s, retry in {wait:.3g} s "
+                       f"(place {self._retry_line_len} in the retry line)")
+            retry = wait
+        return Rejection(REJECT_REASONS[code], message, limit, value, retry)
+
+    cdef Rejection c_refuse_context(self, int64_t prompt_tokens, int64_t max_new_tokens,
+                                    int64_t max_model_len, bint backlog):
+        """The refusal of a request longer than the engine's context (None: it fits)."""
+        cdef int64_t total = prompt_tokens + max_new_tokens
+        if max_model_len > 0 and total > max_model_len:
+            return self.c_refuse(
+                R_CONTEXT,
+                f"prompt_tokens ({prompt_tokens}) + max_new_tokens ({max_new_tokens}) = {total} "
+                f"exceeds max_model_len={max_model_len}",
+                "max_model_len", max_model_len, None, backlog)
+        return None
+
+    cdef Rejection c_refuse_prefill(self, int64_t queued, bint backlog):
+        """The refusal of a prompt whose prefill alone exceeds max_queued_tokens (None: fits)."""
+        if self.max_queued_tokens > 0 and queued > self.max_queued_tokens:
+            return self.c_refuse(
+                R_QUEUED_TOKENS,
+                f"prompt needs {queued} tokens of prefill, more than max_queued_tokens="
+                f"{self.max_queued_tokens}", "max_queued_tokens", self.max_queued_tokens, None,
+                backlog)
+        return None
+
+    cdef Rejection c_refuse_delay(self, double delay, int64_t waiting, int64_t queued_tokens,
+                                  bint backlog):
+        """The refusal of an arrival whose predicted queueing delay exceeds
+        max_queue_delay_s (None: within it, or no cap)."""
+        if self.max_queue_delay_s > 0 and delay > self.max_queue_delay_s:
+            return self.c_refuse(
+                R_QUEUE_DELAY,
+                f"predicted queueing delay {delay:.3g} s ({waiting} requests and "
+                f"{queued_tokens} prompt tokens waiting) exceeds max_queue_delay_s="
+                f"{self.max_queue_delay_s:g}", "max_queue_delay_s", self.max_queue_delay_s,
+                min(delay - self.max_queue_delay_s, self._retry_max), backlog)
+        return None
+
+    cdef Rejection c_refuse_slo(self, double predicted, double target, int64_t waiting,
+                                int64_t running, bint backlog):
+        """The refusal of an arrival whose predicted TTFT exceeds its target (None: within)."""
+        if predicted > target:
+            return self.c_refuse(
+                R_SLO,
+                f"predicted TTFT {predicted:.3g} s ({waiting} requests waiting, "
+                f"{running} running) exceeds its target ttft_slo_s="
+                f"{target:g}", "ttft_slo_s", target,
+                min(predicted - target, self._retry_max), backlog)
+        return None
+
+    cdef Rejection c_refuse_full(self, int64_t over_reqs, int64_t over_tokens, int64_t waiting,
+                                 int64_t queued_tokens, int64_t queued, double now, bint backlog):
+        """The refusal of an arrival over a queue cap: `over_reqs` requests (if > 0),
+        else `over_tokens` prefill tokens; `waiting` / `queued_tokens`: the queue now,
+        `queued`: the arrival's prefill."""
+        if over_reqs > 0:
+            return self.c_refuse(
+                R_QUEUE_FULL,
+                f"queue full: {waiting} requests waiting, "
+                f"max_queued_requests={self.max_queued_requests}",
+                "max_queued_requests", self.max_queued_requests,
+                self._retry_after(over_reqs, 0, now, backlog), backlog)
+        return self.c_refuse(
+            R_QUEUED_TOKENS,
+            f"queue full: {queued_tokens} prompt tokens waiting + {queued} "
+            f"exceeds max_queued_tokens={self.max_queued_tokens}",
+            "max_queued_tokens", self.max_queued_tokens,
+            self._retry_after(0, over_tokens, now, backlog), backlog)
+
+    cdef Rejection c_refuse_shed(self, int64_t priority, int64_t victim_priority, bint over_reqs,
+                                 bint backlog):
+        """The refusal of a waiting request (`victim_priority`) shed for an arrival of
+        `priority` over the request cap (`over_reqs`) or the token cap."""
+        return self.c_refuse(
+            R_SHED,
+            f"shed from a full queue by a higher-priority request (priority {priority} "
+            f"< {victim_priority})",
+            "max_queued_requests" if over_reqs else "max_queued_tokens",
+            self.max_queued_requests if over_reqs else self.max_queued_tokens,
+            self._retry_default, backlog)
+
+    @property
+    def retry_max_s(self):
+        return self._retry_max
+
+    def rejected(self):
+        """Refusals so far, by reason."""
+        return {REJECT_REASONS[i]: self._rejected[i] for i in range(N_REJECT_REASONS)}
