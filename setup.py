@@ -18,7 +18,8 @@ package_dir = {"": "scheduler", "kvadmit_patches": "patches"}
 # imports it by. Leaves first; kvadmit._native (the core and the engine model)
 # re-exports them all.
 NATIVE_MODULES = ["_free_queue", "_allocator", "_curves", "_length_model", "_step_time",
-                  "_agent_window", "_slo_guard", "_arrival_gate", "_native"]
+                  "_agent_window", "_slo_guard", "_arrival_gate", "_ledger",
+                  "_policies", "_victims", "_native"]
 
 extensions = [
     Extension(

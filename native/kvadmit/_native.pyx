@@ -22,10 +22,13 @@ from kvadmit._agent_window cimport AgentWindow
 from kvadmit._allocator cimport BlockAllocator
 from kvadmit._arrival_gate cimport (ArrivalGate, ArrivalResult, Rejection, R_INVALID,
                                     R_KV_CAPACITY, R_QUEUE_FULL)
-from kvadmit._curves cimport Curve, cdiv, curve_longer, peak_blocks_sorted
-from kvadmit._length_model cimport OutputLengthModel, c_next_quantile
+from kvadmit._curves cimport cdiv
+from kvadmit._ledger cimport Ledger, ST_FREE, ST_RUNNING, ST_WAITING
+from kvadmit._length_model cimport OutputLengthModel
+from kvadmit._policies cimport Policy, make_policy
 from kvadmit._slo_guard cimport SloGuard
 from kvadmit._step_time cimport StepTimeFit
+from kvadmit._victims cimport victim_order, victim_slot
 
 # Re-exported: Python code and tests import the whole core from kvadmit._native.
 from kvadmit._agent_window import next_agent_window
@@ -33,7 +36,10 @@ from kvadmit._allocator import bench_native_cycles
 from kvadmit._arrival_gate import REJECT_REASONS
 from kvadmit._curves import peak_blocks
 from kvadmit._free_queue import BlockObjectQueue, FreeBlockQueue
+from kvadmit._ledger import STATES
 from kvadmit._length_model import next_quantile
+from kvadmit._policies import POLICIES
+from kvadmit._victims import VICTIMS
 # (cimported types are C-level names here: their Python names are set explicitly)
 globals().update(ArrivalResult=ArrivalResult, BlockAllocator=BlockAllocator,
                  OutputLengthModel=OutputLengthModel, Rejection=Rejection, StepTimeFit=StepTimeFit)

@@ -1,0 +1,96 @@
+# The admission policies' C-level API (see _policies.pyx): one Policy subclass
+# per policy, each with its own `c_fits`.
+from libc.stdint cimport int32_t, int64_t
+from libcpp.deque cimport deque
+from libcpp.vector cimport vector
+
+from kvadmit._curves cimport Curve
+from kvadmit._ledger cimport Ledger
+from kvadmit._length_model cimport OutputLengthModel
+
+cdef enum:  # indexes into POLICIES
+    P_OVERCOMMIT = 0
+    P_RESERVE = 1
+    P_PEAK = 2
+    P_PREDICT = 3
+    P_ADAPTIVE = 4
+    P_AUTO = 5        # adaptive's curves, own constants (AUTO_*), prefix sharing discounted
+
+
+cdef class Policy:
+    cdef readonly int kind                 # its index in POLICIES
+    cdef Ledger ledger
+    cdef int64_t num_blocks, block_size
+    # The running requests' KV curves, longest first (rebuilt when dirty); every
+    # policy has them (peak_blocks() reports them), peak, adaptive and auto admit by them.
+    cdef vector[Curve] _profile
+    cdef bint _profile_dirty
+    cdef vector[int32_t] _fenwick            # scratch for the peak computation
+    # SGLang's new_token_ratio, and the running requests' offsets it weighs: predict
+    # admits by them; the ratio is tracked (and reported) under every policy.
+    cdef readonly double ratio
+    cdef double _init_ratio, _min_ratio, _ratio_decay
+    cdef int64_t _clip_tokens, _retract_steps
+    cdef bint _preempted_this_step
+    cdef double _offsets_sum
+    cdef bint _offsets_dirty
+    # The output-length model, fed by every finish; adaptive and auto predict with it.
+    cdef readonly OutputLengthModel lengths
+    cdef readonly double quantile          # the length quantile (adaptive and auto move it)
+
+    cdef inline void c_running_changed(self) noexcept nogil:
+        """A running request's numbers changed, or the running set did."""
+        self._profile_dirty = True
+        self._offsets_dirty = True
+
+    cdef bint c_fits(self, int32_t s, int64_t free_blocks) noexcept nogil
+    cdef bint c_fits_alone(self, int32_t s) noexcept nogil
+    cdef int64_t c_forecast_blocks(self) noexcept nogil
+    cdef int64_t c_peak_blocks(self) noexcept nogil
+    cdef int64_t c_expected_output(self, int32_t s) noexcept nogil
+    cdef void c_on_admit(self, int32_t s) noexcept nogil
+    cdef void c_after_admit(self) noexcept nogil
+    cdef void c_admission_undone(self) noexcept nogil
+    cdef void c_on_preempt(self) noexcept nogil
+    cdef void c_on_step(self, bint idle) noexcept nogil
+    cdef void c_on_finish(self, int32_t s) noexcept nogil
+    cdef void c_observe_used_blocks(self, int64_t used_blocks) noexcept nogil
+    cdef void c_set_shared(self, int32_t s, int64_t shared_tokens) noexcept nogil
+    cdef Curve _curve(self, int32_t s) noexcept nogil
+    cdef void _ensure_profile(self) noexcept nogil
+    cdef void _profile_insert(self, int32_t s) noexcept nogil
+    cdef int64_t _held_blocks(self) noexcept nogil
+
+
+cdef class OvercommitPolicy(Policy):
+    pass
+
+
+cdef class ReservePolicy(Policy):
+    pass
+
+
+cdef class PeakPolicy(Policy):
+    pass
+
+
+cdef class PredictPolicy(Policy):
+    cdef double _offsets(self) noexcept nogil
+    cdef inline double _offset(self, int32_t s) noexcept nogil
+
+
+cdef class AdaptivePolicy(PeakPolicy):
+    cdef double _quantile_base, _quantile_max, _target_preemption_rate
+    cdef int64_t _adapt_interval, _adapt_admits, _adapt_preempts
+    cdef int64_t _predict_remaining(self, int32_t s) noexcept nogil
+
+
+cdef class AutoPolicy(AdaptivePolicy):
+    cdef deque[char] _capped_window   # whether each recent finish ran to its max_tokens
+    cdef int64_t _n_capped            # how many in _capped_window did
+    cdef int64_t _unowned_blocks      # blocks in use that no running request's own part counts
+    cdef int64_t _max_shared_blocks   # the longest prefix a running request shares, in blocks
+    cdef int64_t _shared_term(self) noexcept nogil
+
+
+cdef Policy make_policy(config, Ledger ledger, int64_t num_blocks, int64_t max_model_len)

@@ -1,0 +1,395 @@
+# The admission policies: when may a waiting request start, given the running ones?
+#
+# Each policy is a Policy subclass with its own rule, `c_fits(s, free_blocks)`,
+# asked after the core found the blocks the request needs now (or left that to
+# the engine):
+#   overcommit  always (vLLM's default: preempt when the pool runs out);
+#   reserve     the blocks of every running request's prompt + max_tokens, and
+#               the candidate's, fit the pool;
+#   peak        the exact peak of the running requests' KV curves with the
+#               candidate's (kvadmit._curves), each running to its max_tokens, fits;
+#   predict     SGLang's rule: the candidate's prefill plus clipped max_tokens fit
+#               the free tokens less the running requests' offsets (their remaining
+#               tokens times new_token_ratio);
+#   adaptive    peak with each request's remaining output predicted by a quantile
+#               of recent output lengths, the quantile raised after preemptions;
+#   auto        adaptive with fixed settings, caps learned to be honest or not, and
+#               prefixes shared by running requests counted once.
+# `c_fits_alone` asks whether a request could ever run on this pool (else the core
+# refuses it at arrival); `c_forecast_blocks` is the policy's forecast of the
+# running requests' peak, for router signals.
+
+from cython.operator cimport dereference as deref, preincrement as inc
+from libc.math cimport ceil
+from libc.stdint cimport INT64_MAX, int32_t, int64_t
+from libcpp.algorithm cimport sort
+from libcpp.deque cimport deque
+from libcpp.vector cimport vector
+
+from kvadmit._curves cimport Curve, cdiv, curve_longer, peak_blocks_sorted
+from kvadmit._ledger cimport Ledger
+from kvadmit._length_model cimport OutputLengthModel, c_next_quantile
+
+POLICIES = ("overcommit", "reserve", "peak", "predict", "adaptive", "auto")
+
+# `auto`: the zero-config default. Its length quantile and controller settings are
+# fixed here (not the adaptive_* keys): one setting for every workload.
+cdef double AUTO_QUANTILE = 0.4          # starting (and lowest) quantile of the output-length model
+cdef double AUTO_MAX_QUANTILE = 0.95     # ceiling the controller may raise it to
+cdef double AUTO_TARGET_PREEMPTION_RATE = 0.01   # preemptions per admission that raise it
+cdef enum:
+    AUTO_MIN_SAMPLES = 1     # finished lengths before predictions replace max_tokens
+    AUTO_INTERVAL = 64       # admissions per controller window
+
+
+cdef Policy make_policy(config, Ledger ledger, int64_t num_blocks, int64_t max_model_len):
+    """The policy `config.policy` names, over this ledger and pool."""
+    cls = (OvercommitPolicy, ReservePolicy, PeakPolicy, PredictPolicy, AdaptivePolicy,
+           AutoPolicy)[POLICIES.index(config.policy)]
+    return cls(config, ledger, num_blocks, max_model_len)
+
+
+cdef class Policy:
+    """What every policy shares: the running set's curves and the ratio and length
+    model it reports. A subclass is one policy: its `c_fits` and the hooks it needs."""
+
+    def __init__(self, config, Ledger ledger, int64_t num_blocks, int64_t max_model_len,
+                 int64_t min_samples=-1):
+        self.kind = POLICIES.index(config.policy)
+        self.ledger = ledger
+        self.num_blocks = num_blocks
+        self.block_size = ledger.block_size
+        self._fenwick.assign(self.block_size + 1, 0)
+        self._profile_dirty = True
+        self._offsets_dirty = True
+        self._init_ratio = config.predict_init_ratio
+        self._min_ratio = config.predict_init_ratio * config.predict_min_ratio_factor
+        self._ratio_decay = (self._init_ratio - self._min_ratio) / config.predict_decay_steps
+        self._clip_tokens = config.predict_clip_tokens
+        self._retract_steps = config.predict_retract_steps
+        self.ratio = self._init_ratio
+        self._preempted_this_step = False
+        self.quantile = config.adaptive_quantile
+        self.lengths = OutputLengthModel(
+            config.adaptive_bucket_tokens,
+            max_model_len if max_model_len > 0 else num_blocks * self.block_size,
+            config.adaptive_window,
+            min_samples if min_samples > 0 else config.adaptive_min_samples)
+
+    # --- the rule --------------------------------------------------------
+    cdef bint c_fits(self, int32_t s, int64_t free_blocks) noexcept nogil:
+        """May waiting request s start beside the running ones?"""
+        return True
+
+    cdef bint c_fits_alone(self, int32_t s) noexcept nogil:
+        """Could s ever run on this pool? Every policy that admits by curves or
+        runs it once it fits alone asks its worst-case curve to."""
+        cdef Curve c
+        c.tokens = self.ledger.tokens(s)
+        c.steps = self.ledger.worst_steps(s) + self.ledger.prefill_extra_steps(s)
+        return peak_blocks_sorted(NULL, 0, &c, self.block_size, self.num_blocks,
+                                  self._fenwick) <= self.num_blocks
+
+    cdef int64_t c_forecast_blocks(self) noexcept nogil:
+        """Blocks the running requests will hold at most, as this policy forecasts
+        it (overcommit: what they hold now)."""
+        return self._held_blocks()
+
+    cdef int64_t _held_blocks(self) noexcept nogil:
+        cdef int64_t held = 0
+        cdef size_t i
+        for i in range(self.ledger.running.size()):
+            held += cdiv(self.ledger.computed[self.ledger.running[i]], self.block_size)
+        return held
+
+    # --- curves ----------------------------------------------------------
+    cdef Curve _curve(self, int32_t s) noexcept nogil:
+        """s's KV curve: its tokens now, running to its max_tokens."""
+        cdef Curve c
+        c.tokens = self.ledger.tokens(s)
+        c.steps = self.ledger.worst_steps(s) + self.ledger.prefill_extra_steps(s)
+        return c
+
+    cdef void _ensure_profile(self) noexcept nogil:
+        if not self._profile_dirty:
+            return
+        self._profile.clear()
+        cdef size_t i
+        for i in range(self.ledger.running.size()):
+            self._profile.push_back(self._curve(self.ledger.running[i]))
+        sort(self._profile.begin(), self._profile.end(), curve_longer)
+        self._profile_dirty = False
+
+    cdef void _profile_insert(self, int32_t s) noexcept nogil:
+        if self._profile_dirty:
+            return
+        cdef Curve c = self._curve(s)
+        cdef vector[Curve].iterator it = self._profile.begin()
+        while it != self._profile.end() and deref(it).steps >= c.steps:
+            inc(it)
+        self._profile.insert(it, c)
+
+    cdef int64_t c_peak_blocks(self) noexcept nogil:
+        """Peak blocks the running requests reach under this policy's curves."""
+        self._ensure_profile()
+        return peak_blocks_sorted(self._profile.data(), self._profile.size(), NULL,
+                                  self.block_size, INT64_MAX, self._fenwick)
+
+    cdef int64_t c_expected_output(self, int32_t s) noexcept nogil:
+        """Output tokens s is expected to add (its max_tokens; adaptive predicts)."""
+        return self.ledger.max_new[s] - self.ledger.generated[s]
+
+    # --- what the core reports -------------------------------------------
+    cdef void c_on_admit(self, int32_t s) noexcept nogil:
+        """s started running (the ledger has it in the running set)."""
+        self._profile_insert(s)
+        self._offsets_dirty = True
+
+    cdef void c_after_admit(self) noexcept nogil:
+        """The admission is counted (adaptive's controller looks now)."""
+        pass
+
+    cdef void c_admission_undone(self) noexcept nogil:
+        pass
+
+    cdef void c_on_preempt(self) noexcept nogil:
+        """A running request was preempted (it has left the running set). SGLang:
+        after a retraction the ratio is re-estimated from the requests kept."""
+        self._preempted_this_step = True
+        cdef double gen = 0.0, mx = 0.0
+        cdef size_t i
+        for i in range(self.ledger.running.size()):
+            gen += self.ledger.generated[self.ledger.running[i]]
+            mx += self.ledger.max_new[self.ledger.running[i]]
+        self.ratio = min(1.0, (gen + self._retract_steps * <double>self.ledger.running.size()) / (mx + 1.0))
+
+    cdef void c_on_step(self, bint idle) noexcept nogil:
+        """An engine step ended (`idle`: nothing runs or waits): the ratio decays
+        toward its minimum unless the step preempted."""
+        if idle:
+            self.ratio = self._init_ratio
+        elif not self._preempted_this_step:
+            self.ratio = max(self.ratio - self._ratio_decay, self._min_ratio)
+        self._preempted_this_step = False
+        self._offsets_dirty = True
+
+    cdef void c_on_finish(self, int32_t s) noexcept nogil:
+        """s finished (it has left the running set): its length feeds the model."""
+        self.lengths.c_observe(self.ledger.generated[s])
+
+    cdef void c_observe_used_blocks(self, int64_t used_blocks) noexcept nogil:
+        pass
+
+    cdef void c_set_shared(self, int32_t s, int64_t shared_tokens) noexcept nogil:
+        pass
+
+
+cdef class OvercommitPolicy(Policy):
+    """Admits whatever fits now (the core checks the blocks): vLLM's default."""
+
+
+cdef class ReservePolicy(Policy):
+    """Every running request may reach its max_tokens: reserve it all up front."""
+
+    cdef bint c_fits(self, int32_t s, int64_t free_blocks) noexcept nogil:
+        return self.ledger.reserve_sum + self.ledger.reserve_blocks(s) <= self.num_blocks
+
+    cdef bint c_fits_alone(self, int32_t s) noexcept nogil:
+        return self.ledger.reserve_blocks(s) <= self.num_blocks
+
+    cdef int64_t c_forecast_blocks(self) noexcept nogil:
+        return self.ledger.reserve_sum
+
+
+cdef class PeakPolicy(Policy):
+    """The peak rule: the exact peak of the running requests' KV curves with the
+    candidate's (each running to its max_tokens) fits the pool."""
+
+    cdef bint c_fits(self, int32_t s, int64_t free_blocks) noexcept nogil:
+        self._ensure_profile()
+        cdef Curve c = self._curve(s)
+        return peak_blocks_sorted(self._profile.data(), self._profile.size(), &c,
+                                  self.block_size, self.num_blocks, self._fenwick) <= self.num_blocks
+
+    cdef int64_t c_forecast_blocks(self) noexcept nogil:
+        return self.c_peak_blocks()
+
+
+cdef class PredictPolicy(Policy):
+    """SGLang's rule: admit while prompt + clipped max_new < free tokens - running offsets."""
+
+    cdef bint c_fits(self, int32_t s, int64_t free_blocks) noexcept nogil:
+        return <double>(self.ledger.queued_of(s) + min(self.ledger.max_new[s] - self.ledger.generated[s], self._clip_tokens)) \
+            < free_blocks * self.block_size - self._offsets()
+
+    cdef bint c_fits_alone(self, int32_t s) noexcept nogil:
+        if self.ledger.queued_of(s) + min(self.ledger.max_new[s], self._clip_tokens) >= self.num_blocks * self.block_size:
+            return False  # its own rule would hold it even on an empty pool
+        return Policy.c_fits_alone(self, s)
+
+    cdef int64_t c_forecast_blocks(self) noexcept nogil:
+        return self._held_blocks() + <int64_t>ceil(self._offsets() / self.block_size)
+
+    cdef double _offsets(self) noexcept nogil:
+        cdef size_t i
+        if self._offsets_dirty:
+            self._offsets_sum = 0.0
+            for i in range(self.ledger.running.size()):
+                self._offsets_sum += self._offset(self.ledger.running[i])
+            self._offsets_dirty = False
+        return self._offsets_sum
+
+    cdef inline double _offset(self, int32_t s) noexcept nogil:
+        cdef int64_t rem = self.ledger.max_new[s] - self.ledger.generated[s]
+        if rem < 0:
+            rem = 0
+        if rem > self._clip_tokens:
+            rem = self._clip_tokens
+        # Admitted this step: charged in full, as SGLang's PrefillAdder does.
+        return <double>rem if self.ledger.admit_step[s] == self.ledger.step else rem * self.ratio
+
+
+cdef class AdaptivePolicy(PeakPolicy):
+    """The peak rule over predicted curves: each request's remaining output is the
+    q-quantile of recent output lengths given its length so far; q rises after a
+    window of admissions with too many preemptions and relaxes after none."""
+
+    def __init__(self, config, Ledger ledger, int64_t num_blocks, int64_t max_model_len,
+                 int64_t min_samples=-1):
+        PeakPolicy.__init__(self, config, ledger, num_blocks, max_model_len, min_samples)
+        self._quantile_base = config.adaptive_quantile
+        self._quantile_max = config.adaptive_max_quantile
+        self._target_preemption_rate = config.adaptive_target_preemption_rate
+        self._adapt_interval = config.adaptive_interval
+        self._adapt_admits = self._adapt_preempts = 0
+
+    cdef Curve _curve(self, int32_t s) noexcept nogil:
+        cdef Curve c
+        c.tokens = self.ledger.tokens(s)
+        c.steps = self._predict_remaining(s) + self.ledger.prefill_extra_steps(s)
+        return c
+
+    cdef int64_t _predict_remaining(self, int32_t s) noexcept nogil:
+        """Output tokens still to come, as the length model predicts them."""
+        return self.lengths.c_predict_remaining(self.ledger.generated[s], self.ledger.max_new[s],
+                                                self.quantile)
+
+    cdef int64_t c_expected_output(self, int32_t s) noexcept nogil:
+        return self._predict_remaining(s)
+
+    cdef void c_after_admit(self) noexcept nogil:
+        self._adapt_admits += 1
+        if self._adapt_admits < self._adapt_interval:
+            return
+        self.quantile = c_next_quantile(self.quantile, self._quantile_base, self._quantile_max,
+                                        self._adapt_preempts, self._adapt_admits,
+                                        self._target_preemption_rate)
+        self._adapt_admits = 0
+        self._adapt_preempts = 0
+        self._profile_dirty = True
+
+    cdef void c_admission_undone(self) noexcept nogil:
+        if self._adapt_admits > 0:
+            self._adapt_admits -= 1
+
+    cdef void c_on_preempt(self) noexcept nogil:
+        self._adapt_preempts += 1
+        PeakPolicy.c_on_preempt(self)
+
+
+cdef class AutoPolicy(AdaptivePolicy):
+    """adaptive with fixed settings (AUTO_*), plus: how often requests run to their
+    max_tokens (honest caps) is learned, and prefixes running requests share are
+    counted once."""
+
+    def __init__(self, config, Ledger ledger, int64_t num_blocks, int64_t max_model_len,
+                 int64_t min_samples=-1):
+        AdaptivePolicy.__init__(self, config, ledger, num_blocks, max_model_len, AUTO_MIN_SAMPLES)
+        self._quantile_base, self._quantile_max = AUTO_QUANTILE, AUTO_MAX_QUANTILE
+        self._target_preemption_rate, self._adapt_interval = AUTO_TARGET_PREEMPTION_RATE, AUTO_INTERVAL
+        self.quantile = self._quantile_base
+        self._n_capped = 0
+        self._unowned_blocks = self._max_shared_blocks = 0
+
+    cdef Curve _curve(self, int32_t s) noexcept nogil:
+        cdef Curve c
+        c.tokens = self.ledger.tokens(s) - self.ledger.shared[s]   # counted once, in _unowned_blocks
+        c.steps = self._predict_remaining(s) + self.ledger.prefill_extra_steps(s)
+        return c
+
+    cdef int64_t _predict_remaining(self, int32_t s) noexcept nogil:
+        """A request stops at its cap with probability h, else at a length from the
+        model of the requests that stopped earlier; the q-quantile of that mixture
+        is the cap when h >= 1 - q, else the model's q / (1 - h) quantile. So honest
+        caps give peak's exact curves, and caps far above the lengths give the
+        length model's."""
+        cdef double h, survive, q = self.quantile
+        if self._capped_window.size() > 0:
+            h = self._n_capped / <double>self._capped_window.size()
+            if h > 0.0:
+                # Still running after g tokens: it runs to its cap with probability
+                # h / (h + (1 - h) S(g)), S(g) the share of early stoppers longer than g.
+                survive = self.lengths.c_survival(self.ledger.generated[s])
+                h = h / (h + (1.0 - h) * survive) if survive >= 0.0 else 1.0
+            if h >= 1.0 - q:
+                return self.ledger.worst_steps(s)
+            q = q / (1.0 - h)
+        return self.lengths.c_predict_remaining(self.ledger.generated[s], self.ledger.max_new[s], q)
+
+    cdef bint c_fits(self, int32_t s, int64_t free_blocks) noexcept nogil:
+        self._ensure_profile()
+        cdef Curve c = self._curve(s)
+        return peak_blocks_sorted(self._profile.data(), self._profile.size(), &c,
+                                  self.block_size, self.num_blocks, self._fenwick) \
+            + self._shared_term() <= self.num_blocks
+
+    cdef int64_t c_forecast_blocks(self) noexcept nogil:
+        return self.c_peak_blocks() + self._shared_term()
+
+    cdef int64_t _shared_term(self) noexcept nogil:
+        """Blocks auto adds to the own curves: those in use that no running request
+        owns, and at least the longest shared prefix. A prefix stays in use while any
+        request sharing it runs, also after its first holder (whose own curve counts
+        it) finishes; until then it is in no one's unowned count. (With several
+        distinct shared prefixes whose first holders still run, only the longest is
+        covered so.)"""
+        return self._unowned_blocks if self._unowned_blocks > self._max_shared_blocks \
+            else self._max_shared_blocks
+
+    cdef void c_on_finish(self, int32_t s) noexcept nogil:
+        cdef bint capped = self.ledger.generated[s] >= self.ledger.max_new[s]
+        self._capped_window.push_back(capped)
+        self._n_capped += capped
+        if <int64_t>self._capped_window.size() > self.lengths.c_window():   # the same window
+            self._n_capped -= self._capped_window.front()
+            self._capped_window.pop_front()
+        if not capped:
+            self.lengths.c_observe(self.ledger.generated[s])
+
+    cdef void c_observe_used_blocks(self, int64_t used_blocks) noexcept nogil:
+        """Blocks in use beyond the running requests' own parts (their context less the
+        prefix they share): the shared prefixes, counted once and assumed held while
+        anything runs. A request's curve counts only its own part, so a prefix many
+        requests share is not counted once per request (peak and adaptive count it
+        per request: their bound stays a bound)."""
+        cdef int64_t own = 0, shared
+        cdef size_t i
+        cdef int32_t r
+        self._max_shared_blocks = 0
+        for i in range(self.ledger.running.size()):
+            r = self.ledger.running[i]
+            shared = self.ledger.shared[r] // self.block_size
+            own += cdiv(self.ledger.computed[r], self.block_size) - shared
+            if shared > self._max_shared_blocks:
+                self._max_shared_blocks = shared
+        self._unowned_blocks = used_blocks - own if used_blocks > own else 0
+
+    cdef void c_set_shared(self, int32_t s, int64_t shared_tokens) noexcept nogil:
+        """s's prompt tokens in blocks other running requests hold (only auto keeps
+        them: the ledger's `shared`, which its curves discount)."""
+        if self.ledger.shared[s] == shared_tokens:
+            return
+        self.ledger.shared[s] = shared_tokens
+        if shared_tokens // self.block_size > self._max_shared_blocks:
+            self._max_shared_blocks = shared_tokens // self.block_size
+        self._profile_dirty = True

@@ -1,0 +1,13 @@
+# Victim order's C-level API (see _victims.pyx).
+from libc.stdint cimport int32_t
+
+from kvadmit._ledger cimport Ledger
+
+cdef enum:  # indexes into VICTIMS
+    V_LIFO = 0
+    V_PRIORITY = 1
+    V_LCF = 2
+    V_LENGTH = 3
+
+cdef int32_t victim_slot(Ledger ledger, int order) noexcept nogil
+cdef list victim_order(Ledger ledger, int order)

@@ -1,0 +1,72 @@
+# Victim order: which running request gives its KV back first when the pool runs
+# out. Each order is a key per running request, from most protected to first
+# victim; ties fall to arrival order, so every tensor-parallel rank agrees.
+#   lifo      the latest admitted goes first (vLLM's default);
+#   priority  the least important (largest priority value) first, then the one
+#             with the least computed;
+#   lcf       least computed first (the cheapest to recompute);
+#   length    fewest generated tokens first, then the longest prompt.
+
+from libc.stdint cimport int32_t, int64_t
+from libcpp.algorithm cimport sort
+from libcpp.vector cimport vector
+
+from kvadmit._ledger cimport Ledger
+
+VICTIMS = ("lifo", "priority", "lcf", "length")
+
+
+cdef struct VictimKey:
+    int64_t k1
+    int64_t k2
+    int64_t k3
+    int32_t slot
+
+
+cdef bint victim_key_less(const VictimKey& a, const VictimKey& b) noexcept nogil:
+    """Orders running requests from most protected to first victim."""
+    if a.k1 != b.k1:
+        return a.k1 < b.k1
+    if a.k2 != b.k2:
+        return a.k2 < b.k2
+    if a.k3 != b.k3:
+        return a.k3 < b.k3
+    return a.slot < b.slot
+
+
+cdef inline VictimKey victim_key(Ledger L, int order, int32_t s) noexcept nogil:
+    cdef VictimKey k
+    k.slot = s
+    if order == V_LIFO:
+        k.k1 = L.admit_seq[s]; k.k2 = L.arrival[s]; k.k3 = 0
+    elif order == V_PRIORITY:
+        k.k1 = L.priority[s]; k.k2 = -L.computed[s]; k.k3 = L.arrival[s]
+    elif order == V_LCF:
+        k.k1 = -L.computed[s]; k.k2 = L.arrival[s]; k.k3 = 0
+    else:  # length: fewest generated, then longest prompt
+        k.k1 = -L.generated[s]; k.k2 = L.prompt[s]; k.k3 = L.arrival[s]
+    return k
+
+
+cdef int32_t victim_slot(Ledger L, int order) noexcept nogil:
+    """The running request to preempt first, or -1."""
+    if L.running.empty():
+        return -1
+    cdef VictimKey best = victim_key(L, order, L.running[0])
+    cdef VictimKey k
+    cdef size_t i
+    for i in range(1, L.running.size()):
+        k = victim_key(L, order, L.running[i])
+        if victim_key_less(best, k):
+            best = k
+    return best.slot
+
+
+cdef list victim_order(Ledger L, int order):
+    """Running slots from most protected to first victim (the last one goes first)."""
+    cdef vector[VictimKey] keys
+    cdef size_t i
+    for i in range(L.running.size()):
+        keys.push_back(victim_key(L, order, L.running[i]))
+    sort(keys.begin(), keys.end(), victim_key_less)
+    return [k.slot for k in keys]
