@@ -109,12 +109,13 @@ class _Outbox:
 
     def clear(self):
         self.arr, self.prompt, self.out, self.mx, self.ttft, self.tpot = [], [], [], [], [], []
+        self.prio = []
         self.off, self.ids, self.hashed = [0], [], []
 
     def flush(self, eng: NativeEngine) -> None:
         if not self.arr:
             return
-        eng.add_requests(self.arr, self.prompt, self.out, self.mx, None,
+        eng.add_requests(self.arr, self.prompt, self.out, self.mx, self.prio,
                          self.off if self.prefix else None, self.ids if self.prefix else None,
                          self.hashed, None, None, self.ttft, self.tpot)
         self.clear()
@@ -142,6 +143,7 @@ def run_fleet(workload: Workload, setup: FleetSetup, shape: EngineShape, step: S
     hashed = workload.hashed_tokens
 
     attempts = [0] * n
+    placed = [-1] * n                              # the instance of the last attempt (-1: router)
     exclude: list = [None] * n
     final_reason: list = [None] * n
     owner = [[] for _ in range(n_inst)]            # engine-local index -> request
@@ -208,16 +210,19 @@ def run_fleet(workload: Workload, setup: FleetSetup, shape: EngineShape, step: S
         req_view.hash_ids = workload.hash_ids_of(i) if workload.hash_ids is not None else None
         choice = router.choose(req_view, t, exclude[i] or ())
         if isinstance(choice, Refusal):
+            placed[i] = -1
             counts["router_refusals"] += 1
             refused(i, t, choice.reason, choice.retry_after_s, None)
             return
         e = choice
+        placed[i] = e
         router.sent(e, req_view)
         ob = outbox[e]
         ob.arr.append(t)
         ob.prompt.append(workload.prompt_tokens[i])
         ob.out.append(workload.output_tokens[i])
         ob.mx.append(workload.output_tokens[i] if oracle[e] else workload.max_tokens[i])
+        ob.prio.append(workload.priority[i] if workload.priority is not None else 0)
         ob.ttft.append(ttft[i])
         ob.tpot.append(tpot[i])
         ob.hashed.append(hashed[i] if hashed is not None else workload.prompt_tokens[i])
@@ -261,23 +266,21 @@ def run_fleet(workload: Workload, setup: FleetSetup, shape: EngineShape, step: S
         eng.drain()
     if progress is not None:
         progress(n, n)
-    return _assemble(workload, engines, owner, final_reason, counts, attempts, t0,
+    return _assemble(workload, engines, owner, final_reason, counts, attempts, placed, t0,
                      time.perf_counter() - t_wall)
 
 
-def _assemble(workload: Workload, engines, owner, final_reason, counts, attempts, t0: float,
-              wall_s: float) -> FleetRun:
+def _assemble(workload: Workload, engines, owner, final_reason, counts, attempts, placed,
+              t0: float, wall_s: float) -> FleetRun:
     n = len(workload)
     first, finish = [-1.0] * n, [-1.0] * n
     out_tok, preempt = [0] * n, [0] * n
     rejected = list(final_reason)
-    placed = [-1] * n
     instances, tot = [], {}
     for e, eng in enumerate(engines):
         res, t = eng.results(), eng.totals()
         served = 0
         for local, i in enumerate(owner[e]):
-            placed[i] = e if placed[i] < 0 or res["rejected"][local] is None else placed[i]
             if res["rejected"][local] is None:
                 first[i], finish[i] = res["first_token_s"][local], res["finish_s"][local]
                 out_tok[i], preempt[i] = res["output_tokens"][local], res["preemptions"][local]
@@ -296,7 +299,7 @@ def _assemble(workload: Workload, engines, owner, final_reason, counts, attempts
     tot = Totals.from_engine(tot)
     per_request = {"arrival_s": list(workload.arrival_s), "first_token_s": first, "finish_s": finish,
                    "output_tokens": out_tok, "preemptions": preempt, "rejected": rejected}
-    return FleetRun(per_request, tot, instances, counts, placed, list(attempts), wall_s)
+    return FleetRun(per_request, tot, instances, counts, list(placed), list(attempts), wall_s)
 
 
 def summarize_fleet(run: FleetRun, workload: Workload, slo: Slo) -> dict:
