@@ -15,11 +15,10 @@ package_dir = {"": "scheduler", "kvadmit_patches": "patches"}
 # with a .pxd declaring the C-level API its users cimport. native/ is on Cython's
 # include path, so `from kvadmit._allocator cimport BlockAllocator` finds
 # native/kvadmit/_allocator.pxd, and every module compiles under the name Python
-# imports it by. Leaves first; kvadmit._native (the core and the engine model)
-# re-exports them all.
+# imports it by. Leaves first; kvadmit._native re-exports them all.
 NATIVE_MODULES = ["_free_queue", "_allocator", "_curves", "_length_model", "_step_time",
-                  "_agent_window", "_slo_guard", "_arrival_gate", "_ledger",
-                  "_policies", "_victims", "_native"]
+                  "_agent_window", "_slo_guard", "_arrival_gate", "_ledger", "_policies",
+                  "_victims", "_core", "_native_engine", "_native"]
 
 extensions = [
     Extension(

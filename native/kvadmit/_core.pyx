@@ -1,48 +1,36 @@
-# The admission core: request ledger, admission policies, caps, victims.
+# The admission core: the queue and what happens to a request, over its parts.
 #
 # Engine-agnostic and clock-free: the caller passes `now` (seconds) and the
-# engine's current free blocks; everything else is in native arrays indexed by
-# a request slot. Query, then commit: `next_admissible` / `decide` only look,
-# `admit` / `preempt` / `finish` change state.
+# engine's current free blocks. Query, then commit: `next_admissible` / `decide`
+# only look, `admit` / `preempt` / `finish` change state. The parts, each its own
+# module: the ledger (kvadmit._ledger: every request's numbers), the policy
+# (kvadmit._policies: may a waiting request start?), the arrival gate
+# (kvadmit._arrival_gate: caps, refusals, Retry-After), the SLO guard
+# (kvadmit._slo_guard), the agent window (kvadmit._agent_window) and victim order
+# (kvadmit._victims). This module keeps the waiting queue, its order and the
+# counters, and calls each part where a request arrives, waits, starts, stops.
+
+from cython.operator cimport dereference as deref, preincrement as inc
+from libc.math cimport isfinite
+from libc.stdlib cimport llabs
+from libc.stdint cimport int32_t, int64_t, INT64_MAX
+from libcpp.map cimport map as cmap
+from libcpp.vector cimport vector
+
+from kvadmit._agent_window cimport AgentWindow
+from kvadmit._arrival_gate cimport (ArrivalGate, ArrivalResult, Rejection, R_INVALID,
+                                    R_KV_CAPACITY, R_QUEUE_FULL)
+from kvadmit._curves cimport cdiv
+from kvadmit._ledger cimport Ledger, ST_FREE, ST_RUNNING, ST_WAITING
+from kvadmit._policies cimport Policy, make_policy
+from kvadmit._slo_guard cimport SloGuard
+from kvadmit._victims cimport victim_order, victim_slot
+
+from kvadmit._ledger import STATES
+from kvadmit._policies import POLICIES
+from kvadmit._victims import VICTIMS
 
 DECISIONS = ("admit", "hold_blocks", "hold_capacity", "hold_slo", "hold_agent", "hold_paused")
-
-cdef enum:  # indexes into DECISIONS
-    D_ADMIT = 0
-    D_HOLD_BLOCKS = 1
-    D_HOLD_CAPACITY = 2
-    D_HOLD_SLO = 3        # the TPOT guard: the step would be too slow for a running request
-    D_HOLD_AGENT = 4      # its session is outside the active-agent window
-    D_HOLD_PAUSED = 5     # running requests are paused this step (shortfall: pause)
-    N_DECISIONS = 6
-
-cdef enum:
-    AUTO_MAX_BYPASS = 1000   # head_of_line auto: times a held request may be passed
-    AUTO_LOOKAHEAD = 256     # head_of_line auto: requests examined behind a held head
-
-cdef extern from *:
-    """
-    // The waiting queue's key, smallest served first: (order key, the engine's arrival
-    // time, its tie-break, arrival seq). The engine's arrival time and tie-break order
-    // requests of equal priority under queue_order "priority" (vLLM: arrival_time, then
-    // request id); elsewhere they are 0 and the arrival seq decides.
-    struct kvadmit_QKey {
-        int64_t first; double time; double tie; int64_t second;
-        bool operator<(const kvadmit_QKey& o) const {
-            if (first != o.first) return first < o.first;
-            if (time != o.time) return time < o.time;
-            if (tie != o.tie) return tie < o.tie;
-            return second < o.second;
-        }
-    };
-    """
-    cdef cppclass QKey "kvadmit_QKey":
-        int64_t first
-        double time
-        double tie
-        int64_t second
-        bint operator<(const QKey&)
-
 
 cdef vector[int64_t] _counts(str name, values) except *:
     """A sequence of counts (>= 0) as a native vector; a negative one names its index."""
@@ -62,39 +50,6 @@ cdef class AdmissionCore:
     ``block_size`` describe the engine's KV pool, ``max_model_len`` its
     context limit (0: no limit).
     """
-    # engine shape
-    cdef readonly int64_t num_blocks
-    cdef readonly int64_t block_size
-    cdef readonly int64_t max_model_len
-    cdef readonly object config
-    # settings
-    cdef int _victim
-    cdef bint _priority_order, _bypass
-    cdef int64_t _max_bypass, _lookahead
-    # the requests, by slot, and the running set
-    cdef readonly Ledger ledger
-    # the admission rule (one Policy subclass per policy)
-    cdef readonly Policy policy
-    # queues
-    cdef cmap[QKey, int32_t] _waiting
-    cdef cmap[QKey, int32_t] _shed_order   # never-admitted waiting, by (priority, arrival)
-    # aggregates
-    cdef int64_t _queued_tokens, _seq
-    cdef bint _pause_on_shortfall
-    cdef int64_t _paused_now, _n_pauses   # running requests paused this step; request-steps in all
-    cdef readonly ArrivalGate gate      # caps, refusals, drain rate and Retry-After
-    # counters
-    cdef int64_t _n_arrived, _n_admitted, _n_preempted, _n_finished, _n_aborted
-    cdef int64_t _held[N_DECISIONS]           # (request, step) pairs held at the queue head
-    # SLO guard
-    cdef readonly SloGuard slo_guard     # TPOT hold, TTFT prediction, the step-time fit
-    cdef bint _deadline_order
-    # agent window
-    cdef readonly AgentWindow agent_window   # sessions, W, idle expiry, the pause log
-    cdef double _last_now
-    cdef int64_t _n_len_obs
-    cdef double _len_abs_err, _len_pred_sum, _len_actual_sum
-
     def __init__(self, config, int64_t num_blocks, int64_t block_size, int64_t max_model_len=0):
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks}: must be >= 1")
@@ -537,9 +492,9 @@ cdef class AdmissionCore:
         self.ledger.check_state(slot, ST_WAITING)
         if not isfinite(now):
             raise ValueError(f"now={now}: must be a finite number of seconds")
-        self._admit(<int32_t>slot, now)
+        self.c_admit(<int32_t>slot, now)
 
-    cdef void _admit(self, int32_t s, double now) noexcept:
+    cdef void c_admit(self, int32_t s, double now) noexcept:
         self._note_time(now)
         self._advance(now)
         cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
@@ -609,7 +564,7 @@ cdef class AdmissionCore:
             self.policy.c_running_changed()
         return 0
 
-    cdef void _progress(self, int32_t s, int64_t computed_tokens, int64_t generated_tokens) noexcept nogil:
+    cdef void c_progress(self, int32_t s, int64_t computed_tokens, int64_t generated_tokens) noexcept nogil:
         """`update` for a running request, unchecked (the native engine's hot path)."""
         self.ledger.set_counts(s, computed_tokens, generated_tokens)
         self.policy.c_running_changed()
@@ -642,9 +597,9 @@ cdef class AdmissionCore:
     def on_step(self, double now=0.0):
         """Once per engine step, after its preemptions: advances the predict ratio."""
         self._advance(now)
-        self._on_step()
+        self.c_on_step()
 
-    cdef void _on_step(self) noexcept nogil:
+    cdef void c_on_step(self) noexcept nogil:
         self.ledger.step += 1
         self.policy.c_on_step(self.ledger.running.empty() and self._waiting.empty())
         self._paused_now = 0
@@ -653,8 +608,12 @@ cdef class AdmissionCore:
         """Commits: a running request gives its memory back and waits again
         (recompute: its KV is gone, its output so far is kept)."""
         self.ledger.check_state(slot, ST_RUNNING)
+        self.c_preempt(<int32_t>slot, now)
+
+    cdef void c_preempt(self, int32_t s, double now) noexcept nogil:
+        """`preempt`, unchecked (the native engine's path too)."""
         self._note_time(now)
-        self._preempt(<int32_t>slot)
+        self._preempt(s)
 
     cdef void _preempt(self, int32_t s) noexcept nogil:
         self._run_remove(s)
@@ -670,14 +629,14 @@ cdef class AdmissionCore:
     def finish(self, int64_t slot, double now=0.0):
         """A running request is done; its output length feeds the length model."""
         self.ledger.check_state(slot, ST_RUNNING)
-        self._finish_at(<int32_t>slot, now)
+        self.c_finish(<int32_t>slot, now)
 
     cdef inline void _advance(self, double now) noexcept nogil:
         """The latest `now` seen (sessions' idle clocks run on it)."""
         if now > self._last_now:
             self._last_now = now
 
-    cdef void _finish_at(self, int32_t s, double now) noexcept nogil:
+    cdef void c_finish(self, int32_t s, double now) noexcept nogil:
         """`finish`, unchecked (the native engine's path too)."""
         self._note_time(now)
         self._advance(now)
@@ -745,9 +704,9 @@ cdef class AdmissionCore:
                       double now=0.0):
         """Once per engine step: KV blocks in use and the step's prefix-cache hit and
         query tokens. Every agent_interval_steps the agent window follows AIMD."""
-        self._c_observe_cache(used_blocks, hit_tokens, query_tokens, now)
+        self.c_observe_cache(used_blocks, hit_tokens, query_tokens, now)
 
-    cdef void _c_observe_cache(self, int64_t used_blocks, int64_t hit_tokens, int64_t query_tokens,
+    cdef void c_observe_cache(self, int64_t used_blocks, int64_t hit_tokens, int64_t query_tokens,
                                double now) noexcept nogil:
         if not self.agent_window.enabled:
             return
@@ -812,9 +771,9 @@ cdef class AdmissionCore:
     # Public API: victims
     def victim(self):
         """The running request to preempt first, or -1."""
-        return self._victim_slot()
+        return self.c_victim()
 
-    cdef int32_t _victim_slot(self) noexcept nogil:
+    cdef int32_t c_victim(self) noexcept nogil:
         return victim_slot(self.ledger, self._victim)
 
     def victim_order(self):

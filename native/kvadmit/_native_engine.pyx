@@ -18,6 +18,22 @@
 # Everything in the loop is native; Python is called only for arrivals (the
 # core's `arrive` returns its Rejection objects) and the progress callback.
 
+from cython.operator cimport dereference as deref
+from libc.math cimport INFINITY, isfinite
+from libc.stdint cimport int32_t, int64_t, uint64_t
+from libcpp.pair cimport pair
+from libcpp.queue cimport priority_queue
+from libcpp.unordered_map cimport unordered_map
+from libcpp.vector cimport vector
+
+from kvadmit._allocator cimport BlockAllocator
+from kvadmit._arrival_gate cimport ArrivalResult, Rejection
+from kvadmit._core cimport AdmissionCore
+from kvadmit._curves cimport cdiv
+
+from kvadmit._arrival_gate import REJECT_REASONS
+
+
 cdef enum:
     RQ_PENDING = 0
     RQ_WAITING = 1
@@ -44,7 +60,7 @@ cdef inline uint64_t _mix_hash(uint64_t prev, uint64_t value, uint64_t index) no
 
 cdef class NativeEngine:
     """Continuous-batching engine model around an `AdmissionCore` (see the
-    comment at the top of native/sim.pxi). Build it, `add_requests`, `run`,
+    comment at the top of native/kvadmit/_native_engine.pyx). Build it, `add_requests`, `run`,
     then read `results()`, `totals()` and `timeline()`.
 
     Or step it on a clock a driver shares with other engines (a fleet): `start(t0)`,
@@ -281,7 +297,7 @@ cdef class NativeEngine:
         if need <= 0:
             return True
         cdef size_t old = self._blocks[r].size()
-        if need > self.allocator._free._count:
+        if need > self.allocator.c_num_free():
             return False
         self._blocks[r].resize(old + need)
         self.allocator.c_allocate(need, self._blocks[r].data() + old)
@@ -320,8 +336,7 @@ cdef class NativeEngine:
             budget[0] += self._sched[v]
             self._sched[v] = 0
         self._release_blocks(v)
-        self.core._note_time(self._clock)
-        self.core._preempt(self._slot[v])
+        self.core.c_preempt(self._slot[v], self._clock)
         self._computed[v] = 0
         self._npre[v] += 1
         self._rstate[v] = RQ_WAITING
@@ -329,17 +344,17 @@ cdef class NativeEngine:
         return self._running_erase(v)
 
     cdef void _finish(self, int32_t r, double t) noexcept nogil:
-        self.core._finish_at(self._slot[r], t)
+        self.core.c_finish(self._slot[r], t)
         cdef size_t i
         cdef int32_t b
+        cdef uint64_t h
         if self._prefix and self._sess[r] >= 0 and self.core.agent_window.enabled:
             # The session's context so far, for demotion if it is paused later.
             self._sess_blocks[self._sess[r]].clear()
             for i in range(self._blocks[r].size()):
                 b = self._blocks[r][i]
-                if self.allocator._has_hash[b]:
-                    self._sess_blocks[self._sess[r]].push_back(
-                        pair[int32_t, uint64_t](b, self.allocator._hash[b]))
+                if self.allocator.c_held_hash(b, &h):
+                    self._sess_blocks[self._sess[r]].push_back(pair[int32_t, uint64_t](b, h))
         self._release_blocks(r)
         self._slot_req[self._slot[r]] = -1
         self._slot[r] = -1
@@ -428,7 +443,7 @@ cdef class NativeEngine:
             if b < 0:
                 return j
             self._hit_ids.push_back(b)
-            if self.allocator._ref[b] == 0:
+            if self.allocator.c_ref_count(b) == 0:
                 fresh[0] += 1
         return lim
 
@@ -446,7 +461,7 @@ cdef class NativeEngine:
             self._plan_cols[2 * nr + i] = self._blocks[r].size()
         return self.core.c_plan_shortfall(
             self._plan_cols.data(), self._plan_cols.data() + nr, self._plan_cols.data() + 2 * nr,
-            nr, self.allocator._free._count, self._budget, 0, self._pause.data())
+            nr, self.allocator.c_num_free(), self._budget, 0, self._pause.data())
 
     cdef int _step(self) noexcept:
         """One engine step: STEP_RAN, STEP_PREEMPTED_ONLY (every scheduled request
@@ -456,7 +471,7 @@ cdef class NativeEngine:
         cdef int32_t r, v, s, b
         cdef bint preempted = False
         self._scheduled.clear()
-        if self.core._pause_on_shortfall and self._plan_pauses():
+        if self.core.c_pauses_on_shortfall() and self._plan_pauses():
             for k in range(self._running.size()):
                 if self._pause[k]:
                     r = self._running[k]
@@ -472,7 +487,7 @@ cdef class NativeEngine:
             if n > budget:
                 n = budget
             while not self._grow(r, self._computed[r] + n):
-                v = self.core._victim_slot()
+                v = self.core.c_victim()
                 v = self._slot_req[v]
                 if self._preempt(v, &budget) < i:
                     i -= 1        # an earlier, already scheduled request went
@@ -491,7 +506,7 @@ cdef class NativeEngine:
         # 2. waiting requests, only in a step without preemption (as vLLM); the core
         # admits none in a step with paused requests
         while not preempted and budget > 0 and <int64_t>self._running.size() < self._max_active:
-            s = self.core.c_next_admissible(self.allocator._free._count, False)
+            s = self.core.c_next_admissible(self.allocator.c_num_free(), False)
             if s < 0:
                 break
             r = self._slot_req[s]
@@ -509,7 +524,7 @@ cdef class NativeEngine:
             # --watermark it also keeps that many blocks free once anything runs.
             if cdiv(tokens if self._full_input else c0 + n, self._bs) - hits + fresh \
                     + (self._watermark if not self._running.empty() else 0) \
-                    > self.allocator._free._count:
+                    > self.allocator.c_num_free():
                 self._held_blocks += 1
                 break
             for j in range(hits):
@@ -524,7 +539,7 @@ cdef class NativeEngine:
             self._computed[r] = c0
             # hits on blocks other requests hold (not the cached-free ones it takes over)
             self.core.c_set_shared(s, (hits - fresh) * self._bs)
-            self.core._admit(s, self._clock)
+            self.core.c_admit(s, self._clock)
             self._rstate[r] = RQ_RUNNING
             self._running.push_back(r)
             self._sched[r] = n
@@ -540,7 +555,7 @@ cdef class NativeEngine:
                 ctx += self._computed[r] + self._sched[r]
         cdef double dt = self._step_a_s + self._step_b_s * batch + self._step_c_s * ctx
         cdef double t_end = self._clock + dt
-        cdef int64_t used = self._nblocks - self.allocator._free._count
+        cdef int64_t used = self._nblocks - self.allocator.c_num_free()
         if used > self._peak_used:
             self._peak_used = used
         self._kv_block_s += used * dt
@@ -569,25 +584,25 @@ cdef class NativeEngine:
                 self._out_tokens += 1
                 if self._t_first[r] < 0:
                     self._t_first[r] = t_end
-            self.core._progress(self._slot[r], self._computed[r], self._gen[r])
+            self.core.c_progress(self._slot[r], self._computed[r], self._gen[r])
             if self._gen[r] >= self._out[r]:
                 self._running_erase(r)
                 self._finish(r, t_end)
         self._clock = t_end
         self._steps += 1
-        self.core._on_step()
+        self.core.c_on_step()
         # As the engine adapters do: the fit is also reported (stats), guard or not.
         self.core.slo_guard.c_observe_step(batch, ctx, dt)
-        self.core._c_observe_cache(self._nblocks - self.allocator._free._count, self._step_hit,
+        self.core.c_observe_cache(self._nblocks - self.allocator.c_num_free(), self._step_hit,
                                    self._step_query, t_end)
-        self.core.c_observe_used_blocks(self._nblocks - self.allocator._free._count)
+        self.core.c_observe_used_blocks(self._nblocks - self.allocator.c_num_free())
         self._step_hit = self._step_query = 0
         self._demote_paused()
         while self._clock >= self._next_sample:
             self._tl_t.push_back(self._next_sample)
-            self._tl_used.push_back(self._nblocks - self.allocator._free._count)
+            self._tl_used.push_back(self._nblocks - self.allocator.c_num_free())
             self._tl_running.push_back(self._running.size())
-            self._tl_waiting.push_back(self.core._waiting.size())
+            self._tl_waiting.push_back(self.core.c_num_waiting())
             self._tl_preempt.push_back(self._preemptions)
             self._tl_hit.push_back(self._hit_tokens)
             self._tl_query.push_back(self._query_tokens)
@@ -635,7 +650,7 @@ cdef class NativeEngine:
                 continue
             # Only requests of sessions outside a full agent window wait: sleep until
             # an idle session leaves it (or the next arrival, if sooner).
-            if self._running.empty() and not self.core._waiting.empty():
+            if self._running.empty() and self.core.c_num_waiting() > 0:
                 t = self.core.agent_window.c_next_expiry()
                 if t < INFINITY and t <= self._next_arrival():
                     if t >= until:
@@ -653,18 +668,18 @@ cdef class NativeEngine:
                     return False
                 self._clock = max(self._clock, self._next_arrival())
                 continue
-            if self._running.empty() and self.core._waiting.empty():
+            if self._running.empty() and self.core.c_num_waiting() == 0:
                 if until < INFINITY:
                     self._clock = max(self._clock, until)
                 return True
             raise RuntimeError(
-                f"native engine stuck at t={self._clock:.3f}s: {self.core._waiting.size()} waiting, "
-                f"{self._running.size()} running, {self.allocator._free._count} free blocks, "
+                f"native engine stuck at t={self._clock:.3f}s: {self.core.c_num_waiting()} waiting, "
+                f"{self._running.size()} running, {self.allocator.c_num_free()} free blocks, "
                 f"nothing schedulable")
 
     cdef _check_idle(self):
-        if self.allocator._free._count != self._nblocks:
-            raise AssertionError(f"leak: {self._nblocks - self.allocator._free._count} blocks "
+        if self.allocator.c_num_free() != self._nblocks:
+            raise AssertionError(f"leak: {self._nblocks - self.allocator.c_num_free()} blocks "
                                  f"still used at idle")
 
     # ------------------------------------------------------------------
@@ -724,9 +739,9 @@ cdef class NativeEngine:
         gauges (waiting, running, KV usage), the blocks running requests hold
         (Dynamo's active decode blocks), requests finished and refused so far,
         prefix-cache hit and query tokens so far, and the engine's clock."""
-        cdef int64_t used = self._nblocks - self.allocator._free._count
+        cdef int64_t used = self._nblocks - self.allocator.c_num_free()
         sig = self.core.router_signals()
-        sig["num_requests_waiting"] = self.core._waiting.size()
+        sig["num_requests_waiting"] = self.core.c_num_waiting()
         sig["num_requests_running"] = self._running.size()
         sig["kv_cache_usage_perc"] = used / <double>self._nblocks
         sig["active_blocks"] = used
@@ -763,7 +778,7 @@ cdef class NativeEngine:
             "kv_util_mean": self._kv_block_s / (span * self._nblocks) if span > 0 else 0.0,
             "kv_util_peak": self._peak_used / <double>self._nblocks,
             "finished": self._n_done, "rejected": self._n_rejected,
-            "free_blocks_at_end": self.allocator._free._count,
+            "free_blocks_at_end": self.allocator.c_num_free(),
         }
 
     def timeline(self):
