@@ -2,7 +2,7 @@
 
 One definition of the run's accounting for the Python engine drivers (vLLM's
 scheduler on the virtual clock, `kvadmit.simulate.vllm_engine`); the compiled
-native engine (`native/sim.pxi`) keeps the same counters with the same
+native engine (`native/kvadmit/_native_engine.pyx`) keeps the same counters with the same
 definitions, both report them as one `Totals`, and the parity tests
 (tests/simulate/test_vllm_engine.py) hold both to the same numbers:
 - a step is a schedule that computed tokens; its batch is its scheduled tokens;

@@ -7,7 +7,7 @@ allocation, prefix-cache and preemption decision is vLLM's code; only the
 forward pass is replaced by the step-time model. It returns a `RawRun` with the
 same fields as `run_native`.
 
-The loop, as the native engine's (native/sim.pxi):
+The loop, as the native engine's (native/kvadmit/_native_engine.pyx):
 - the clock starts at the first open-loop arrival; before each step every
   request due by the clock arrives (a session's next turn its delay after the
   previous one finished or was refused); with nothing to run the clock jumps to
