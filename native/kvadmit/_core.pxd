@@ -95,6 +95,8 @@ cdef class AdmissionCore:
     cdef int _decide(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil
     cdef int _decide_memory(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil
     cdef inline QKey _qkey(self, int32_t s) noexcept nogil
+    cdef inline QKey _order_key(self, int64_t priority, double arrive_t, double ttft, double engine_t,
+                                double engine_tie, int64_t arrival) noexcept nogil
     cdef inline QKey _shed_key(self, int32_t s) noexcept nogil
     cdef void _enqueue(self, int32_t s) noexcept nogil
     cdef void _dequeue(self, int32_t s) noexcept nogil
@@ -103,7 +105,7 @@ cdef class AdmissionCore:
     cdef inline void _note_time(self, double now) noexcept nogil
     cdef inline double _predicted_delay(self, int64_t ahead, int64_t ahead_tokens, int64_t queued,
                                         double now) noexcept nogil
-    cdef void _ahead_of(self, int32_t s, int64_t* reqs, int64_t* tokens) noexcept nogil
+    cdef void _ahead_of(self, QKey key, int64_t* reqs, int64_t* tokens) noexcept nogil
     cdef int32_t _new_request(self, int64_t prompt_tokens, int64_t max_new_tokens, int64_t priority,
                               int64_t cached_tokens, double now, double ttft_slo_s, double tpot_slo_s,
                               int64_t session, double arrival_time, double arrival_tie)

@@ -116,13 +116,19 @@ cdef class AdmissionCore:
     # ------------------------------------------------------------------
     # Queue order
     cdef inline QKey _qkey(self, int32_t s) noexcept nogil:
+        return self._order_key(self.ledger.priority[s], self.ledger.arrive_t[s], self.ledger.ttft[s],
+                               self.ledger.engine_t[s], self.ledger.engine_tie[s], self.ledger.arrival[s])
+
+    cdef inline QKey _order_key(self, int64_t priority, double arrive_t, double ttft, double engine_t,
+                                double engine_tie, int64_t arrival) noexcept nogil:
+        """The queue's key of a request with these numbers (see QKey)."""
         cdef QKey k
-        k.first = self.ledger.priority[s] if self._priority_order else 0
+        k.first = priority if self._priority_order else 0
         if self._deadline_order:   # microseconds; no target: an hour after arrival
-            k.first = <int64_t>((self.ledger.arrive_t[s] + (self.ledger.ttft[s] if self.ledger.ttft[s] > 0 else 3600.0)) * 1e6)
-        k.time = self.ledger.engine_t[s] if self._priority_order else 0.0
-        k.tie = self.ledger.engine_tie[s] if self._priority_order else 0.0
-        k.second = self.ledger.arrival[s]
+            k.first = <int64_t>((arrive_t + (ttft if ttft > 0 else 3600.0)) * 1e6)
+        k.time = engine_t if self._priority_order else 0.0
+        k.tie = engine_tie if self._priority_order else 0.0
+        k.second = arrival
         return k
 
     cdef inline QKey _shed_key(self, int32_t s) noexcept nogil:
@@ -168,15 +174,15 @@ cdef class AdmissionCore:
                                         double now) noexcept nogil:
         return self.gate.c_predicted_delay(ahead, ahead_tokens, queued, now, not self._waiting.empty())
 
-    cdef void _ahead_of(self, int32_t s, int64_t* reqs, int64_t* tokens) noexcept nogil:
+    cdef void _ahead_of(self, QKey key, int64_t* reqs, int64_t* tokens) noexcept nogil:
         """Waiting requests (and their prefill tokens) that the queue order serves
-        before s: all of them in arrival order, else a walk to s's position
-        (skipping requests held outside the agent window: they do not block s)."""
+        before a request with this key: all of them in arrival order (a new arrival
+        is last), else a walk to its position (skipping requests held outside the
+        agent window: they do not block it)."""
         if not self._priority_order and not self._deadline_order and not self.agent_window.enabled:
             reqs[0] = self._waiting.size()
             tokens[0] = self._queued_tokens
             return
-        cdef QKey key = self._qkey(s)
         cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
         reqs[0] = tokens[0] = 0
         while it != self._waiting.end() and deref(it).first < key:
@@ -306,7 +312,7 @@ cdef class AdmissionCore:
         cdef int64_t ahead = 0, ahead_tokens = 0
         cdef bint ttft_guarded = self.slo_guard.enabled and self.ledger.ttft[s] > 0
         if self.gate.max_queue_delay_s > 0 or ttft_guarded:
-            self._ahead_of(s, &ahead, &ahead_tokens)
+            self._ahead_of(self._qkey(s), &ahead, &ahead_tokens)
             delay = self._predicted_delay(ahead, ahead_tokens, queued, now)
         if self.gate.max_queue_delay_s > 0:
             refused = self.gate.c_refuse_delay(delay, self._waiting.size(), self._queued_tokens,
@@ -685,17 +691,10 @@ cdef class AdmissionCore:
     def predict_ttft(self, int64_t prompt_tokens, double now):
         """The TTFT the SLO guard predicts for an arrival of `prompt_tokens` at
         `now` (queued behind everything waiting)."""
-        cdef int32_t s = self.ledger.new_slot()      # a probe at the back of the queue
-        self.ledger.prompt[s] = prompt_tokens
-        self.ledger.generated[s] = self.ledger.cached[s] = 0
-        self.ledger.arrival[s] = self._seq
-        self.ledger.arrive_t[s] = now
-        self.ledger.engine_t[s] = self.ledger.engine_tie[s] = 0.0
-        self.ledger.ttft[s] = 0.0
-        self.ledger.priority[s] = INT64_MAX // 2
         cdef int64_t ahead, ahead_tokens
-        self._ahead_of(s, &ahead, &ahead_tokens)
-        self.ledger.release(s)
+        # its place: behind every waiting request (the least priority, no deadline)
+        self._ahead_of(self._order_key(INT64_MAX // 2, now, 0.0, 0.0, 0.0, self._seq),
+                       &ahead, &ahead_tokens)
         cdef double delay = self._predicted_delay(ahead, ahead_tokens, prompt_tokens, now)
         return self.slo_guard.c_predict_ttft(ahead_tokens, prompt_tokens, delay, self.ledger.running.size(),
                                              self._running_context())
