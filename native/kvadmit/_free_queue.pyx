@@ -183,7 +183,7 @@ cdef class BlockObjectQueue:
 
     @property
     def num_free_blocks(self):
-        return self._q._count
+        return self._q.c_len()
 
     @property
     def native(self):
@@ -197,8 +197,8 @@ cdef class BlockObjectQueue:
         return self._blocks[b]
 
     def popleft_n(self, Py_ssize_t n):
-        if n < 0 or n > self._q._count:
-            raise ValueError(f"popleft_n({n}): only {self._q._count} free blocks")
+        if n < 0 or n > self._q.c_len():
+            raise ValueError(f"popleft_n({n}): only {self._q.c_len()} free blocks")
         cdef list out = [None] * n
         cdef Py_ssize_t i
         for i in range(n):
@@ -207,12 +207,12 @@ cdef class BlockObjectQueue:
 
     def remove(self, block):
         cdef int64_t b = self._id(block)
-        if b < 0 or b >= self._q._n or self._q.c_remove(<int32_t>b) != 0:
+        if b < 0 or b >= self._q.c_num_blocks() or self._q.c_remove(<int32_t>b) != 0:
             raise RuntimeError(f"remove() called on an invalid block: {block}")
 
     def append(self, block):
         cdef int64_t b = self._id(block)
-        if b < 0 or b >= self._q._n or self._q.c_append(<int32_t>b) != 0:
+        if b < 0 or b >= self._q.c_num_blocks() or self._q.c_append(<int32_t>b) != 0:
             raise RuntimeError(f"append() called on a block already free or unknown: {block}")
 
     def append_n(self, blocks):
@@ -221,7 +221,7 @@ cdef class BlockObjectQueue:
         cdef Py_ssize_t i
         for i in range(len(seq)):
             b = self._id(seq[i])
-            if b < 0 or b >= self._q._n or self._q.c_append(<int32_t>b) != 0:
+            if b < 0 or b >= self._q.c_num_blocks() or self._q.c_append(<int32_t>b) != 0:
                 raise RuntimeError(f"append_n() called on a block already free or unknown: {seq[i]}")
 
     def prepend_n(self, blocks):

@@ -466,30 +466,50 @@ cdef class NativeEngine:
     cdef int _step(self) noexcept:
         """One engine step: STEP_RAN, STEP_PREEMPTED_ONLY (every scheduled request
         was preempted: try again at the same time) or STEP_IDLE (nothing to run)."""
-        cdef int64_t budget = self._budget, n, tokens, hits, fresh, j, c0, c1, ctx = 0, batch = 0
-        cdef size_t i = 0, k
-        cdef int32_t r, v, s, b
-        cdef bint preempted = False
+        cdef int64_t budget = self._budget
         self._scheduled.clear()
         if self.core.c_pauses_on_shortfall() and self._plan_pauses():
-            for k in range(self._running.size()):
-                if self._pause[k]:
-                    r = self._running[k]
-                    self._is_paused[r] = 1
-                    self._paused_reqs.push_back(r)
-        # 1. running requests, in admission order
-        while i < self._running.size() and budget > 0:
+            self._mark_paused()
+        cdef bint preempted = self._schedule_running(&budget)
+        # Waiting requests only in a step without preemption (as vLLM); the core
+        # admits none in a step with paused requests.
+        if not preempted:
+            self._schedule_waiting(&budget)
+        if self._scheduled.empty():
+            return STEP_PREEMPTED_ONLY if preempted else STEP_IDLE
+        self._run_scheduled()
+        return STEP_RAN
+
+    cdef void _mark_paused(self) noexcept nogil:
+        """The running requests the core's pause plan skips this step."""
+        cdef size_t k
+        cdef int32_t r
+        for k in range(self._running.size()):
+            if self._pause[k]:
+                r = self._running[k]
+                self._is_paused[r] = 1
+                self._paused_reqs.push_back(r)
+
+    cdef bint _schedule_running(self, int64_t* budget) noexcept nogil:
+        """1. Running requests, in admission order, take their tokens from the
+        budget; one whose blocks do not fit preempts the core's victims until they
+        do (or it is the victim). True if anything was preempted."""
+        cdef size_t i = 0, k
+        cdef int32_t r, v
+        cdef int64_t n
+        cdef bint preempted = False
+        while i < self._running.size() and budget[0] > 0:
             r = self._running[i]
             if self._is_paused[r]:
                 i += 1            # paused: keeps its KV, skips this step
                 continue
             n = self._prompt[r] + self._gen[r] - self._computed[r]
-            if n > budget:
-                n = budget
+            if n > budget[0]:
+                n = budget[0]
             while not self._grow(r, self._computed[r] + n):
                 v = self.core.c_victim()
                 v = self._slot_req[v]
-                if self._preempt(v, &budget) < i:
+                if self._preempt(v, budget) < i:
                     i -= 1        # an earlier, already scheduled request went
                 preempted = True
                 if v == r:
@@ -498,14 +518,19 @@ cdef class NativeEngine:
                 continue          # r itself was the victim; i already points past it
             self._sched[r] = n
             self._scheduled.push_back(r)
-            budget -= n
+            budget[0] -= n
             i += 1
         for k in range(self._paused_reqs.size()):
             self._is_paused[self._paused_reqs[k]] = 0
         self._paused_reqs.clear()
-        # 2. waiting requests, only in a step without preemption (as vLLM); the core
-        # admits none in a step with paused requests
-        while not preempted and budget > 0 and <int64_t>self._running.size() < self._max_active:
+        return preempted
+
+    cdef void _schedule_waiting(self, int64_t* budget) noexcept:
+        """2. Waiting requests in the core's order while the core admits them, the
+        budget lasts, max_num_seqs allows and their blocks fit (prefix hits first)."""
+        cdef int64_t n, tokens, hits, fresh, j, c0
+        cdef int32_t r, s, b
+        while budget[0] > 0 and <int64_t>self._running.size() < self._max_active:
             s = self.core.c_next_admissible(self.allocator.c_num_free(), False)
             if s < 0:
                 break
@@ -515,10 +540,10 @@ cdef class NativeEngine:
             fresh = fresh if self._prefix else 0
             c0 = hits * self._bs
             n = tokens - c0
-            if n > budget:
+            if n > budget[0]:
                 if not self._chunked:
                     break
-                n = budget
+                n = budget[0]
             # vLLM 0.32 (scheduler_reserve_full_isl, on by default) admits only if the
             # whole input fits now, though it allocates for the first chunk only; with
             # --watermark it also keeps that many blocks free once anything runs.
@@ -544,10 +569,15 @@ cdef class NativeEngine:
             self._running.push_back(r)
             self._sched[r] = n
             self._scheduled.push_back(r)
-            budget -= n
-        if self._scheduled.empty():
-            return STEP_PREEMPTED_ONLY if preempted else STEP_IDLE
-        # 3. the step
+            budget[0] -= n
+
+    cdef void _run_scheduled(self) noexcept:
+        """3. The step: its time from the batch's tokens and context; each scheduled
+        request computes its tokens, emits one when its input is all computed and
+        finishes at its real length; then the core hears of the step."""
+        cdef int64_t n, c0, c1, j, ctx = 0, batch = 0
+        cdef size_t k
+        cdef int32_t r
         for k in range(self._scheduled.size()):
             r = self._scheduled[k]
             if self._sched[r] > 0:
@@ -598,6 +628,9 @@ cdef class NativeEngine:
         self.core.c_observe_used_blocks(self._nblocks - self.allocator.c_num_free())
         self._step_hit = self._step_query = 0
         self._demote_paused()
+        self._sample_timeline()
+
+    cdef void _sample_timeline(self) noexcept nogil:
         while self._clock >= self._next_sample:
             self._tl_t.push_back(self._next_sample)
             self._tl_used.push_back(self._nblocks - self.allocator.c_num_free())
@@ -608,7 +641,6 @@ cdef class NativeEngine:
             self._tl_query.push_back(self._query_tokens)
             self._tl_window.push_back(self.core.agent_window.c_size())
             self._next_sample += self._sample_dt
-        return STEP_RAN
 
     def run(self, progress=None, int64_t progress_every=10000):
         """Replays every request to completion or rejection. ``progress(done,
