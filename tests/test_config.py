@@ -5,6 +5,7 @@ import pathlib
 import pytest
 
 from kvadmit import AdmissionConfig, ConfigError
+from kvadmit.vllm.settings import VllmSettings
 
 
 def test_defaults_and_round_trip():
@@ -37,6 +38,8 @@ def test_defaults_and_round_trip():
     ({"max_queue_requests": 8}, "unknown key 'max_queue_requests'; did you mean 'max_queued_requests'?"),
     ({"zzz": 1}, "unknown key 'zzz'; see `kvadmit config` for the keys"),
     ({"kvadmit": {"policy": "peak"}}, "without the 'kvadmit' wrapper"),
+    # vLLM-only (kvadmit.vllm.settings): the core's config, SGLang and the simulator refuse it
+    ({"native_allocator": True}, "'native_allocator' is a vLLM-only setting"),
 ])
 def test_errors_name_the_field(values, needle):
     with pytest.raises(ConfigError) as e:
@@ -94,5 +97,27 @@ def test_docs_list_every_key_with_its_default():
     page = (pathlib.Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
     assert AdmissionConfig.markdown_table() in page, \
         "docs/configuration.md's key table is stale: paste the output of `kvadmit config`"
-    for f in dataclasses.fields(AdmissionConfig):
-        assert f"`{f.name}`" in page
+    assert VllmSettings.markdown_table() in page, \
+        "docs/configuration.md's vLLM-only key table is stale: paste the output of `kvadmit config`"
+    for cls in (AdmissionConfig, VllmSettings):
+        for f in dataclasses.fields(cls):
+            assert f"`{f.name}`" in page
+
+
+def test_vllm_only_settings_split_from_the_core_keys():
+    """native_allocator is the vLLM adapter's, not the core's: split off, checked, and
+    never a field of AdmissionConfig."""
+    settings, core_keys = VllmSettings.split({"policy": "peak", "native_allocator": True})
+    assert settings == VllmSettings(native_allocator=True) and core_keys == {"policy": "peak"}
+    assert VllmSettings.split({}) == (VllmSettings(), {})
+    assert "native_allocator" not in {f.name for f in dataclasses.fields(AdmissionConfig)}
+    with pytest.raises(ConfigError, match="native_allocator='yes': must be true or false"):
+        VllmSettings.split({"native_allocator": "yes"})
+
+
+def test_kvadmit_config_prints_both_tables():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "kvadmit.cli", "config"], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    assert AdmissionConfig.markdown_table() in out and VllmSettings.markdown_table() in out

@@ -66,7 +66,10 @@ def cmd_lockstep(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    from kvadmit.vllm.settings import VllmSettings
     print(AdmissionConfig.markdown_table())
+    print("\nvLLM only (in the same \"kvadmit\" object of --additional-config):\n")
+    print(VllmSettings.markdown_table())
     return 0
 
 

@@ -24,19 +24,19 @@ class ConfigError(ValueError):
     """A kvadmit setting is unknown or out of range; the message names it."""
 
 
-def _choice(options: tuple[str, ...], doc: str) -> dict:
+def choice_rule(options: tuple[str, ...], doc: str) -> dict:
     return {"kind": "choice", "options": options, "doc": doc}
 
 
-def _int(lo: int, hi: int, doc: str) -> dict:
+def int_rule(lo: int, hi: int, doc: str) -> dict:
     return {"kind": "int", "lo": lo, "hi": hi, "doc": doc}
 
 
-def _float(lo: float, hi: float, doc: str, lo_open: bool = False) -> dict:
+def float_rule(lo: float, hi: float, doc: str, lo_open: bool = False) -> dict:
     return {"kind": "float", "lo": lo, "hi": hi, "lo_open": lo_open, "doc": doc}
 
 
-def _bool(doc: str) -> dict:
+def bool_rule(doc: str) -> dict:
     return {"kind": "bool", "doc": doc}
 
 
@@ -44,111 +44,108 @@ def _bool(doc: str) -> dict:
 class AdmissionConfig:
     """Validated kvadmit settings. Build with `from_dict` / `from_json`."""
 
-    policy: str = field(default="auto", metadata=_choice(
+    policy: str = field(default="auto", metadata=choice_rule(
         POLICIES, "admission rule (see the policy table)"))
-    victim: str = field(default="lifo", metadata=_choice(
+    victim: str = field(default="lifo", metadata=choice_rule(
         VICTIMS, "which running request is preempted first when memory runs out"))
-    shortfall: str = field(default="auto", metadata=_choice(
+    shortfall: str = field(default="auto", metadata=choice_rule(
         SHORTFALLS, "a running request that finds no free KV block for its next step: preempt "
         "the victim (recompute, as vLLM and SGLang do), or pause it for the step, keeping its KV, "
         "while another running request can still progress (vLLM, simulator, lockstep model); "
         "auto: pause under policy auto where the engine can, else preempt"))
-    queue_order: str = field(default="fcfs", metadata=_choice(
+    queue_order: str = field(default="fcfs", metadata=choice_rule(
         QUEUE_ORDERS, "waiting order: arrival; priority (lower value first) then arrival; or "
         "deadline (arrival + TTFT target, earliest first)"))
-    head_of_line: str = field(default="auto", metadata=_choice(
+    head_of_line: str = field(default="auto", metadata=choice_rule(
         HEAD_OF_LINE, "strict: stop at the first held request; bypass: later ones may pass it; "
         "auto: bypass under policy auto, else strict"))
-    max_bypass: int = field(default=4, metadata=_int(
+    max_bypass: int = field(default=4, metadata=int_rule(
         0, 1_000_000, "bypass: how often a held request may be passed before it blocks the queue"))
-    bypass_lookahead: int = field(default=32, metadata=_int(
+    bypass_lookahead: int = field(default=32, metadata=int_rule(
         1, 1_000_000, "bypass: how many requests behind a held head are examined"))
-    max_queued_requests: int = field(default=0, metadata=_int(
+    max_queued_requests: int = field(default=0, metadata=int_rule(
         0, 1_000_000_000, "refuse arrivals beyond this many waiting requests (0: no cap)"))
-    max_queued_tokens: int = field(default=0, metadata=_int(
+    max_queued_tokens: int = field(default=0, metadata=int_rule(
         0, 10**15, "refuse arrivals beyond this many prompt tokens waiting for prefill (0: no cap)"))
-    max_queue_delay_s: float = field(default=0.0, metadata=_float(
+    max_queue_delay_s: float = field(default=0.0, metadata=float_rule(
         0.0, 86400.0, "refuse arrivals whose predicted queueing delay (requests and prompt tokens "
         "waiting, at the admission rate of the last drain_window_s) exceeds this (0: no cap)"))
-    shed_lower_priority: bool = field(default=False, metadata=_bool(
+    shed_lower_priority: bool = field(default=False, metadata=bool_rule(
         "when a cap is hit, evict strictly lower-priority waiting requests instead of refusing"))
-    prefill_chunk_tokens: int = field(default=0, metadata=_int(
+    prefill_chunk_tokens: int = field(default=0, metadata=int_rule(
         0, 1_000_000_000, "engine's prefill chunk; extends the KV curves by the prefill steps (0: one step)"))
-    predict_init_ratio: float = field(default=0.7, metadata=_float(
+    predict_init_ratio: float = field(default=0.7, metadata=float_rule(
         0.0, 1.0, "predict: SGLang's initial new_token_ratio", lo_open=True))
-    predict_min_ratio_factor: float = field(default=0.14, metadata=_float(
+    predict_min_ratio_factor: float = field(default=0.14, metadata=float_rule(
         0.0, 1.0, "predict: floor of the ratio, as a fraction of the initial ratio"))
-    predict_decay_steps: int = field(default=600, metadata=_int(
+    predict_decay_steps: int = field(default=600, metadata=int_rule(
         1, 1_000_000_000, "predict: steps for the ratio to decay from initial to floor"))
-    predict_clip_tokens: int = field(default=4096, metadata=_int(
+    predict_clip_tokens: int = field(default=4096, metadata=int_rule(
         1, 1_000_000_000, "predict: max_new tokens counted per request at most"))
-    predict_retract_steps: int = field(default=20, metadata=_int(
+    predict_retract_steps: int = field(default=20, metadata=int_rule(
         0, 1_000_000, "predict: decode steps per kept request in the post-preemption ratio"))
-    adaptive_quantile: float = field(default=0.7, metadata=_float(
+    adaptive_quantile: float = field(default=0.7, metadata=float_rule(
         0.0, 1.0, "adaptive: quantile of the output-length model used for remaining lengths",
         lo_open=True))
-    adaptive_max_quantile: float = field(default=0.999, metadata=_float(
+    adaptive_max_quantile: float = field(default=0.999, metadata=float_rule(
         0.0, 1.0, "adaptive: ceiling for the automatically raised quantile", lo_open=True))
-    adaptive_target_preemption_rate: float = field(default=0.01, metadata=_float(
+    adaptive_target_preemption_rate: float = field(default=0.01, metadata=float_rule(
         0.0, 1.0, "adaptive: preemptions per admission above which the quantile is raised"))
-    adaptive_interval: int = field(default=64, metadata=_int(
+    adaptive_interval: int = field(default=64, metadata=int_rule(
         1, 1_000_000_000, "adaptive: admissions per quantile adjustment window"))
-    adaptive_window: int = field(default=4096, metadata=_int(
+    adaptive_window: int = field(default=4096, metadata=int_rule(
         1, 10_000_000, "adaptive: finished requests the length model remembers"))
-    adaptive_min_samples: int = field(default=8, metadata=_int(
+    adaptive_min_samples: int = field(default=8, metadata=int_rule(
         1, 10_000_000, "adaptive: lengths needed before predictions replace max_new"))
-    adaptive_bucket_tokens: int = field(default=16, metadata=_int(
+    adaptive_bucket_tokens: int = field(default=16, metadata=int_rule(
         1, 1_000_000, "adaptive: histogram bucket width of the length model (tokens)"))
-    retry_after_default_s: float = field(default=1.0, metadata=_float(
+    retry_after_default_s: float = field(default=1.0, metadata=float_rule(
         0.0, 86400.0, "Retry-After hint when no drain rate has been observed yet"))
-    retry_after_max_s: float = field(default=300.0, metadata=_float(
+    retry_after_max_s: float = field(default=300.0, metadata=float_rule(
         0.0, 86400.0, "ceiling of the Retry-After hint"))
-    drain_window_s: float = field(default=30.0, metadata=_float(
+    drain_window_s: float = field(default=30.0, metadata=float_rule(
         0.0, 86400.0, "window over which the queue's drain rate is measured", lo_open=True))
-    slo_guard: bool = field(default=False, metadata=_bool(
+    slo_guard: bool = field(default=False, metadata=bool_rule(
         "refuse arrivals whose predicted TTFT misses their target (slo_infeasible) and hold "
         "admissions that would push a running request's step time past its TPOT target"))
-    default_ttft_slo_s: float = field(default=0.0, metadata=_float(
+    default_ttft_slo_s: float = field(default=0.0, metadata=float_rule(
         0.0, 86400.0, "TTFT target of requests that carry none (0: none)"))
-    default_tpot_slo_s: float = field(default=0.0, metadata=_float(
+    default_tpot_slo_s: float = field(default=0.0, metadata=float_rule(
         0.0, 3600.0, "TPOT target of requests that carry none (0: none)"))
-    step_time_a: float = field(default=0.008, metadata=_float(
+    step_time_a: float = field(default=0.008, metadata=float_rule(
         0.0, 10.0, "initial step-time model: seconds a step (refined online from observed steps)"))
-    step_time_b: float = field(default=3.25e-5, metadata=_float(
+    step_time_b: float = field(default=3.25e-5, metadata=float_rule(
         0.0, 1.0, "initial step-time model: seconds per scheduled token"))
-    step_time_c: float = field(default=4.9e-8, metadata=_float(
+    step_time_c: float = field(default=4.9e-8, metadata=float_rule(
         0.0, 1.0, "initial step-time model: seconds per context token of the batch"))
-    step_time_forgetting: float = field(default=0.995, metadata=_float(
+    step_time_forgetting: float = field(default=0.995, metadata=float_rule(
         0.5, 1.0, "forgetting factor of the online (RLS) step-time fit"))
-    agent_window: bool = field(default=False, metadata=_bool(
+    agent_window: bool = field(default=False, metadata=bool_rule(
         "admit requests of at most W active sessions (agents); W follows KV usage and prefix "
         "hits (AIMD)"))
-    agent_window_init: float = field(default=8.0, metadata=_float(
+    agent_window_init: float = field(default=8.0, metadata=float_rule(
         1.0, 1e9, "agent window: initial W"))
-    agent_window_min: float = field(default=1.0, metadata=_float(1.0, 1e9, "agent window: floor of W"))
-    agent_window_max: float = field(default=4096.0, metadata=_float(
+    agent_window_min: float = field(default=1.0, metadata=float_rule(1.0, 1e9, "agent window: floor of W"))
+    agent_window_max: float = field(default=4096.0, metadata=float_rule(
         1.0, 1e9, "agent window: ceiling of W"))
-    agent_alpha: float = field(default=2.0, metadata=_float(
+    agent_alpha: float = field(default=2.0, metadata=float_rule(
         0.0, 1e6, "agent window: additive increase while KV usage < agent_usage_low"))
-    agent_beta: float = field(default=0.5, metadata=_float(
+    agent_beta: float = field(default=0.5, metadata=float_rule(
         0.0, 1.0, "agent window: multiplicative decrease when usage > agent_usage_high and hits "
         "< agent_hit_threshold", lo_open=True))
-    agent_usage_low: float = field(default=0.2, metadata=_float(0.0, 1.0, "agent window: U_low"))
-    agent_usage_high: float = field(default=0.5, metadata=_float(0.0, 1.0, "agent window: U_high"))
-    agent_hit_threshold: float = field(default=0.2, metadata=_float(
+    agent_usage_low: float = field(default=0.2, metadata=float_rule(0.0, 1.0, "agent window: U_low"))
+    agent_usage_high: float = field(default=0.5, metadata=float_rule(0.0, 1.0, "agent window: U_high"))
+    agent_hit_threshold: float = field(default=0.2, metadata=float_rule(
         0.0, 1.0, "agent window: H_thresh (prefix hit rate)"))
-    agent_interval_steps: int = field(default=50, metadata=_int(
+    agent_interval_steps: int = field(default=50, metadata=int_rule(
         1, 1_000_000, "agent window: engine steps per AIMD update (signals are averaged over it)"))
-    agent_cooldown_intervals: int = field(default=2, metadata=_int(
+    agent_cooldown_intervals: int = field(default=2, metadata=int_rule(
         0, 1_000_000, "agent window: intervals after a decrease during which W does not grow"))
-    agent_idle_s: float = field(default=60.0, metadata=_float(
+    agent_idle_s: float = field(default=60.0, metadata=float_rule(
         0.0, 86400.0, "agent window: a session with nothing queued or running this long leaves it"))
-    native_allocator: bool = field(default=False, metadata=_bool(
-        "vLLM: replace BlockPool's free-block queue with the native one"))
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            _check(f, getattr(self, f.name))
+        check_fields(self)
         if self.policy == "auto":
             self._check_fixed_under_auto()
         if self.adaptive_max_quantile < self.adaptive_quantile:
@@ -180,6 +177,12 @@ class AdmissionConfig:
         unknown = sorted(set(values) - set(known), key=repr)
         if unknown:
             key = unknown[0]
+            # Error path only: the vLLM adapter's own keys (kvadmit.vllm.settings, no vLLM import).
+            from kvadmit.vllm.settings import VLLM_ONLY_KEYS
+            if key in VLLM_ONLY_KEYS:
+                raise ConfigError(f"kvadmit config: {key!r} is a vLLM-only setting (kvadmit's vLLM "
+                                  f"scheduler reads it from --additional-config); this engine "
+                                  f"does not take it")
             if key == SECTION:
                 hint = (f"this is already kvadmit's object: give its keys without the "
                         f"{SECTION!r} wrapper")
@@ -192,14 +195,7 @@ class AdmissionConfig:
     def from_json(cls, text: str) -> "AdmissionConfig":
         """Builds a config from a JSON object; `null` or any other JSON value is an
         error (it would otherwise mean "defaults", i.e. no caps, by accident)."""
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"kvadmit config is not valid JSON: {e}") from None
-        if not isinstance(values, dict):
-            raise ConfigError(f"kvadmit config must be a JSON object of kvadmit's keys, got "
-                              f"{json.dumps(values)[:80]}")
-        return cls.from_dict(values)
+        return cls.from_dict(json_object(text))
 
     def _check_fixed_under_auto(self) -> None:
         """auto's length model and bypass limits are fixed (one setting for every
@@ -235,11 +231,34 @@ class AdmissionConfig:
     @classmethod
     def markdown_table(cls) -> str:
         """The key table of docs/configuration.md: key, default, allowed values, meaning."""
-        rows = ["| key | default | allowed | meaning |", "|---|---|---|---|"]
-        for f in dataclasses.fields(cls):
-            rows.append(f"| `{f.name}` | `{json.dumps(f.default)}` | {_allowed(f.metadata)} | "
-                        f"{f.metadata['doc']} |")
-        return "\n".join(rows)
+        return key_table(cls)
+
+
+def json_object(text: str) -> dict:
+    """kvadmit's settings given as JSON text: an object, else a ConfigError."""
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"kvadmit config is not valid JSON: {e}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"kvadmit config must be a JSON object of kvadmit's keys, got "
+                          f"{json.dumps(values)[:80]}")
+    return values
+
+
+def check_fields(settings) -> None:
+    """Each field of a settings dataclass against its metadata rule (ConfigError naming it)."""
+    for f in dataclasses.fields(settings):
+        _check(f, getattr(settings, f.name))
+
+
+def key_table(cls) -> str:
+    """A settings dataclass's keys as a Markdown table: key, default, allowed values, meaning."""
+    rows = ["| key | default | allowed | meaning |", "|---|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        rows.append(f"| `{f.name}` | `{json.dumps(f.default)}` | {_allowed(f.metadata)} | "
+                    f"{f.metadata['doc']} |")
+    return "\n".join(rows)
 
 
 SECTION = "kvadmit"    # kvadmit's key in an engine's shared plug-in settings

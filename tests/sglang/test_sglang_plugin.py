@@ -75,6 +75,7 @@ def test_sglang_plugins_whitelist(clean_plugins, monkeypatch):
     ("null", "must be a JSON object of kvadmit's keys, got null"),
     ('{"polcy": "peak"}', "did you mean 'policy'?"),
     ('{"kvadmit": {"policy": "peak"}}', "without the 'kvadmit' wrapper"),   # vLLM's shape
+    ('{"native_allocator": true}', "'native_allocator' is a vLLM-only setting"),
 ])
 def test_bad_config_in_env_stops_startup(clean_plugins, monkeypatch, text, field):
     monkeypatch.setenv("KVADMIT_CONFIG", text)

@@ -93,6 +93,7 @@ def test_real_lengths_below_the_cap(model_dir, tmp_path):
 def test_config_names():
     """vLLM's own knobs become its engine arguments (not kvadmit configs); kvadmit
     names and NAME=JSON become kvadmit configs, checked before any engine starts."""
+    from kvadmit.config import AdmissionConfig
     from kvadmit.vllm.bench import parse_config, split_configs
     assert split_configs(["vllm-default,vllm-watermark=0.05", 'x={"policy": "peak", "victim": "lifo"},peak']) == \
         ["vllm-default", "vllm-watermark=0.05", 'x={"policy": "peak", "victim": "lifo"}', "peak"]
@@ -100,7 +101,10 @@ def test_config_names():
              "vllm-active=3": (None, {"max_num_active_seqs": 3}),
              "vllm-queued=5": (None, {"max_num_queued_reqs": 5}),
              "kvadmit-default": ({}, {}), "peak": ({"policy": "peak"}, {}),
-             'x={"policy": "adaptive"}': ({"policy": "adaptive"}, {})}
+             'x={"policy": "adaptive"}': ({"policy": "adaptive"}, {}),
+             # a vLLM-only key goes to vLLM's additional_config, not to the simulator
+             'native={"policy": "overcommit", "native_allocator": true}':
+                 ({"policy": "overcommit", "native_allocator": True}, {})}
     for text, (kvadmit, engine_args) in cases.items():
         c = parse_config(text)
         assert (c.kvadmit, c.engine_args) == (kvadmit, engine_args), text
@@ -108,8 +112,12 @@ def test_config_names():
     from kvadmit.vllm.bench import BenchEngine
     config, shape = parse_config("vllm-watermark=0.1").sim(BenchEngine().sim_shape())
     assert (config.policy, config.victim, shape.watermark, shape.num_blocks) == ("overcommit", "lifo", 0.1, 32)
+    config, _ = parse_config('native={"policy": "overcommit", "native_allocator": true}').sim(
+        BenchEngine().sim_shape())
+    assert config == AdmissionConfig(policy="overcommit")
     for bad, field in (("vllm-watermark=1.5", "watermark"), ("vllm-active=0", "max_num_active_seqs"),
                        ("vllm-queued=x", "max_num_queued_reqs"), ('x={"polcy": "peak"}', "polcy"),
+                       ('x={"native_allocator": 1}', "native_allocator=1: must be true or false"),
                        ("oracle", "--caps real")):
         with pytest.raises(ValueError, match=field):
             parse_config(bad)

@@ -32,7 +32,7 @@ output (agent sessions: the next turn's prompt repeats this turn's output).
 Everything else is pseudo-random per request (seeded, deterministic).
 
 kvadmit's core runs on the virtual clock: the scheduler's injectable clock
-(`kvadmit_clock`) reads the arrival time (at add_request) or the step's start (at
+(`scheduler.kvadmit.clock`) reads the arrival time (at add_request) or the step's start (at
 schedule), as the native engine passes them. vLLM's own timestamps stay real.
 
 Where it differs from the native engine (by design, this is vLLM's behaviour):
@@ -69,7 +69,7 @@ PROGRESS_EVERY = 200
 
 class _VirtualTime:
     """The clock kvadmit's vLLM scheduler runs on during a replay (its
-    `kvadmit_clock`), so the core's time (drain rate, max_queue_delay_s, step
+    `kvadmit.clock`), so the core's time (drain rate, max_queue_delay_s, step
     times, sessions) is the virtual one: arrivals at their arrival time,
     admissions at the step's start, as the native engine passes them."""
 
@@ -178,8 +178,11 @@ class VllmReplay:
         self.vocab = self.eng.vllm_config.model_config.get_vocab_size()
         self.hbt = (workload.hash_block_tokens
                     if shape.prefix_caching and workload.hash_ids is not None else 0)
+        # kvadmit's state on the scheduler (None: vLLM's own scheduler)
+        self.kvadmit_state = getattr(self.sched, "kvadmit", None)
         # kvadmit's refusals at add_request (the next update_from_output hands them out)
-        self.pending_rejections = getattr(self.sched, "_kvadmit_rejections", None)
+        self.pending_rejections = (self.kvadmit_state.pending_refusals
+                                   if self.kvadmit_state is not None else None)
         self.rejections_seen = 0
         self.heap = [(workload.arrival_s[i], i) for i in range(n) if is_open[i]]
         heapq.heapify(self.heap)
@@ -187,7 +190,7 @@ class VllmReplay:
         self.rec = RunRecord(n, self.nb, self.clock, sample_interval_s)
         self.vt = _VirtualTime(self.clock)
         if config is not None:
-            self.sched.kvadmit_clock = self.vt.now
+            self.kvadmit_state.clock = self.vt.now
 
     # -- requests ---------------------------------------------------------------
     def tokens_of(self, i: int) -> tuple[list[int], list[int] | None]:
@@ -295,8 +298,8 @@ class VllmReplay:
         everything is done ("done") or that requests are left with nothing to run."""
         # Only requests held outside a full agent window wait: sleep until an idle
         # session leaves it (the adapter expires it at the next schedule()).
-        core = getattr(self.sched, "kvadmit_core", None)
-        expiry = core.next_session_expiry() if core is not None else math.inf
+        state = self.kvadmit_state
+        expiry = state.core.next_session_expiry() if state is not None else math.inf
         if expiry < math.inf and (not self.heap or expiry <= self.heap[0][0]) and expiry > self.clock:
             self.clock = expiry
             return "moved"
@@ -358,5 +361,5 @@ class VllmReplay:
         extra = {"scheduler": "kvadmit" if self.kvadmit else "vllm",
                  "vllm_num_gpu_blocks": self.pool.num_gpu_blocks}
         if self.kvadmit:
-            extra["core"] = self.sched.kvadmit_core.stats()
+            extra["core"] = self.kvadmit_state.core.stats()
         return RawRun("vllm", rec.per_request(), totals, rec.timeline, wall, extra=extra)

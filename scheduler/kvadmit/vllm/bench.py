@@ -72,8 +72,8 @@ class _CountsScheduledTokens:
         self._bench_tokens = getattr(self, "_bench_tokens", 0) + out.total_num_scheduled_tokens
         path = os.environ.get(COUNTS_ENV)
         if path and out.total_num_scheduled_tokens:
-            core = getattr(self, "kvadmit_core", None)
-            paused = core.paused if core is not None else 0
+            state = getattr(self, "kvadmit", None)       # None: vLLM's own scheduler
+            paused = state.core.paused if state is not None else 0
             pathlib.Path(path).write_text(f"{self._bench_tokens} {paused}")
         return out
 
@@ -308,15 +308,31 @@ class BenchConfig:
         """(AdmissionConfig, EngineShape) for the simulator's native engine: vLLM's rule
         (overcommit, LIFO victim) with its knobs in the shape, or kvadmit's config."""
         from kvadmit.config import AdmissionConfig
+        from kvadmit.vllm.settings import VllmSettings
+        # vLLM-only settings (native_allocator) change no decision: the simulator has none.
         config = (AdmissionConfig(policy="overcommit", victim="lifo") if self.kvadmit is None
-                  else AdmissionConfig.from_dict(self.kvadmit))
+                  else AdmissionConfig.from_dict(VllmSettings.split(self.kvadmit)[1]))
         knobs = {k: v for k, v in self.engine_args.items() if k not in FRONT_END_ONLY}
         return config, dataclasses.replace(shape, **knobs)
 
 
+def _vllm_only_keys(value: str) -> dict:
+    """The vLLM-only keys of a NAME=JSON config's JSON, checked ({} if it is not an object)."""
+    from kvadmit.vllm.settings import VLLM_ONLY_KEYS, VllmSettings
+    try:
+        settings = json.loads(value)
+    except json.JSONDecodeError:
+        return {}                        # parse_policy names the JSON error
+    if not isinstance(settings, dict):
+        return {}
+    VllmSettings.split(settings)         # a bad vLLM-only value is an error now
+    return {k: v for k, v in settings.items() if k in VLLM_ONLY_KEYS}
+
+
 def parse_config(text: str) -> BenchConfig:
     """A bench name (CONFIGS), `vllm-watermark=F`, `vllm-active=N`, `vllm-queued=N`,
-    a simulator baseline, or NAME=JSON with kvadmit's AdmissionConfig keys."""
+    a simulator baseline, or NAME=JSON with kvadmit's AdmissionConfig keys and the
+    vLLM-only ones (kvadmit.vllm.settings)."""
     from kvadmit.simulate.policies import parse_policy
     if text in CONFIGS:
         return BenchConfig(text, CONFIGS[text], {}, CONFIG_DOCS[text])
@@ -329,14 +345,19 @@ def parse_config(text: str) -> BenchConfig:
         if n < 1:
             raise ValueError(f"config {text}: max_num_queued_reqs must be an integer >= 1")
         return BenchConfig(text, None, {"max_num_queued_reqs": n}, QUEUED_DOC.format(n))
+    # NAME=JSON may hold vLLM-only keys (native_allocator): the simulator's parser,
+    # which checks the rest, does not take them.
+    vllm_only = _vllm_only_keys(value) if sep else {}
+    if vllm_only:
+        text = f"{name}={json.dumps({k: v for k, v in json.loads(value).items() if k not in vllm_only})}"
     # vllm-watermark=F and vllm-active=N: the simulator's names, checks and engine
     # fields (EngineShape's knob fields carry vLLM's EngineArgs names).
     spec = parse_policy(text)
     if spec.oracle:
         raise ValueError(f"config {text}: the oracle needs true lengths as caps: use --caps real "
                          f"with peak instead")
-    return BenchConfig(spec.name, None if spec.vllm_own else dict(spec.settings),
-                       dict(spec.engine), spec.doc)
+    return BenchConfig(spec.name, None if spec.vllm_own else {**spec.settings, **vllm_only},
+                       dict(spec.engine), f"custom: {value}" if vllm_only else spec.doc)
 
 
 def split_configs(args: list[str]) -> list[str]:

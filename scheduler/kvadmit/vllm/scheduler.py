@@ -32,11 +32,13 @@ import bisect
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 from kvadmit._native import AdmissionCore, BlockObjectQueue
 from kvadmit.bridge import EngineBridge
-from kvadmit.config import AdmissionConfig, ConfigError, section_from
+from kvadmit.config import AdmissionConfig, ConfigError, json_object, section_from
 # STOP_REASON_PREFIX: re-exported, the simulator reads it from here.
 from kvadmit.protocol import PREFIX as STOP_REASON_PREFIX, Refusal, sample_group  # noqa: F401
 from kvadmit.request_fields import (
@@ -48,6 +50,7 @@ from kvadmit.request_fields import (
 )
 from kvadmit.vllm import compat
 from kvadmit.vllm.metrics import process_metrics
+from kvadmit.vllm.settings import VllmSettings
 
 # vLLM's (private) names, imported through compat: a moved one fails naming itself.
 _v = compat.import_names(compat.SCHEDULER_IMPORTS)
@@ -62,13 +65,13 @@ logger = logging.getLogger("kvadmit.vllm")
 
 
 
-def config_from_vllm(vllm_config) -> AdmissionConfig:
-    """The `"kvadmit"` object of vLLM's `--additional-config` (a dict or JSON text);
-    a misspelt or null `"kvadmit"` is a ConfigError (kvadmit.config.section_from)."""
+def config_from_vllm(vllm_config) -> tuple[AdmissionConfig, VllmSettings]:
+    """The `"kvadmit"` object of vLLM's `--additional-config` (a dict or JSON text):
+    the core's settings and the vLLM-only ones (kvadmit.vllm.settings). A misspelt or
+    null `"kvadmit"` is a ConfigError (kvadmit.config.section_from)."""
     raw = section_from(vllm_config.additional_config, "--additional-config")
-    if isinstance(raw, str):
-        return AdmissionConfig.from_json(raw)
-    return AdmissionConfig.from_dict(raw)
+    vllm_settings, core_keys = VllmSettings.split(json_object(raw) if isinstance(raw, str) else raw)
+    return AdmissionConfig.from_dict(core_keys), vllm_settings
 
 
 class RequestIdTies:
@@ -128,7 +131,7 @@ class GatedWaitingQueue(RequestQueue):
         # One look per change: vLLM asks bool()/peek several times a step, and with
         # head-of-line bypass a look can scan hundreds of held requests.
         if not self._looked and self._by_slot:
-            slot = self._sched.kvadmit_core.next_admissible(
+            slot = self._sched.kvadmit.core.next_admissible(
                 self._sched.kv_cache_manager.block_pool.get_num_free_blocks(), False)
             self._candidate = self._by_slot.get(slot)
             self._looked = True
@@ -149,12 +152,12 @@ class GatedWaitingQueue(RequestQueue):
             return self._untracked.pop(0)
         self._candidate = None
         self._looked = False
-        slot = self._sched.kvadmit_slot[req.request_id]
+        slot = self._sched.kvadmit.slots[req.request_id]
         del self._by_slot[slot]
-        if self._sched._kvadmit_count_shared:
-            self._sched.kvadmit_core.set_shared(slot, self._sched._kvadmit_shared_tokens(req))
-        self._sched.kvadmit_core.admit(slot, self._sched.kvadmit_clock())
-        popped = self._sched._kvadmit_popped
+        if self._sched.kvadmit.count_shared_prefix:
+            self._sched.kvadmit.core.set_shared(slot, self._sched._kvadmit_shared_tokens(req))
+        self._sched.kvadmit.core.admit(slot, self._sched.kvadmit.clock())
+        popped = self._sched.kvadmit.started_this_step
         if popped is not None:
             popped.append(req)
         return req
@@ -168,13 +171,13 @@ class GatedWaitingQueue(RequestQueue):
     def add_request(self, request: Request) -> None:
         self._candidate = None
         self._looked = False
-        slot = self._sched.kvadmit_slot.get(request.request_id)
+        slot = self._sched.kvadmit.slots.get(request.request_id)
         if slot is None:   # back after remove_requests: the core takes it anew
             slot = self._sched._kvadmit_adopt(request)
             if slot is None:
                 self._untracked.append(request)
                 return
-        core = self._sched.kvadmit_core
+        core = self._sched.kvadmit.core
         if core.state(slot) == "running":
             # Popped but not started (vLLM skipped it this step): undo the admission.
             core.cancel_admit(slot)
@@ -207,24 +210,100 @@ class GatedWaitingQueue(RequestQueue):
     def __iter__(self) -> Iterator[Request]:
         by_slot = self._by_slot
         return iter(self._untracked
-                    + [by_slot[s] for s in self._sched.kvadmit_core.waiting() if s in by_slot])
+                    + [by_slot[s] for s in self._sched.kvadmit.core.waiting() if s in by_slot])
 
     def __getitem__(self, index):
         """The index-th request in the queue's order (vLLM's FCFS queue is a deque)."""
         return list(self)[index]
 
 
+@dataclass
+class KvadmitState:
+    """kvadmit's state on one vLLM scheduler: one attribute, `scheduler.kvadmit`, so
+    none of kvadmit's names can collide with vLLM's. The simulator
+    (kvadmit.simulate.vllm_engine) sets `clock` and reads `pending_refusals`."""
+    config: AdmissionConfig
+    vllm_settings: VllmSettings
+    core: AdmissionCore
+    # Request ids <-> core slots, arrivals, leaving, step timing, cache signals.
+    bridge: EngineBridge
+    # The core's clock (drain rate, queue delay, step times, sessions): injectable,
+    # so the simulator can run it on virtual time.
+    clock: Callable[[], float]
+    vocab_size: int                      # prompt token ids are checked against it
+    usable_blocks: int                   # the pool less vLLM's null block
+    # vLLM's priority queue: ties of (priority, arrival_time) go by request id (None: FCFS).
+    request_id_ties: RequestIdTies | None
+    # Agent window: KV usage and prefix hits go to the core every step.
+    feeds_cache_signals: bool
+    # Agent window with prefix caching: the requests the gate started this step (their
+    # prefix-cache hits are reported to the bridge); None otherwise.
+    started_this_step: list[Request] | None
+    # shortfall pause: vLLM's request id -> blocks (one full-attention group), for the
+    # pause plan; None when a request short of blocks is preempted instead.
+    pause_plan_blocks: dict | None
+    # auto with prefix caching: a prefix running requests share is counted once.
+    count_shared_prefix: bool
+    metrics: Any | None                  # Prometheus counters (kvadmit.vllm.metrics), if any
+    # Refused at add_request: (client index, output), sent by the next update_from_output.
+    pending_refusals: list[tuple[int, EngineCoreOutput]] = field(default_factory=list)
+    # Samples of parallel-sampling requests that arrived before their siblings:
+    # parent id -> [Request]; the request arrives once all n are here.
+    samples_awaiting_siblings: dict[str, list[Request]] = field(default_factory=dict)
+
+    @property
+    def slots(self):
+        """Request id -> core slot of every request kvadmit tracks (read-only view)."""
+        return self.bridge.slots
+
+
 class _KvadmitMixin:
     """The kvadmit behaviour, shared by the sync and async scheduler flavours."""
 
-    kvadmit_core: AdmissionCore
-    kvadmit_bridge: EngineBridge
+    kvadmit: KvadmitState
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        cfg = config_from_vllm(self.vllm_config)
-        compat.check_scheduler(self, native_allocator=cfg.native_allocator,
+        cfg, vllm_settings = config_from_vllm(self.vllm_config)
+        compat.check_scheduler(self, native_allocator=vllm_settings.native_allocator,
                                pause=cfg.pause_on_shortfall or cfg.policy == "auto")
+        cfg = self._kvadmit_fit_config(cfg)
+        pool = self.kv_cache_manager.block_pool
+        if vllm_settings.native_allocator:
+            self._kvadmit_install_native_queue(pool)
+        # Block 0 is vLLM's null block: never handed to a request.
+        usable_blocks = pool.num_gpu_blocks - 1
+        core = AdmissionCore(cfg, usable_blocks, self.block_size,
+                             self.vllm_config.model_config.max_model_len)
+        # The SLO guard predicts prefill time from the engine's token budget a step.
+        core.set_step_budget(self.vllm_config.scheduler_config.max_num_batched_tokens)
+        caching = self.kv_cache_manager.enable_caching
+        # Agent window: prefix hits count only with prefix caching (without it the core
+        # sees 0/0: no signal). kvadmit decides which sessions may run; which cached
+        # blocks are evicted stays vLLM's LRU (BlockPool's free-block queue): kvadmit
+        # cannot keep a paused session's prefix warm without patching vLLM's eviction,
+        # and does not.
+        self.kvadmit = KvadmitState(
+            config=cfg, vllm_settings=vllm_settings, core=core, bridge=EngineBridge(core),
+            clock=time.monotonic,
+            vocab_size=self.vllm_config.model_config.get_vocab_size(),
+            usable_blocks=usable_blocks,
+            request_id_ties=RequestIdTies() if self.policy == SchedulingPolicy.PRIORITY else None,
+            feeds_cache_signals=cfg.agent_window,
+            started_this_step=[] if cfg.agent_window and caching else None,
+            pause_plan_blocks=(self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
+                               if cfg.pause_on_shortfall else None),
+            count_shared_prefix=(cfg.policy == "auto" and caching
+                                 and self._kvadmit_single_full_attention_group()),
+            metrics=process_metrics())
+        self.waiting = GatedWaitingQueue(self)
+        self._kvadmit_publish()      # an idle engine's gauges (headroom: the whole pool) from the start
+        logger.info("kvadmit: policy=%s victim=%s on %d blocks of %d tokens", cfg.policy,
+                    cfg.victim, usable_blocks, self.block_size)
+
+    def _kvadmit_fit_config(self, cfg: AdmissionConfig) -> AdmissionConfig:
+        """The configuration as this engine runs it: its prefill chunk, vLLM's priority
+        order, and shortfall "auto" resolved for the model's KV layout."""
         sched_cfg = self.vllm_config.scheduler_config
         if cfg.prefill_chunk_tokens == 0 and sched_cfg.enable_chunked_prefill:
             # Long prompts take several steps to prefill: extend the KV curves by them.
@@ -246,52 +325,12 @@ class _KvadmitMixin:
             logger.info("kvadmit: this model's KV layout cannot pause a request; shortfall=auto "
                         "preempts instead")
             cfg = cfg.replace(shortfall="preempt")
-        self.kvadmit_config = cfg
-        # The core's clock (drain rate, queue delay, step times, sessions): injectable,
-        # so the simulator (kvadmit.simulate.vllm_engine) can run it on virtual time.
-        self.kvadmit_clock = time.monotonic
-        pool = self.kv_cache_manager.block_pool
-        if cfg.native_allocator:
-            self._kvadmit_install_native_queue(pool)
-        # Block 0 is vLLM's null block: never handed to a request.
-        self.kvadmit_core = AdmissionCore(cfg, pool.num_gpu_blocks - 1, self.block_size,
-                                          self.vllm_config.model_config.max_model_len)
-        self._kvadmit_vocab_size = self.vllm_config.model_config.get_vocab_size()
-        # Request ids <-> core slots, arrivals, leaving, step timing, cache signals.
-        self.kvadmit_bridge = EngineBridge(self.kvadmit_core)
-        # vLLM's priority queue: ties of (priority, arrival_time) go by request id.
-        self._kvadmit_ties = RequestIdTies() if self.policy == SchedulingPolicy.PRIORITY else None
-        self._kvadmit_rejections: list[tuple[int, EngineCoreOutput]] = []
-        # Samples of parallel-sampling requests that arrived before their siblings:
-        # parent id -> [Request]; the request arrives once all n are here.
-        self._kvadmit_samples: dict[str, list[Request]] = {}
-        # The SLO guard predicts prefill time from the engine's token budget a step.
-        self.kvadmit_core.set_step_budget(sched_cfg.max_num_batched_tokens)
-        # Agent window: the requests the gate started this step (for their prefix-cache
-        # hits, reported to the bridge). Prefix hits count only with prefix caching
-        # (without it the core sees 0/0: no signal).
-        # kvadmit decides which sessions may run; which cached blocks are evicted stays
-        # vLLM's LRU (BlockPool's free-block queue): kvadmit cannot keep a paused
-        # session's prefix warm without patching vLLM's eviction, and does not.
-        self._kvadmit_agents = cfg.agent_window
-        self._kvadmit_pool_blocks = pool.num_gpu_blocks - 1
-        self._kvadmit_popped: list[Request] | None = (
-            [] if cfg.agent_window and self.kv_cache_manager.enable_caching else None)
-        self.waiting = GatedWaitingQueue(self)
-        self._kvadmit_req_blocks = (self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
-                                    if cfg.pause_on_shortfall else None)
-        # auto counts a prefix that running requests share once (one full-attention group).
-        self._kvadmit_count_shared = (cfg.policy == "auto" and self.kv_cache_manager.enable_caching
-                                      and self._kvadmit_single_full_attention_group())
-        self._kvadmit_metrics = process_metrics()
-        self._kvadmit_publish()      # an idle engine's gauges (headroom: the whole pool) from the start
-        logger.info("kvadmit: policy=%s victim=%s on %d blocks of %d tokens", cfg.policy,
-                    cfg.victim, pool.num_gpu_blocks - 1, self.block_size)
+        return cfg
 
     def _kvadmit_shared_tokens(self, request: Request) -> int:
         """Tokens of a just-allocated request in blocks other requests also hold
         (prefix-cache hits on blocks in use: reference count above one)."""
-        if not self._kvadmit_count_shared:
+        if not self.kvadmit.count_shared_prefix:
             return 0
         blocks = self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks.get(
             request.request_id, ())
@@ -310,7 +349,7 @@ class _KvadmitMixin:
         (they keep their KV); vLLM skips them through its own per-request deferral,
         `next_decode_eligible_step`, which schedule() checks after advancing
         current_step (hence + 2), as vLLM's diffusion scheduler does."""
-        blocks = self._kvadmit_req_blocks
+        blocks = self.kvadmit.pause_plan_blocks
         input_budget = self.scheduler_config.max_num_batched_tokens
         # vLLM's long-prefill cap, as schedule() derives it.
         num_running, num_waiting = self.get_request_counts()
@@ -334,7 +373,7 @@ class _KvadmitMixin:
             want.append(n)
             computed.append(c)
             held.append(len(blocks.get(req.request_id, ())))
-        paused = self.kvadmit_core.plan_shortfall(
+        paused = self.kvadmit.core.plan_shortfall(
             want, computed, held, self.kv_cache_manager.block_pool.get_num_free_blocks(),
             self.max_num_scheduled_tokens, self.num_lookahead_tokens)
         for i in paused:
@@ -352,24 +391,11 @@ class _KvadmitMixin:
         pool.free_block_queue = queue
 
     # -- arrivals -----------------------------------------------------------
-    @property
-    def kvadmit_slot(self):
-        """Request id -> core slot of every request kvadmit tracks (read-only view)."""
-        return self.kvadmit_bridge.slots
-
-    @property
-    def kvadmit_prefix_hit_tokens(self) -> int:
-        return self.kvadmit_bridge.prefix_hit_tokens
-
-    @property
-    def kvadmit_prefix_query_tokens(self) -> int:
-        return self.kvadmit_bridge.prefix_query_tokens
-
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:   # streaming input for a live request
             return super().add_request(request)
         if not self.requests:
-            self.kvadmit_bridge.engine_idle()
+            self.kvadmit.bridge.engine_idle()
         sp = request.sampling_params
         group = sample_group(request.request_id, sp.extra_args if sp is not None else None)
         if group is None:
@@ -378,17 +404,17 @@ class _KvadmitMixin:
             # One of n samples (vLLM's parallel sampling): the request arrives as one
             # unit once all of its samples are here.
             parent, n = group
-            members = self._kvadmit_samples.setdefault(parent, [])
+            members = self.kvadmit.samples_awaiting_siblings.setdefault(parent, [])
             members.append(request)
             if len(members) < n:
                 return None
-            del self._kvadmit_samples[parent]
+            del self.kvadmit.samples_awaiting_siblings[parent]
         # arrive_group asks for each member's numbers in turn (its own id and
         # arrival_time: its place in vLLM's priority order).
         order = iter(members)
-        arrival = self.kvadmit_bridge.arrive_group(
+        arrival = self.kvadmit.bridge.arrive_group(
             [(r.request_id, r) for r in members], lambda: self._kvadmit_numbers(next(order)),
-            self.kvadmit_clock())
+            self.kvadmit.clock())
         self._kvadmit_shed(arrival.shed)
         if not arrival.accepted:
             for r in members:
@@ -403,7 +429,7 @@ class _KvadmitMixin:
         """Refuses (FieldError) what would crash the engine further on: a prompt token
         id outside the vocabulary (vLLM checks none with --skip-tokenizer-init), and a
         priority or max_tokens beyond the core's integers (offline `LLM` passes any)."""
-        check_prompt_tokens(request.prompt_token_ids, self._kvadmit_vocab_size,
+        check_prompt_tokens(request.prompt_token_ids, self.kvadmit.vocab_size,
                             multimodal=bool(request.mm_features))
         check_int(request.priority, "priority")
         check_int(request.max_tokens, "max_tokens", 1)
@@ -419,16 +445,16 @@ class _KvadmitMixin:
             session = session_int(request.session_id, "session_id")
         numbers = dict(prompt_tokens=request.num_prompt_tokens, max_new_tokens=request.max_tokens,
                        priority=request.priority,
-                       ttft_slo_s=ttft_target(fields, self.kvadmit_config.default_ttft_slo_s),
+                       ttft_slo_s=ttft_target(fields, self.kvadmit.config.default_ttft_slo_s),
                        tpot_slo_s=fields.tpot_slo_s, session=session)
-        if self._kvadmit_ties is not None:   # vLLM's priority order: its arrival_time, then id
-            numbers.update(arrival_time=request.arrival_time, arrival_tie=self._kvadmit_ties.add(
+        if self.kvadmit.request_id_ties is not None:   # vLLM's priority order: its arrival_time, then id
+            numbers.update(arrival_time=request.arrival_time, arrival_tie=self.kvadmit.request_id_ties.add(
                 (request.priority, request.arrival_time), request.request_id))
         return numbers
 
     def _kvadmit_forget_order(self, request_id: str) -> None:
-        if self._kvadmit_ties is not None:
-            self._kvadmit_ties.remove(request_id)
+        if self.kvadmit.request_id_ties is not None:
+            self.kvadmit.request_id_ties.remove(request_id)
 
     def _kvadmit_shed(self, shed) -> None:
         """Waiting requests the core shed for an arrival: finished, with their refusal."""
@@ -441,9 +467,9 @@ class _KvadmitMixin:
         """A request vLLM puts (back) in the waiting queue that kvadmit does not track
         (it left through remove_requests): the core takes it as an arrival; its slot.
         None if the core refuses it: vLLM holds it already, so it is served untracked."""
-        arrival = self.kvadmit_bridge.arrive(request.request_id, request,
+        arrival = self.kvadmit.bridge.arrive(request.request_id, request,
                                              lambda: self._kvadmit_numbers(request),
-                                             self.kvadmit_clock())
+                                             self.kvadmit.clock())
         self._kvadmit_shed(arrival.shed)
         if not arrival.accepted:
             self._kvadmit_forget_order(request.request_id)
@@ -456,7 +482,7 @@ class _KvadmitMixin:
                        now: float = 0.0) -> None:
         """The request leaves kvadmit (finished on its own, or aborted)."""
         self._kvadmit_forget_order(request_id)
-        self.kvadmit_bridge.leave(request_id, finished, progress, now)
+        self.kvadmit.bridge.leave(request_id, finished, progress, now)
 
     def _kvadmit_refuse(self, request: Request, refusal: Refusal, log: bool = True) -> None:
         """Finishes a request kvadmit refused (it never enters or has left the scheduler):
@@ -465,35 +491,35 @@ class _KvadmitMixin:
         if log:
             logger.log(logging.WARNING if refusal.reason == "invalid" else logging.INFO,
                        "%s", refusal.log_line(request.request_id))
-        self._kvadmit_rejections.append((request.client_index, EngineCoreOutput(
+        self.kvadmit.pending_refusals.append((request.client_index, EngineCoreOutput(
             request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
             stop_reason=refusal.stop_reason, kv_transfer_params=refusal.to_params())))
 
     def finish_requests(self, request_ids, finished_status):
-        if self._kvadmit_samples and request_ids is None:   # finish everything
-            self._kvadmit_samples.clear()
-        if self._kvadmit_samples:
+        if self.kvadmit.samples_awaiting_siblings and request_ids is None:   # finish everything
+            self.kvadmit.samples_awaiting_siblings.clear()
+        if self.kvadmit.samples_awaiting_siblings:
             # Samples waiting for their siblings are not in the scheduler yet: drop them.
             if not isinstance(request_ids, str):
                 request_ids = list(request_ids)   # read twice: here and by vLLM
             ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
-            for parent, members in list(self._kvadmit_samples.items()):
+            for parent, members in list(self.kvadmit.samples_awaiting_siblings.items()):
                 members[:] = [r for r in members if r.request_id not in ids]
                 if not members:
-                    del self._kvadmit_samples[parent]
+                    del self.kvadmit.samples_awaiting_siblings[parent]
         finished = super().finish_requests(request_ids, finished_status)
         self._kvadmit_publish()
         return finished
 
     # -- every step ------------------------------------------------------------
     def schedule(self, *args, **kwargs):
-        core, bridge = self.kvadmit_core, self.kvadmit_bridge
-        now = self.kvadmit_clock()
+        core, bridge = self.kvadmit.core, self.kvadmit.bridge
+        now = self.kvadmit.clock()
         # From the previous schedule() to this one: that step's scheduling, forward
         # pass and output processing (with async scheduling, the pipeline's period).
         bridge.begin_step(now)
-        if self._kvadmit_agents:
-            used = self._kvadmit_pool_blocks - self.kv_cache_manager.block_pool.get_num_free_blocks()
+        if self.kvadmit.feeds_cache_signals:
+            used = self.kvadmit.usable_blocks - self.kv_cache_manager.block_pool.get_num_free_blocks()
             bridge.observe_cache(used, now)
         # The window, the running set and the step-time fit may have changed since the
         # gate last chose: choose again.
@@ -514,14 +540,14 @@ class _KvadmitMixin:
                 if core.state(slot) == "waiting":
                     core.admit(slot, now)
         core.update_many(slots, computed, generated)
-        if self._kvadmit_count_shared:
+        if self.kvadmit.count_shared_prefix:
             core.observe_used_blocks(
-                self._kvadmit_pool_blocks - self.kv_cache_manager.block_pool.get_num_free_blocks())
+                self.kvadmit.usable_blocks - self.kv_cache_manager.block_pool.get_num_free_blocks())
         # vLLM preempts running[-1] first: put the core's victim order in place.
         order = [by_slot[s] for s in core.victim_order() if s in by_slot]
         if len(order) == len(self.running):
             self.running = order
-        if self._kvadmit_req_blocks is not None:
+        if self.kvadmit.pause_plan_blocks is not None:
             self._kvadmit_plan_pauses()
         out = super().schedule(*args, **kwargs)
         tokens = out.total_num_scheduled_tokens
@@ -530,7 +556,7 @@ class _KvadmitMixin:
             scheduled = out.num_scheduled_tokens
             # schedule() has advanced num_computed_tokens by the step's tokens.
             bridge.end_step(tokens, sum([reqs[r].num_computed_tokens for r in scheduled]))
-            popped = self._kvadmit_popped
+            popped = self.kvadmit.started_this_step
             if popped:
                 # Started this step: the tokens computed before it are prefix-cache hits
                 # (local, or a KV connector's), out of its num_tokens (vLLM's query).
@@ -542,26 +568,26 @@ class _KvadmitMixin:
                         hits += req.num_computed_tokens - n
                         queries += req.num_tokens
                 bridge.note_prefix_hits(hits, queries)
-        if self._kvadmit_popped:
-            self._kvadmit_popped.clear()
-        core.on_step(self.kvadmit_clock())
+        if self.kvadmit.started_this_step:
+            self.kvadmit.started_this_step.clear()
+        core.on_step(self.kvadmit.clock())
         return out
 
     def _kvadmit_publish(self) -> None:
         """The core's counters to Prometheus: after every step's outputs and every
         abort (an abort or the last finish may leave the engine idle, with no step
         to publish it)."""
-        if self._kvadmit_metrics is not None:
-            self._kvadmit_metrics.update(self.kvadmit_core.stats())
+        if self.kvadmit.metrics is not None:
+            self.kvadmit.metrics.update(self.kvadmit.core.stats())
 
     def _preempt_request(self, request: Request, timestamp: float, *args, **kwargs) -> None:
-        slot = self.kvadmit_bridge.slot(request.request_id)
+        slot = self.kvadmit.bridge.slot(request.request_id)
         if slot is not None:
-            self.kvadmit_core.preempt(slot, self.kvadmit_clock())
+            self.kvadmit.core.preempt(slot, self.kvadmit.clock())
         return super()._preempt_request(request, timestamp, *args, **kwargs)
 
     def _free_request(self, request: Request, *args, **kwargs):
-        if request.request_id in self.kvadmit_bridge.slots:
+        if request.request_id in self.kvadmit.bridge.slots:
             natural = request.status in (RequestStatus.FINISHED_STOPPED,
                                          RequestStatus.FINISHED_LENGTH_CAPPED)
 
@@ -571,17 +597,17 @@ class _KvadmitMixin:
                 return min(request.num_computed_tokens, prompt + gen), gen
 
             self._kvadmit_leave(request.request_id, natural, progress,
-                                self.kvadmit_clock() if natural else 0.0)
+                                self.kvadmit.clock() if natural else 0.0)
         return super()._free_request(request, *args, **kwargs)
 
     # -- outputs ---------------------------------------------------------------
     def update_from_output(self, *args, **kwargs) -> dict[int, EngineCoreOutputs]:
         outputs = super().update_from_output(*args, **kwargs)
-        if self._kvadmit_rejections:
+        if self.kvadmit.pending_refusals:
             by_client: dict[int, list[EngineCoreOutput]] = defaultdict(list)
-            for client, out in self._kvadmit_rejections:
+            for client, out in self.kvadmit.pending_refusals:
                 by_client[client].append(out)
-            self._kvadmit_rejections.clear()
+            self.kvadmit.pending_refusals.clear()
             for client, outs in by_client.items():
                 eco = outputs.get(client)
                 if eco is None:
@@ -592,7 +618,7 @@ class _KvadmitMixin:
 
     def has_finished_requests(self) -> bool:
         # Pending rejections keep the engine stepping until their outputs are sent.
-        return bool(self._kvadmit_rejections) or super().has_finished_requests()
+        return bool(self.kvadmit.pending_refusals) or super().has_finished_requests()
 
 
 class KvadmitScheduler(_KvadmitMixin, VllmScheduler):
