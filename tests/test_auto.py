@@ -10,7 +10,7 @@ from hypothesis import given
 
 from helpers import add_running, add_waiting, make_core
 from kvadmit import AdmissionConfig
-from kvadmit.lockstep import Request, run_lockstep
+from oracle.lockstep import Request, run_lockstep
 from test_lockstep import workloads
 
 

@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvadmit import AdmissionConfig, POLICIES
-from kvadmit.lockstep import Request, run_lockstep
+from oracle.lockstep import Request, run_lockstep
 
 
 @st.composite

@@ -122,7 +122,7 @@ def test_native_engine_pauses_instead_of_preempting(policy):
 
 
 def test_lockstep_model_pauses_too():
-    from kvadmit.lockstep import Request, run_lockstep
+    from oracle.lockstep import Request, run_lockstep
     reqs = [Request(0, p, 400, o) for p, o in zip(PROMPTS, OUTPUTS)]
     res = {}
     for shortfall in ("preempt", "pause"):

@@ -1,12 +1,17 @@
-"""Lockstep-decode model: the core and the native allocator driving a toy engine.
+"""The lockstep-decode model: a test oracle, not an engine.
 
-Every step, waiting requests are admitted while the core says so (each takes
-the blocks for its prompt and output so far), then every running request
-decodes one token, taking a new block when its last one is full. When no
-block is left the core's victim is preempted (recompute: its blocks go back,
-its output is kept). This is the model under which `reserve` and `peak`
-guarantee no preemption; the tests use it to check that guarantee, and the
-command line uses it to compare policies on a trace in seconds.
+The core and the native allocator drive a toy engine. Every step, waiting
+requests are admitted while the core says so (each takes the blocks for its
+prompt and output so far), then every running request decodes one token, taking
+a new block when its last one is full. When no block is left the core's victim
+is preempted (recompute: its blocks go back, its output is kept).
+
+This is the model under which `reserve` and `peak` guarantee no preemption (and
+`auto` with honest max_tokens): tests/test_lockstep.py, test_auto.py and
+test_shortfall.py check those guarantees against it, with no step times, chunked
+prefill or token budget in the way. Runs with time are the simulator's
+(`kvadmit simulate`: the native engine model or vLLM's real scheduler);
+bench/lockstep_compare.py reproduces the recorded lockstep table with this model.
 
 With `shortfall: "pause"` a running request the core pauses skips the step
 with its blocks kept. A request is (arrival step, prompt tokens, max_new tokens,

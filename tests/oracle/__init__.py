@@ -1,0 +1,1 @@
+"""Reference models the tests check the core against (not shipped with the package)."""
