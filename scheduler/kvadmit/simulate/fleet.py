@@ -162,13 +162,13 @@ def run_fleet(workload: Workload, setup: FleetSetup, shape: EngineShape, step: S
     seq = 0
     last_report = 0.0
 
-    def refused(i: int, t: float, reason: str, retry_after, at_instance: int | None) -> None:
+    def refused(i: int, reason: str, retry_at: float | None, at_instance: int | None) -> None:
+        """The client of request i was refused: it comes back at `retry_at` (None:
+        never, the refusal is final) unless its retries are spent."""
         nonlocal seq
-        if retry_after is None and reason in ("router_busy",):
-            retry_after = setup.retry_backoff_s
-        if retry_after is None or attempts[i] > setup.max_retries:
+        if retry_at is None or attempts[i] > setup.max_retries:
             final_reason[i] = reason
-            if retry_after is not None:
+            if retry_at is not None:
                 counts["gave_up"] += 1
             return
         if at_instance is not None:
@@ -177,7 +177,7 @@ def run_fleet(workload: Workload, setup: FleetSetup, shape: EngineShape, step: S
             exclude[i].add(at_instance)
         counts["retries"] += 1
         seq += 1
-        heapq.heappush(retries, (t + retry_after, seq, i))
+        heapq.heappush(retries, (retry_at, seq, i))
 
     def sync(t: float, scrape: bool) -> bool:
         """Every engine runs to t; their answers are collected. True if all are idle."""
@@ -191,7 +191,7 @@ def run_fleet(workload: Workload, setup: FleetSetup, shape: EngineShape, step: S
                 counts["engine_refusals"] += 1
                 router.answered(e, 1)
                 # the client hears of it at this tick at the latest
-                refused(i, max(t_rej, t) if ra is None else max(t_rej + ra, t) - ra, reason, ra, e)
+                refused(i, reason, None if ra is None else max(t_rej + ra, t), e)
             sig = eng.signals()
             if sig["finished"] != finished_seen[e]:
                 router.answered(e, sig["finished"] - finished_seen[e])
@@ -212,7 +212,9 @@ def run_fleet(workload: Workload, setup: FleetSetup, shape: EngineShape, step: S
         if isinstance(choice, Refusal):
             placed[i] = -1
             counts["router_refusals"] += 1
-            refused(i, t, choice.reason, choice.retry_after_s, None)
+            # a router's refusal is an overload answer: without a hint, the client backs off
+            ra = choice.retry_after_s if choice.retry_after_s is not None else setup.retry_backoff_s
+            refused(i, choice.reason, t + ra, None)
             return
         e = choice
         placed[i] = e

@@ -57,19 +57,15 @@ class Router:
         self.num_blocks = num_blocks
         self.rng = random.Random(seed)
         self.sig: list[dict | None] = [None] * n      # the last scrape
-        self.sent_reqs = [0] * n                     # since the last scrape
-        self.sent_blocks = [0] * n
+        self.sent_blocks = [0] * n                   # prompt blocks sent since the last scrape
         self.outstanding = [0] * n                   # sent, not answered (as seen at sync ticks)
-        self.refusals = 0
 
     # bookkeeping -------------------------------------------------------
     def observe(self, signals: list[dict]) -> None:
         self.sig = signals
-        self.sent_reqs = [0] * self.n
         self.sent_blocks = [0] * self.n
 
     def sent(self, e: int, req: Request) -> None:
-        self.sent_reqs[e] += 1
         self.sent_blocks[e] += -(-req.prompt_tokens // self.block_size)
         self.outstanding[e] += 1
 
@@ -194,7 +190,6 @@ class Dynamo(Router):
         cands = self.candidates(exclude)
         free = [e for e in cands if self.load_blocks(e) <= self.busy_threshold * self.num_blocks[e]]
         if not free:
-            self.refusals += 1
             return Refusal("router_busy", None)
         return self.pick_max(free, lambda e: -self.load_blocks(e))
 
@@ -235,7 +230,6 @@ class Headroom(Router):
         fits = [e for e in cands if self.room(e) >= need]
         if fits:
             return self.pick_max(fits, lambda e: self.room(e) / self.num_blocks[e])
-        self.refusals += 1
         wait = min(self.sig[e]["predicted_queue_delay_s"] if self.sig[e] else 0.0 for e in cands)
         return Refusal("router_no_headroom", max(wait, self.scrape_interval_s))
 
