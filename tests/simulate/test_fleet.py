@@ -178,3 +178,21 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
 def test_cli_errors_name_the_flag_and_its_limit(flags, message, capsys):
     assert main(["simulate", "--trace", AZURE, *SMALL, *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_prefix_routes_a_shared_prefix_back_to_where_it_went():
+    # Two conversations (prefix ids 1.. and 100..), each turn extending its own;
+    # prefix affinity sends every turn of one conversation to the same instance.
+    ids = [[1, 2], [100, 101], [1, 2, 3], [100, 101, 102], [1, 2, 3, 4], [100, 101, 102, 103]]
+    off = [0]
+    for x in ids:
+        off.append(off[-1] + len(x))
+    w = Workload("p", [0.5 * i for i in range(6)], [32 * len(x) for x in ids], [4] * 6, [4] * 6,
+                 hash_block_tokens=32, hash_offsets=off, hash_ids=[h for x in ids for h in x])
+    shape = dataclasses.replace(SHAPE, prefix_caching=True)
+    r = run(w, fleet(["auto"] * 3, "prefix"), shape=shape)
+    assert r.placed[0::2] == [r.placed[0]] * 3 and r.placed[1::2] == [r.placed[1]] * 3
+    # without affinity (gie: the fleet is idle at each arrival, ties at random) they scatter
+    g = run(w, fleet(["auto"] * 3, "gie"), shape=shape)
+    assert len(set(g.placed[0::2])) > 1 or len(set(g.placed[1::2])) > 1
+    assert r.totals.prefix_hit_tokens > g.totals.prefix_hit_tokens
