@@ -102,6 +102,7 @@ cdef class AdmissionCore:
     cdef void _dequeue(self, int32_t s) noexcept nogil
     cdef void _run_add(self, int32_t s) noexcept nogil
     cdef void _run_remove(self, int32_t s) noexcept nogil
+    cdef inline void _tick(self, double now) noexcept nogil
     cdef inline void _note_time(self, double now) noexcept nogil
     cdef inline double _predicted_delay(self, int64_t ahead, int64_t ahead_tokens, int64_t queued,
                                         double now) noexcept nogil

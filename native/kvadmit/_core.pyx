@@ -166,6 +166,18 @@ cdef class AdmissionCore:
 
     # ------------------------------------------------------------------
     # Drain rate and Retry-After
+    # Two clocks. The backlog clock (`_note_time`, the arrival gate's: seconds with
+    # requests waiting, for the drain rate) and the latest time seen (`_advance`:
+    # sessions' idle clocks, router signals). arrive, admit and finish tick both
+    # (`_tick`); preempt, cancel_admit and abort only the backlog clock; on_step,
+    # observe_cache (agent window on) and expire_sessions only the latest time. One
+    # clock everywhere would move the agents' idle clocks at a preemption and sample
+    # the backlog clock where an engine replays arrivals late (the native engine):
+    # other decisions, so the mix stays as it is, named here.
+    cdef inline void _tick(self, double now) noexcept nogil:
+        self._note_time(now)
+        self._advance(now)
+
     cdef inline void _note_time(self, double now) noexcept nogil:
         """The arrival gate's backlog clock (it runs while anything waits)."""
         self.gate.c_note_time(now, not self._waiting.empty())
@@ -239,8 +251,7 @@ cdef class AdmissionCore:
             raise ValueError(f"ttft_slo_s={ttft_slo_s}, tpot_slo_s={tpot_slo_s}: must be finite")
         if not isfinite(arrival_time) or not isfinite(arrival_tie):
             raise ValueError(f"arrival_time={arrival_time}, arrival_tie={arrival_tie}: must be finite")
-        self._note_time(now)
-        self._advance(now)
+        self._tick(now)
         self._n_arrived += 1
         cdef Rejection refused = self.gate.c_refuse_context(prompt_tokens, max_new_tokens,
                                                             self.max_model_len, not self._waiting.empty())
@@ -501,8 +512,7 @@ cdef class AdmissionCore:
         self.c_admit(<int32_t>slot, now)
 
     cdef void c_admit(self, int32_t s, double now) noexcept:
-        self._note_time(now)
-        self._advance(now)
+        self._tick(now)
         cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
         while deref(it).second != s:
             if not self._agent_held(deref(it).second):
@@ -644,8 +654,7 @@ cdef class AdmissionCore:
 
     cdef void c_finish(self, int32_t s, double now) noexcept nogil:
         """`finish`, unchecked (the native engine's path too)."""
-        self._note_time(now)
-        self._advance(now)
+        self._tick(now)
         self._finish(s)
 
     cdef void _finish(self, int32_t s) noexcept nogil:
