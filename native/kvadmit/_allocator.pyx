@@ -300,8 +300,8 @@ cdef class BlockAllocator:
 def bench_native_cycles(BlockAllocator alloc, int64_t iters, int64_t k):
     """Benchmark helper: `iters` cycles of allocate(k) then free tail-first, all in
     native code (the path the core's own engine model takes). Returns block ops."""
-    if k < 1 or k > alloc._n:
-        raise ValueError(f"k={k}: must be in [1, num_blocks={alloc._n}]")
+    if k < 1 or k > alloc.num_blocks:
+        raise ValueError(f"k={k}: must be in [1, num_blocks={alloc.num_blocks}]")
     cdef vector[int32_t] ids
     ids.resize(k)
     cdef int64_t i, j
