@@ -58,6 +58,27 @@ cdef inline uint64_t _mix_hash(uint64_t prev, uint64_t value, uint64_t index) no
     return x
 
 
+def _check_columns(Py_ssize_t n, prompt_tokens, output_tokens, max_tokens, priority, hash_offsets,
+                   hash_ids, hashed_tokens, parent, delay_s, ttft_slo_s, tpot_slo_s, session):
+    """add_requests' columns: one entry per arrival (hash_offsets: n + 1), pairs given together."""
+    for name, seq in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens),
+                      ("max_tokens", max_tokens)):
+        if len(seq) != n:
+            raise ValueError(f"{name}: {len(seq)} entries, expected {n} (one per arrival)")
+    if priority is not None and len(priority) != n:
+        raise ValueError(f"priority: {len(priority)} entries, expected {n}")
+    if (hash_offsets is None) != (hash_ids is None):
+        raise ValueError("hash_offsets and hash_ids go together")
+    if hash_offsets is not None and len(hash_offsets) != n + 1:
+        raise ValueError(f"hash_offsets: {len(hash_offsets)} entries, expected {n + 1}")
+    for name, seq in (("hashed_tokens", hashed_tokens), ("parent", parent), ("delay_s", delay_s),
+                      ("ttft_slo_s", ttft_slo_s), ("tpot_slo_s", tpot_slo_s), ("session", session)):
+        if seq is not None and len(seq) != n:
+            raise ValueError(f"{name}: {len(seq)} entries, expected {n}")
+    if (parent is None) != (delay_s is None):
+        raise ValueError("parent and delay_s go together")
+
+
 cdef class NativeEngine:
     """Continuous-batching engine model around an `AdmissionCore` (see the
     comment at the top of native/kvadmit/_native_engine.pyx). Build it, `add_requests`, `run`,
@@ -177,22 +198,8 @@ cdef class NativeEngine:
         if self._ran and not self._stepping:
             raise RuntimeError("add_requests after run")
         cdef Py_ssize_t n = len(arrival_s), i, base = self._arr.size()
-        for name, seq in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens),
-                          ("max_tokens", max_tokens)):
-            if len(seq) != n:
-                raise ValueError(f"{name}: {len(seq)} entries, expected {n} (one per arrival)")
-        if priority is not None and len(priority) != n:
-            raise ValueError(f"priority: {len(priority)} entries, expected {n}")
-        if (hash_offsets is None) != (hash_ids is None):
-            raise ValueError("hash_offsets and hash_ids go together")
-        if hash_offsets is not None and len(hash_offsets) != n + 1:
-            raise ValueError(f"hash_offsets: {len(hash_offsets)} entries, expected {n + 1}")
-        for name, seq in (("hashed_tokens", hashed_tokens), ("parent", parent), ("delay_s", delay_s),
-                          ("ttft_slo_s", ttft_slo_s), ("tpot_slo_s", tpot_slo_s), ("session", session)):
-            if seq is not None and len(seq) != n:
-                raise ValueError(f"{name}: {len(seq)} entries, expected {n}")
-        if (parent is None) != (delay_s is None):
-            raise ValueError("parent and delay_s go together")
+        _check_columns(n, prompt_tokens, output_tokens, max_tokens, priority, hash_offsets,
+                       hash_ids, hashed_tokens, parent, delay_s, ttft_slo_s, tpot_slo_s, session)
         cdef int64_t par
         cdef double dl
         cdef double t, last = self._arr[self._open.back()] if not self._open.empty() else -1e300
@@ -239,7 +246,11 @@ cdef class NativeEngine:
                                  f"{hash_offsets[n] - hash_offsets[0]}")
             for i in range(len(hash_ids)):
                 self._hids.push_back(hash_ids[i])
-        cdef Py_ssize_t total = self._arr.size()
+        self._extend_request_state(base)
+
+    cdef void _extend_request_state(self, Py_ssize_t base):
+        """The per-request state of the requests added from index `base` on."""
+        cdef Py_ssize_t i, total = self._arr.size()
         self._computed.resize(total, 0)
         self._gen.resize(total, 0)
         self._maxcomp.resize(total, 0)
