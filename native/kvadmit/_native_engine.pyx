@@ -200,10 +200,11 @@ cdef class NativeEngine:
         cdef Py_ssize_t n = len(arrival_s), i, base = self._arr.size()
         _check_columns(n, prompt_tokens, output_tokens, max_tokens, priority, hash_offsets,
                        hash_ids, hashed_tokens, parent, delay_s, ttft_slo_s, tpot_slo_s, session)
-        cdef int64_t par
-        cdef double dl
+        cdef int64_t par, p, o, m, h0 = self._hids.size()
+        cdef double dl, ttft, tpot
         cdef double t, last = self._arr[self._open.back()] if not self._open.empty() else -1e300
-        cdef int64_t p, o, m, h0 = self._hids.size()
+        # Every row is checked before any is added: a refused batch leaves the engine
+        # as it was (a half-added one would leave its per-request arrays unequal).
         for i in range(n):
             t = arrival_s[i]
             p = prompt_tokens[i]
@@ -211,8 +212,14 @@ cdef class NativeEngine:
             m = max_tokens[i]
             par = parent[i] if parent is not None else -1
             dl = delay_s[i] if delay_s is not None else 0.0
+            ttft = ttft_slo_s[i] if ttft_slo_s is not None else -1.0
+            tpot = tpot_slo_s[i] if tpot_slo_s is not None else -1.0
             if par >= base + i or par < -1:
                 raise ValueError(f"parent[{i}]={par}: must be -1 or an earlier request's index")
+            if 0 <= par < base and (self._rstate[par] == RQ_DONE or self._rstate[par] == RQ_REJECTED):
+                # its children were released when it ended: this turn would never arrive
+                raise ValueError(f"parent[{i}]={par}: already finished or refused at "
+                                 f"{self._t_done[par]}; add a turn before its parent ends")
             if not (isfinite(dl) and dl >= 0.0):
                 raise ValueError(f"delay_s[{i}]={dl}: must be a finite number >= 0")
             if par < 0 and (not isfinite(t) or t < last):
@@ -224,26 +231,37 @@ cdef class NativeEngine:
                 raise ValueError(f"prompt_tokens[{i}]={p}: must be >= 1")
             if o < 1 or o > m:
                 raise ValueError(f"output_tokens[{i}]={o}: must be in [1, max_tokens[{i}]={m}]")
+            if not (isfinite(ttft) and isfinite(tpot)):
+                raise ValueError(f"ttft_slo_s[{i}]={ttft}, tpot_slo_s[{i}]={tpot}: must be finite "
+                                 f"(negative: the config's defaults)")
+            if hash_offsets is not None and hash_offsets[i + 1] < hash_offsets[i]:
+                raise ValueError(f"hash_offsets[{i + 1}]={hash_offsets[i + 1]}: must not be below "
+                                 f"hash_offsets[{i}]={hash_offsets[i]}")
             if par < 0:
                 last = t
+        if hash_ids is not None and len(hash_ids) != hash_offsets[n] - hash_offsets[0]:
+            raise ValueError(f"hash_ids: {len(hash_ids)} entries, hash_offsets say "
+                             f"{hash_offsets[n] - hash_offsets[0]}")
+        for i in range(n):
+            t = arrival_s[i]
+            p = prompt_tokens[i]
+            par = parent[i] if parent is not None else -1
+            if par < 0:
                 self._open.push_back(base + i)
             self._parent.push_back(par)
             self._ttft.push_back(ttft_slo_s[i] if ttft_slo_s is not None else -1.0)
             self._tpot.push_back(tpot_slo_s[i] if tpot_slo_s is not None else -1.0)
             self._sess.push_back(session[i] if session is not None else -1)
-            self._delay.push_back(dl)
+            self._delay.push_back(delay_s[i] if delay_s is not None else 0.0)
             self._hashed.push_back(hashed_tokens[i] if hashed_tokens is not None else p)
             self._arr.push_back(t if par < 0 else -1.0)
             self._prompt.push_back(p)
-            self._out.push_back(o)
-            self._maxtok.push_back(m)
+            self._out.push_back(output_tokens[i])
+            self._maxtok.push_back(max_tokens[i])
             self._prio.push_back(priority[i] if priority is not None else 0)
             self._hoff.push_back(h0 + (hash_offsets[i + 1] - hash_offsets[0]
                                        if hash_offsets is not None else 0))
         if hash_ids is not None:
-            if len(hash_ids) != hash_offsets[n] - hash_offsets[0]:
-                raise ValueError(f"hash_ids: {len(hash_ids)} entries, hash_offsets say "
-                                 f"{hash_offsets[n] - hash_offsets[0]}")
             for i in range(len(hash_ids)):
                 self._hids.push_back(hash_ids[i])
         self._extend_request_state(base)
@@ -656,6 +674,8 @@ cdef class NativeEngine:
     def run(self, progress=None, int64_t progress_every=10000):
         """Replays every request to completion or rejection. ``progress(done,
         total)`` is called every `progress_every` steps."""
+        if self._stepping:
+            raise RuntimeError("run after start: a stepped engine ends with drain()")
         if self._ran:
             raise RuntimeError("run() twice")
         self._ran = True

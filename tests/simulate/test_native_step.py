@@ -110,5 +110,49 @@ def test_stepping_refuses_an_arrival_before_the_horizon_and_misuse():
         e.advance(1.0)
     with pytest.raises(RuntimeError, match="start after run or start"):
         e.start(3.0)
-    with pytest.raises(RuntimeError, match="run\\(\\) twice"):
+    with pytest.raises(RuntimeError, match="run after start"):
         e.run()
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"output_tokens": [5, 0]}, r"output_tokens\[1\]=0"),
+    ({"ttft_slo_s": [-1.0, float("nan")]}, r"ttft_slo_s\[1\]=nan"),
+    ({"hash_offsets": [0, 2, 1], "hash_ids": [7]}, r"hash_offsets\[2\]=1: must not be below"),
+    ({"hash_offsets": [0, 1, 2], "hash_ids": [7]}, r"hash_ids: 1 entries, hash_offsets say 2"),
+])
+def test_a_refused_batch_adds_nothing(bad, match):
+    """A bad row anywhere in a batch refuses the whole batch: the engine runs the
+    requests added before it exactly as if the batch had never been offered (a
+    half-added batch left the per-request arrays of unequal length)."""
+    rows = workload(n=40, seed=3)
+    ref = engine(prefix=True)
+    add(ref, rows)
+    ref.run()
+    e = engine(prefix=True)
+    add(e, rows)
+    cols = {"output_tokens": [5, 5], "ttft_slo_s": None, "hash_offsets": [0, 1, 2],
+            "hash_ids": [7, 8]}
+    cols.update(bad)
+    t = rows[-1][0]
+    with pytest.raises(ValueError, match=match):
+        e.add_requests([t, t], [40, 40], cols["output_tokens"], [9, 9],
+                       hash_offsets=cols["hash_offsets"], hash_ids=cols["hash_ids"],
+                       ttft_slo_s=cols["ttft_slo_s"])
+    e.run()
+    assert e.results() == ref.results()
+    assert e.totals() == ref.totals()
+
+
+def test_a_turn_whose_parent_has_ended_is_refused_not_lost():
+    """A session's next turn arrives when its parent ends; added after that, it
+    would never arrive (and drain would report an idle engine with it pending)."""
+    e = engine()
+    e.start(0.0)
+    e.add_requests([0.0], [10], [2], [2])
+    e.advance(5.0)
+    assert e.results()["finish_s"][0] >= 0
+    with pytest.raises(ValueError, match=r"parent\[0\]=0: already finished or refused"):
+        e.add_requests([0.0], [10], [2], [2], parent=[0], delay_s=[1.0])
+    e.add_requests([6.0], [10], [2], [2])      # the engine is unchanged: it goes on
+    e.drain()
+    assert [f >= 6.0 for f in e.results()["finish_s"]] == [False, True]
