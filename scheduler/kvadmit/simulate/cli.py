@@ -8,17 +8,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import pathlib
-import sys
 import time
 
 from kvadmit.config import AdmissionConfig
 from kvadmit.simulate.engine import EngineShape
 from kvadmit.simulate.metrics import Slo
 from kvadmit.simulate.policies import BUILTIN, DEFAULT_POLICIES, parse_policy
-from kvadmit.simulate.run import at_load, capacity_rps, compare, offered_rps
+from kvadmit.simulate.run import (at_load, capacity_rps, compare, load_entry, offered_rps, pyplot,
+                                  recorded_command, save_figure, save_json)
 from kvadmit.simulate.steptime import PRESETS, StepTimeModel, get_preset
 from kvadmit.simulate.workload import agent_sessions, from_trace, mixed, synthetic
 
@@ -165,7 +163,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         cap = capacity_rps(workload, shape, step)
         print(f"capacity (saturated, vLLM's rule, native engine): {cap:.2f} req/s; "
               f"the workload offers {offered_rps(workload):.2f} req/s as given")
-    out = {"command": "kvadmit simulate " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["simulate"] else None,
+    out = {"command": recorded_command(),
            "workload": workload.description, "engine": args.engine, "step_time": step.as_dict(),
            "shape": shape.__dict__, "slo": slo.__dict__, "capacity_rps": cap,
            "policies": {p.name: p.doc for p in policies}, "runs": []}
@@ -178,32 +176,21 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                              show_progress=not args.quiet)
         title = f"\nload {load:g}x capacity ({offered_rps(w):.2f} req/s)" if load is not None else ""
         print_table(title, rows)
-        # A burst (every request at one instant) is a workload like any other; it has no rate.
-        out["runs"].append({"load": load,
-                            "offered_rps": offered_rps(w) if w.open_loop_span_s() > 0 else None,
-                            "rows": rows})
+        out["runs"].append(load_entry(load, w, rows))
         if series is None or (load is not None and abs(load - 1.5) < abs(series[0] - 1.5)):
             series = (load if load is not None else math.nan,
                       {k: r.timeline for k, r in raws.items()}, shape.num_blocks)
     print(f"\n{len(loads) * len(policies)} runs in {time.perf_counter() - t_all:.1f} s")
     if args.json:
-        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"saved {args.json}")
+        save_json(out, args.json)
     if args.plot:
         plot(out, series, args.plot)
     return 0
 
 
 def plot(out: dict, series, path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("kvadmit: --plot needs matplotlib (pip install matplotlib); no plot written",
-              file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     sweep = len(out["runs"]) > 1
     load, timelines, nblocks = series
@@ -247,7 +234,4 @@ def plot(out: dict, series, path: str) -> None:
         ax[2].set_xlabel("virtual time (s)")
         ax[2].set_ylabel("% of prompt tokens from cache")
     fig.suptitle(out["workload"], fontsize=9)
-    fig.tight_layout()
-    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    print(f"saved {path}")
+    save_figure(fig, path)

@@ -12,9 +12,6 @@ and --sweep are multiples of the fleet's capacity (N x one engine's).
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
-import sys
 import time
 
 from kvadmit.config import AdmissionConfig
@@ -23,7 +20,8 @@ from kvadmit.simulate.fleet import MAX_INSTANCES, FleetSetup, run_fleet, summari
 from kvadmit.simulate.metrics import Slo
 from kvadmit.simulate.policies import parse_policy
 from kvadmit.simulate.routers import ROUTERS
-from kvadmit.simulate.run import at_load, capacity_rps, offered_rps, progress_line
+from kvadmit.simulate.run import (at_load, capacity_rps, load_entry, offered_rps, progress_line, pyplot,
+                                  recorded_command, save_figure, save_json)
 from kvadmit.simulate.steptime import StepTimeModel
 from kvadmit.simulate.workload import Workload
 
@@ -113,7 +111,7 @@ def cmd_fleet(args, workload: Workload, shape: EngineShape, step: StepTimeModel,
         cap = n * capacity_rps(workload, shape, step)
         print(f"fleet capacity: {cap:.2f} req/s ({n} x one engine's, saturated under vLLM's rule); "
               f"the workload offers {offered_rps(workload):.2f} req/s as given")
-    out = {"command": "kvadmit simulate " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["simulate"] else None,
+    out = {"command": recorded_command(),
            "workload": workload.description, "instances": n, "step_time": step.as_dict(),
            "shape": shape.__dict__, "slo": slo.__dict__, "capacity_rps": cap,
            "scrape_interval_s": args.scrape_interval, "max_retries": args.max_retries,
@@ -138,29 +136,19 @@ def cmd_fleet(args, workload: Workload, shape: EngineShape, step: StepTimeModel,
                        **summarize_fleet(run, w, slo)}
                 rows.append(row)
                 print(fmt_row(row), flush=True)
-        out["runs"].append({"load": load,
-                            "offered_rps": offered_rps(w) if w.open_loop_span_s() > 0 else None,
-                            "rows": rows})
+        out["runs"].append(load_entry(load, w, rows))
     print(f"\n{len(loads) * len(configs) * len(routers)} fleet runs in "
           f"{time.perf_counter() - t_all:.1f} s")
     if args.json:
-        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"saved {args.json}")
+        save_json(out, args.json)
     if args.plot:
         plot(out, args.plot)
     return 0
 
 
 def plot(out: dict, path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("kvadmit: --plot needs matplotlib (pip install matplotlib); no plot written",
-              file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     runs = out["runs"]
     xs = [r["load"] if r["load"] is not None else i for i, r in enumerate(runs)]
@@ -180,7 +168,4 @@ def plot(out: dict, path: str) -> None:
     ax[1].set_yscale("log")
     ax[0].legend(fontsize=7)
     fig.suptitle(f"{out['instances']} instances: {out['workload']}", fontsize=9)
-    fig.tight_layout()
-    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    print(f"saved {path}")
+    save_figure(fig, path)

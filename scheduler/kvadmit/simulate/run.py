@@ -1,6 +1,8 @@
 """Compare policies on one workload, find an engine's capacity, sweep the load."""
 from __future__ import annotations
 
+import json
+import pathlib
 import sys
 import time
 from dataclasses import replace
@@ -13,6 +15,46 @@ from kvadmit.simulate.steptime import StepTimeModel
 from kvadmit.simulate.workload import Workload
 
 CAPACITY_SAMPLE = 4000
+
+
+def recorded_command() -> str | None:
+    """The `kvadmit simulate ...` command line, for a results file (None when not run as it)."""
+    return "kvadmit simulate " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["simulate"] else None
+
+
+def load_entry(load: float | None, workload: Workload, rows: list[dict]) -> dict:
+    """One load point of a results file. A burst (every request at one instant) is a
+    workload like any other; it has no rate."""
+    return {"load": load,
+            "offered_rps": offered_rps(workload) if workload.open_loop_span_s() > 0 else None,
+            "rows": rows}
+
+
+def save_json(out: dict, path: str) -> None:
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"saved {path}")
+
+
+def pyplot():
+    """matplotlib's pyplot (Agg), or None with a note on stderr when it is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("kvadmit: --plot needs matplotlib (pip install matplotlib); no plot written",
+              file=sys.stderr)
+        return None
+    return plt
+
+
+def save_figure(fig, path: str) -> None:
+    fig.tight_layout()
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"saved {path}")
 
 
 def progress_line(label: str, what: str = "requests done"):
