@@ -51,6 +51,30 @@ def test_queue_full_with_retry_after_from_drain_rate():
     assert core.stats()["rejected"]["queue_full"] == 2
 
 
+@pytest.mark.parametrize("call", ["admit", "preempt", "finish", "abort", "cancel_admit",
+                                  "on_step", "expire_sessions", "observe_cache", "predict_ttft"])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_every_clock_entry_point_refuses_a_non_finite_now(call, bad):
+    """An infinite `now` would stop the backlog clock for good (nothing is later),
+    so the drain rate and its Retry-After would freeze: refused where it enters,
+    and the refusal leaves the core as it was (the drain-rate numbers below are
+    those of test_queue_full_with_retry_after_from_drain_rate)."""
+    core = make_core("overcommit", num_blocks=1000, max_queued_requests=2, drain_window_s=10)
+    a = add_waiting(core, 4, 4, now=0.0)
+    add_waiting(core, 4, 4, now=0.0)
+    core.admit(a, 1.0)
+    running = add_running(core, 4, 4, now=2.0)
+    args = {"admit": (add_waiting(core, 4, 4, now=2.0),), "preempt": (running,),
+            "finish": (running,), "abort": (running,), "cancel_admit": (running,),
+            "on_step": (), "expire_sessions": (), "observe_cache": (0, 0, 0),
+            "predict_ttft": (4,)}[call]
+    before = core.stats()
+    with pytest.raises(ValueError, match=f"now={bad}: must be a finite number of seconds"):
+        getattr(core, call)(*args, now=bad) if call not in ("expire_sessions", "predict_ttft") \
+            else getattr(core, call)(*args, bad)
+    assert core.stats() == before
+
+
 def test_retry_after_is_capped():
     core = make_core("overcommit", num_blocks=1000, max_queued_requests=1,
                      drain_window_s=1000, retry_after_max_s=60)

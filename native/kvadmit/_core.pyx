@@ -42,6 +42,14 @@ cdef vector[int64_t] _counts(str name, values) except *:
     return v
 
 
+cdef inline int _check_now(double now) except -1:
+    """Every entry point's clock: a non-finite `now` would stop the core's clocks
+    (nothing is later than inf) and with them the drain rate and idle expiry."""
+    if not isfinite(now):
+        raise ValueError(f"now={now}: must be a finite number of seconds")
+    return 0
+
+
 cdef class AdmissionCore:
     """Decides which waiting request takes KV memory, which waits, which is
     refused and which running request gives memory back.
@@ -245,8 +253,7 @@ cdef class AdmissionCore:
             raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1")
         if cached_tokens < 0 or cached_tokens > prompt_tokens:
             raise ValueError(f"cached_tokens={cached_tokens}: must be in [0, prompt_tokens={prompt_tokens}]")
-        if not isfinite(now):
-            raise ValueError(f"now={now}: must be a finite number of seconds")
+        _check_now(now)
         if not isfinite(ttft_slo_s) or not isfinite(tpot_slo_s):
             raise ValueError(f"ttft_slo_s={ttft_slo_s}, tpot_slo_s={tpot_slo_s}: must be finite")
         if not isfinite(arrival_time) or not isfinite(arrival_tie):
@@ -507,8 +514,7 @@ cdef class AdmissionCore:
     def admit(self, int64_t slot, double now=0.0):
         """Commits: the waiting request starts running. Requests it passed count a bypass."""
         self.ledger.check_state(slot, ST_WAITING)
-        if not isfinite(now):
-            raise ValueError(f"now={now}: must be a finite number of seconds")
+        _check_now(now)
         self.c_admit(<int32_t>slot, now)
 
     cdef void c_admit(self, int32_t s, double now) noexcept:
@@ -549,6 +555,7 @@ cdef class AdmissionCore:
         """Undoes an admission the engine did not carry out (it put the request
         back before running it): running -> waiting, not counted as a preemption."""
         self.ledger.check_state(slot, ST_RUNNING)
+        _check_now(now)
         cdef int32_t s = <int32_t>slot
         self._note_time(now)
         self._run_remove(s)
@@ -612,6 +619,7 @@ cdef class AdmissionCore:
 
     def on_step(self, double now=0.0):
         """Once per engine step, after its preemptions: advances the predict ratio."""
+        _check_now(now)
         self._advance(now)
         self.c_on_step()
 
@@ -624,6 +632,7 @@ cdef class AdmissionCore:
         """Commits: a running request gives its memory back and waits again
         (recompute: its KV is gone, its output so far is kept)."""
         self.ledger.check_state(slot, ST_RUNNING)
+        _check_now(now)
         self.c_preempt(<int32_t>slot, now)
 
     cdef void c_preempt(self, int32_t s, double now) noexcept nogil:
@@ -645,6 +654,7 @@ cdef class AdmissionCore:
     def finish(self, int64_t slot, double now=0.0):
         """A running request is done; its output length feeds the length model."""
         self.ledger.check_state(slot, ST_RUNNING)
+        _check_now(now)
         self.c_finish(<int32_t>slot, now)
 
     cdef inline void _advance(self, double now) noexcept nogil:
@@ -670,6 +680,7 @@ cdef class AdmissionCore:
     def abort(self, int64_t slot, double now=0.0):
         """The request is gone (client cancelled, engine error): forget it."""
         self.ledger.check_live(slot)
+        _check_now(now)
         self._note_time(now)
         cdef int32_t s = <int32_t>slot
         if self.ledger.state[s] == ST_RUNNING:
@@ -700,6 +711,9 @@ cdef class AdmissionCore:
     def predict_ttft(self, int64_t prompt_tokens, double now):
         """The TTFT the SLO guard predicts for an arrival of `prompt_tokens` at
         `now` (queued behind everything waiting)."""
+        if prompt_tokens < 1:
+            raise ValueError(f"prompt_tokens={prompt_tokens}: must be >= 1")
+        _check_now(now)
         cdef int64_t ahead, ahead_tokens
         # its place: behind every waiting request (the least priority, no deadline)
         self._ahead_of(self._order_key(INT64_MAX // 2, now, 0.0, 0.0, 0.0, self._seq),
@@ -712,6 +726,7 @@ cdef class AdmissionCore:
                       double now=0.0):
         """Once per engine step: KV blocks in use and the step's prefix-cache hit and
         query tokens. Every agent_interval_steps the agent window follows AIMD."""
+        _check_now(now)
         self.c_observe_cache(used_blocks, hit_tokens, query_tokens, now)
 
     cdef void c_observe_cache(self, int64_t used_blocks, int64_t hit_tokens, int64_t query_tokens,
@@ -750,6 +765,7 @@ cdef class AdmissionCore:
     def expire_sessions(self, double now):
         """Lets idle sessions leave the window as of `now` (engines call it when idle;
         observe_cache does it every step while the window is full)."""
+        _check_now(now)
         self._advance(now)
         self.agent_window.c_expire_idle(self._last_now)
 
