@@ -49,8 +49,9 @@ def test_prefix_lookup_is_contiguous_and_shares_blocks():
     assert got == [b[0], b[1]]
     assert [a.ref_count(x) for x in b] == [1, 1, 0]
     assert a.num_cached_free == 1
-    # A second request shares the same prefix: reference counts go to 2.
-    a.share(got)
+    # A second request shares the same prefix: reference counts go to 2 (any
+    # iterable of ids, as free takes: an iterator once shared nothing).
+    a.share(iter(got))
     assert a.ref_count(b[0]) == 2
     a.free(got)
     assert a.ref_count(b[0]) == 1 and a.num_free == 4

@@ -201,6 +201,7 @@ cdef class BlockAllocator:
     def share(self, ids):
         """Adds a reference to each block (a prefix hit taking cached blocks)."""
         cdef int64_t b
+        ids = list(ids)          # checked, then shared: an iterator would be spent by the check
         for b in ids:
             if b < 0 or b >= self._n:
                 raise ValueError(f"share: block id {b} out of range [0, {self._n})")
@@ -304,7 +305,7 @@ def bench_native_cycles(BlockAllocator alloc, int64_t iters, int64_t k):
         raise ValueError(f"k={k}: must be in [1, num_blocks={alloc.num_blocks}]")
     cdef vector[int32_t] ids
     ids.resize(k)
-    cdef int64_t i, j
+    cdef int64_t i, j, cycles = 0
     cdef int32_t tmp
     with nogil:
         for i in range(iters):
@@ -315,4 +316,5 @@ def bench_native_cycles(BlockAllocator alloc, int64_t iters, int64_t k):
                 ids[j] = ids[k - 1 - j]
                 ids[k - 1 - j] = tmp
             alloc.c_free(ids.data(), k)
-    return 2 * k * i
+            cycles += 1
+    return 2 * k * cycles
