@@ -46,8 +46,10 @@ def test_errors_match_vllm():
         q.append(7)
     with pytest.raises(ValueError, match="only 1 free"):
         q.popleft_n(2)
-    with pytest.raises(ValueError, match="listed twice"):
+    with pytest.raises(ValueError, match="block 0 listed twice"):
         q.prepend_n([0, 0])
+    assert q.get_all_free_blocks() == [1]        # refused whole: nothing was linked
+    q.check_invariants()
 
 
 class Block:

@@ -96,9 +96,11 @@ cdef class FreeBlockQueue:
         cdef Py_ssize_t i
         for b in ids:
             self._check_append(b)
+        if len(set(ids)) != len(ids):      # checked first: a refused call links nothing
+            b = next(x for i, x in enumerate(ids) if x in ids[:i])
+            raise ValueError(f"block {b} listed twice in prepend_n")
         for i in range(len(ids) - 1, -1, -1):
-            if self.c_prepend(<int32_t>ids[i]) != 0:
-                raise ValueError(f"block {ids[i]} listed twice in prepend_n")
+            self.c_prepend(<int32_t>ids[i])
 
     def get_all_free_blocks(self):
         cdef list out = []
