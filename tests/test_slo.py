@@ -44,6 +44,22 @@ def test_rls_fit_refuses_bad_settings(bad):
         StepTimeFit(**args)
 
 
+@pytest.mark.parametrize("tokens, context, seconds, match", [
+    (float("nan"), 0.0, 0.01, "tokens=nan"), (1.0, float("inf"), 0.01, "context=inf"),
+    (-1.0, 0.0, 0.01, "tokens=-1.0"), (1.0, 0.0, float("nan"), "seconds=nan"),
+])
+def test_a_bad_step_observation_is_refused_and_leaves_the_fit_and_guard_as_they_were(
+        tokens, context, seconds, match):
+    """A NaN would poison the fit (and the guard's tokens-a-step average) for good."""
+    core = make_core("overcommit", num_blocks=1000, **EXACT)
+    core.observe_step(100, 1000, 0.11)
+    before = (core.step_time.coefficients, core.predict_ttft(100, 0.0))
+    with pytest.raises(ValueError, match=match):
+        core.observe_step(tokens, context, seconds)
+    assert (core.step_time.coefficients, core.predict_ttft(100, 0.0)) == before
+    assert core.step_time.observations == 1
+
+
 def hand_built_queue():
     """3 waiting requests of 100 prompt tokens, nothing running, a 100-token step budget."""
     core = make_core("overcommit", num_blocks=1000, **EXACT)

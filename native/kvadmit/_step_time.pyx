@@ -73,8 +73,8 @@ cdef class StepTimeFit:
         """One engine step: its scheduled tokens, its context and how long it took."""
         if not (isfinite(seconds) and seconds >= 0.0):
             raise ValueError(f"seconds={seconds}: must be a finite number >= 0")
-        if tokens < 0 or context < 0:
-            raise ValueError(f"tokens={tokens}, context={context}: must be >= 0")
+        if not (isfinite(tokens) and tokens >= 0 and isfinite(context) and context >= 0):
+            raise ValueError(f"tokens={tokens}, context={context}: must be finite numbers >= 0")
         self.c_observe(tokens, context, seconds)
 
     def predict(self, double tokens, double context):
