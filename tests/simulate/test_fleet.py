@@ -86,6 +86,7 @@ def test_a_refused_request_retries_after_its_retry_after_on_another_instance():
     assert r.counts["engine_refusals"] == 2 and r.counts["retries"] == 2
     assert r.placed == [0, 1, 1, 1, 1, 1] and r.attempts == [1, 1, 2, 1, 2, 1]
     assert r.per_request["rejected"] == [None] * 6
+    assert (r.totals.finished, r.totals.rejected) == (6, 0)   # the clients' view: all served
     assert [x["routed"] for x in r.instances] == [3, 5]
     # the retried requests' TTFT counts from their first attempt: after their wait
     ttft = [f - a for f, a in zip(r.per_request["first_token_s"], w.arrival_s)]
@@ -132,6 +133,7 @@ def test_every_request_is_served_or_refused_with_a_reason_and_every_block_comes_
     served = [x is None and f >= 0 for x, f in zip(rej, r.per_request["first_token_s"])]
     assert all(ok or reason for ok, reason in zip(served, rej))
     assert s["finished"] + sum(s["rejected"].values()) == len(w)
+    assert (r.totals.finished, r.totals.rejected) == (s["finished"], sum(s["rejected"].values()))
     assert all(x["free_blocks_at_end"] == SHAPE.num_blocks for x in r.instances)
     assert sum(x["served"] for x in r.instances) == s["finished"]
     assert all(1 <= a <= 4 for a in r.attempts)

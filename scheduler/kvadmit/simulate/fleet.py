@@ -77,7 +77,9 @@ class FleetSetup:
 @dataclass
 class FleetRun:
     per_request: dict                 # client view, in workload order (as RawRun's)
-    totals: Totals                    # summed over instances (makespan: the fleet's)
+    totals: Totals                    # summed over instances (makespan, finished and
+                                      # rejected: the fleet's clients'; an engine's
+                                      # refusals of retried requests are in counts)
     instances: list[dict]             # per instance: totals and its share of the work
     counts: dict                      # retries, router refusals, engine refusals, gave up
     placed: list                      # per request: the instance of its last attempt (-1: router)
@@ -296,6 +298,10 @@ def _assemble(workload: Workload, engines, owner, final_reason, counts, attempts
             raise AssertionError(f"request {i}: neither served nor refused")
     end = max([f for f in finish if f >= 0], default=t0)
     tot["makespan_s"] = end - t0
+    # per request, as every engine's Totals (finished + rejected == requests): an
+    # engine's refusal of a request served after a retry is no rejection of it
+    tot["finished"] = sum(1 for i in range(n) if rejected[i] is None)
+    tot["rejected"] = n - tot["finished"]
     tot["kv_util_mean"] = sum(x["kv_util_mean"] for x in instances) / len(instances)
     tot["kv_util_peak"] = max(x["kv_util_peak"] for x in instances)
     tot = Totals.from_engine(tot)
