@@ -117,9 +117,9 @@ cdef class AdmissionCore:
     cdef int64_t c_plan_shortfall(self, const int64_t* want, const int64_t* computed,
                                   const int64_t* held, int64_t n, int64_t free_blocks,
                                   int64_t budget, int64_t lookahead, char* paused) noexcept nogil
-    cdef int32_t c_next_admissible(self, int64_t free_blocks, bint check_blocks) noexcept
+    cdef int32_t c_next_admissible(self, int64_t free_blocks, bint check_blocks) noexcept nogil
     cdef inline void _count_hold(self, int32_t s, int d) noexcept nogil
-    cdef void c_admit(self, int32_t s, double now) noexcept
+    cdef void c_admit(self, int32_t s, double now) noexcept nogil
     cdef int _update(self, int64_t slot, int64_t computed_tokens, int64_t generated_tokens) except -1
     cdef void c_progress(self, int32_t s, int64_t computed_tokens, int64_t generated_tokens) noexcept nogil
     cdef void c_on_step(self) noexcept nogil

@@ -472,7 +472,7 @@ cdef class AdmissionCore:
         however often an engine looks within a step."""
         return self.c_next_admissible(free_blocks, check_blocks)
 
-    cdef int32_t c_next_admissible(self, int64_t free_blocks, bint check_blocks) noexcept:
+    cdef int32_t c_next_admissible(self, int64_t free_blocks, bint check_blocks) noexcept nogil:
         if self._waiting.empty():
             return -1
         if self._paused_now:
@@ -517,12 +517,14 @@ cdef class AdmissionCore:
         _check_now(now)
         self.c_admit(<int32_t>slot, now)
 
-    cdef void c_admit(self, int32_t s, double now) noexcept:
+    cdef void c_admit(self, int32_t s, double now) noexcept nogil:
         self._tick(now)
         cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
+        cdef int32_t passed
         while deref(it).second != s:
-            if not self._agent_held(deref(it).second):
-                self.ledger.bypassed[deref(it).second] += 1
+            passed = deref(it).second
+            if not self._agent_held(passed):
+                self.ledger.bypassed[passed] = self.ledger.bypassed[passed] + 1
             inc(it)
         if self.ledger.session[s] >= 0:
             self.ledger.activated_by[s] = self.agent_window.c_activate(self.ledger.session[s])

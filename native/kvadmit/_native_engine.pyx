@@ -492,7 +492,7 @@ cdef class NativeEngine:
             self._plan_cols.data(), self._plan_cols.data() + nr, self._plan_cols.data() + 2 * nr,
             nr, self.allocator.c_num_free(), self._budget, 0, self._pause.data())
 
-    cdef int _step(self) noexcept:
+    cdef int _step(self) noexcept nogil:
         """One engine step: STEP_RAN, STEP_PREEMPTED_ONLY (every scheduled request
         was preempted: try again at the same time) or STEP_IDLE (nothing to run)."""
         cdef int64_t budget = self._budget
@@ -554,7 +554,7 @@ cdef class NativeEngine:
         self._paused_reqs.clear()
         return preempted
 
-    cdef void _schedule_waiting(self, int64_t* budget) noexcept:
+    cdef void _schedule_waiting(self, int64_t* budget) noexcept nogil:
         """2. Waiting requests in the core's order while the core admits them, the
         budget lasts, max_num_seqs allows and their blocks fit (prefix hits first)."""
         cdef int64_t n, tokens, hits, fresh, j, c0
@@ -600,7 +600,7 @@ cdef class NativeEngine:
             self._scheduled.push_back(r)
             budget[0] -= n
 
-    cdef void _run_scheduled(self) noexcept:
+    cdef void _run_scheduled(self) noexcept nogil:
         """3. The step: its time from the batch's tokens and context; each scheduled
         request computes its tokens, emits one when its input is all computed and
         finishes at its real length; then the core hears of the step."""
