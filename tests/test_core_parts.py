@@ -26,6 +26,19 @@ def test_no_part_reads_another_parts_private_fields():
     assert len(list(NATIVE.glob("*.pxd"))) >= 10   # the scan saw the sources
 
 
+def test_every_noexcept_function_is_nogil():
+    # A noexcept cdef function cannot pass an exception to its caller (Cython prints
+    # it and goes on); nogil makes the compiler refuse any Python object in it, so
+    # none can be raised there in the first place.
+    found = []
+    for path in sorted(NATIVE.glob("*.p[xy][dx]")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if re.search(r"\bnoexcept\b", code) and not re.search(r"\bnoexcept\s+nogil\b", code):
+                found.append(f"{path.name}:{n}: {code.strip()}")
+    assert found == []
+
+
 @pytest.mark.parametrize("policy", kvadmit.POLICIES)
 def test_each_policy_is_its_own_class(policy):
     core = AdmissionCore(AdmissionConfig(policy=policy), 64, 16, 0)
