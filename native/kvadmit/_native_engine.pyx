@@ -741,9 +741,13 @@ cdef class NativeEngine:
                 f"nothing schedulable")
 
     cdef _check_idle(self):
+        """At the end: every KV block back, every request finished or refused."""
         if self.allocator.c_num_free() != self._nblocks:
             raise AssertionError(f"leak: {self._nblocks - self.allocator.c_num_free()} blocks "
                                  f"still used at idle")
+        cdef int64_t unanswered = <int64_t>self._arr.size() - self._n_done - self._n_rejected
+        if unanswered != 0:
+            raise AssertionError(f"{unanswered} requests neither finished nor refused at idle")
 
     # ------------------------------------------------------------------
     # Stepping: a driver's clock (several engines on one virtual clock)
