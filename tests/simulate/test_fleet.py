@@ -122,6 +122,16 @@ def test_headroom_sends_where_the_prompt_fits_and_refuses_with_retry_after_when_
     assert r0.per_request["rejected"] == [None, None, "router_no_headroom"]
 
 
+def test_headroom_sends_a_prompt_no_pool_can_hold_to_an_engine_that_refuses_it_for_good():
+    # 64 blocks of 16 tokens: a 1100-token prompt (69 blocks) never fits; waiting
+    # cannot help, so the client is told so at once (the engine's context_length,
+    # final), not after its retries with router_no_headroom.
+    w = requests([0.0, 0.0], prompt=1100, out=5)
+    r = run(w, fleet(["auto"] * 2, "headroom"))
+    assert r.per_request["rejected"] == ["context_length"] * 2
+    assert r.attempts == [1, 1] and r.counts["router_refusals"] == r.counts["retries"] == 0
+
+
 @pytest.mark.parametrize("router", sorted(ROUTERS))
 @pytest.mark.parametrize("policy", ["vllm-default", "auto", 'capped={"max_queued_requests": 4}'])
 def test_every_request_is_served_or_refused_with_a_reason_and_every_block_comes_back(router, policy):

@@ -21,7 +21,9 @@ at the fleet's sync ticks). `choose` returns an instance index, or a `Refusal`
     headroom        kvadmit's signals: the instance with the most KV headroom
                     left (less what was routed there since the scrape) where the
                     request's prompt fits; where it fits nowhere, a refusal with
-                    the shortest predicted queueing delay as Retry-After
+                    the shortest predicted queueing delay as Retry-After (a
+                    prompt larger than every pool goes to the largest, whose
+                    engine refuses it for good)
     prefix          prefix affinity (llm-d's prefix-cache scorer): GIE's
                     saturation filter and scores plus twice the share of the
                     request's leading prefix blocks last routed to an instance
@@ -230,6 +232,9 @@ class Headroom(Router):
         fits = [e for e in cands if self.room(e) >= need]
         if fits:
             return self.pick_max(fits, lambda e: self.room(e) / self.num_blocks[e])
+        if all(need > self.num_blocks[e] for e in cands):
+            # it fits no pool even empty: no wait helps; the engine refuses it for good
+            return self.pick_max(cands, lambda e: self.num_blocks[e])
         wait = min(self.sig[e]["predicted_queue_delay_s"] if self.sig[e] else 0.0 for e in cands)
         return Refusal("router_no_headroom", max(wait, self.scrape_interval_s))
 
