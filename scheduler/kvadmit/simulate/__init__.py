@@ -4,7 +4,8 @@
 workload) through each policy (kvadmit.simulate.policies) on the native engine
 model or vLLM's real scheduler (kvadmit.simulate.engine), with time from a
 step-time model (kvadmit.simulate.steptime), and reports goodput and friends
-(kvadmit.simulate.metrics).
+(kvadmit.simulate.metrics). `--instances N --router NAME` runs a fleet of native
+engines behind a router instead (kvadmit.simulate.fleet, .routers, .fleet_cli).
 """
 from kvadmit.simulate.engine import EngineShape, RawRun, run_native
 from kvadmit.simulate.metrics import Slo, summarize

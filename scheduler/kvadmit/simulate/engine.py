@@ -66,23 +66,30 @@ class RawRun:
     extra: dict = field(default_factory=dict)
 
 
-def run_native(workload: Workload, config: AdmissionConfig, shape: EngineShape,
-               step: StepTimeModel, sample_interval_s: float | None = None,
-               progress=None) -> RawRun:
+def native_engine(workload: Workload, config: AdmissionConfig, shape: EngineShape,
+                  step: StepTimeModel, sample_interval_s: float | None = None) -> NativeEngine:
+    """A NativeEngine of this shape and step time, for this workload's prefix ids
+    (no requests added yet): run_native's and the fleet's instances."""
     if workload.hash_block_tokens and workload.hash_block_tokens % shape.block_size:
         raise ValueError(f"workload {workload.name}: prefix-id blocks of {workload.hash_block_tokens} "
                          f"tokens are not a multiple of block_size={shape.block_size}")
     if sample_interval_s is None:
         sample_interval_s = max(workload.open_loop_span_s() / 500.0, 0.05)
-    eng = NativeEngine(config, shape.num_blocks, shape.block_size, shape.max_model_len,
-                       shape.max_num_seqs, shape.max_num_batched_tokens,
-                       chunked_prefill=shape.chunked_prefill, prefix_caching=shape.prefix_caching,
-                       step_a=step.a, step_b=step.b, step_c=step.c,
-                       hash_block_tokens=workload.hash_block_tokens if shape.prefix_caching else 0,
-                       sample_interval_s=sample_interval_s,
-                       reserve_full_input=shape.reserve_full_input,
-                       watermark_blocks=shape.watermark_blocks,
-                       max_num_active_seqs=shape.max_num_active_seqs)
+    return NativeEngine(config, shape.num_blocks, shape.block_size, shape.max_model_len,
+                        shape.max_num_seqs, shape.max_num_batched_tokens,
+                        chunked_prefill=shape.chunked_prefill, prefix_caching=shape.prefix_caching,
+                        step_a=step.a, step_b=step.b, step_c=step.c,
+                        hash_block_tokens=workload.hash_block_tokens if shape.prefix_caching else 0,
+                        sample_interval_s=sample_interval_s,
+                        reserve_full_input=shape.reserve_full_input,
+                        watermark_blocks=shape.watermark_blocks,
+                        max_num_active_seqs=shape.max_num_active_seqs)
+
+
+def run_native(workload: Workload, config: AdmissionConfig, shape: EngineShape,
+               step: StepTimeModel, sample_interval_s: float | None = None,
+               progress=None) -> RawRun:
+    eng = native_engine(workload, config, shape, step, sample_interval_s)
     t0 = time.perf_counter()
     eng.add_requests(workload.arrival_s, workload.prompt_tokens, workload.output_tokens,
                      workload.max_tokens, workload.priority,

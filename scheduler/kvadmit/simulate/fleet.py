@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from kvadmit._native import NativeEngine
 from kvadmit.config import AdmissionConfig
-from kvadmit.simulate.engine import EngineShape
+from kvadmit.simulate.engine import EngineShape, native_engine
 from kvadmit.simulate.metrics import Slo, summarize
 from kvadmit.simulate.policies import PolicySpec
 from kvadmit.simulate.record import Totals
@@ -90,16 +90,7 @@ class FleetRun:
 
 def _engine(spec: PolicySpec, base: AdmissionConfig, shape: EngineShape, step: StepTimeModel,
             workload: Workload) -> NativeEngine:
-    sh = spec.shape(shape)
-    return NativeEngine(spec.config(base), sh.num_blocks, sh.block_size, sh.max_model_len,
-                        sh.max_num_seqs, sh.max_num_batched_tokens,
-                        chunked_prefill=sh.chunked_prefill, prefix_caching=sh.prefix_caching,
-                        step_a=step.a, step_b=step.b, step_c=step.c,
-                        hash_block_tokens=workload.hash_block_tokens if sh.prefix_caching else 0,
-                        sample_interval_s=max(workload.open_loop_span_s() / 500.0, 0.05),
-                        reserve_full_input=sh.reserve_full_input,
-                        watermark_blocks=sh.watermark_blocks,
-                        max_num_active_seqs=sh.max_num_active_seqs)
+    return native_engine(workload, spec.config(base), spec.shape(shape), step)
 
 
 class _Outbox:
@@ -128,9 +119,6 @@ def run_fleet(workload: Workload, setup: FleetSetup, shape: EngineShape, step: S
     if workload.parent is not None and any(p >= 0 for p in workload.parent):
         raise ValueError(f"workload {workload.name}: a fleet replays open-loop requests only "
                          f"(session turns that wait for their previous turn are not routed yet)")
-    if workload.hash_block_tokens and workload.hash_block_tokens % shape.block_size:
-        raise ValueError(f"workload {workload.name}: prefix-id blocks of {workload.hash_block_tokens} "
-                         f"tokens are not a multiple of block_size={shape.block_size}")
     n_inst, n = len(setup.policies), len(workload)
     t_wall = time.perf_counter()
     engines = [_engine(p, base, shape, step, workload) for p in setup.policies]
