@@ -86,6 +86,24 @@ def test_shrinking_window_pauses_latest_sessions_between_generations():
     assert core.decide(s3, 100) == "hold_agent"
 
 
+def test_the_engine_bridge_empties_the_pause_log_every_step():
+    """The core logs paused sessions for an engine that demotes their prefixes; the
+    adapters' engines do not, so the bridge empties it at each step's cache signals
+    (else it grew by a session id per pause for the server's whole life)."""
+    from kvadmit.bridge import EngineBridge
+    core = agent_core(agent_window_init=3, agent_cooldown_intervals=0)
+    bridge = EngineBridge(core)
+    slots = [core.arrive(10, 5, session=sess).slot for sess in (1, 2, 3)]
+    for s in slots:
+        core.admit(s)
+    core.finish(slots[0])
+    core.finish(slots[2])
+    bridge.note_prefix_hits(0, 100)
+    bridge.observe_cache(90, now=0.0)                        # thrashing: 3 and 1 paused
+    assert not core.session_active(3) and not core.session_active(1)
+    assert core.take_paused_sessions() == []
+
+
 def test_without_agent_window_sessions_are_ignored():
     core = make_core("overcommit", num_blocks=100)
     s = core.arrive(10, 5, session=5).slot

@@ -187,3 +187,7 @@ class EngineBridge:
         used = min(max(int(used_blocks), 0), self.core.num_blocks)
         self.core.observe_cache(used, self._hit_tokens, self._query_tokens, now)
         self._hit_tokens = self._query_tokens = 0
+        # The sessions the window paused, logged for an engine that demotes their
+        # cached prefixes (the native engine does); vLLM's and SGLang's eviction is
+        # their own, so the log is emptied here, or it would grow for the server's life.
+        self.core.take_paused_sessions()
