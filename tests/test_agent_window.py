@@ -104,6 +104,16 @@ def test_the_engine_bridge_empties_the_pause_log_every_step():
     assert core.take_paused_sessions() == []
 
 
+def test_the_window_history_keeps_the_recent_updates_not_every_one():
+    """A server calls observe_cache every step for months: the history is bounded."""
+    core = agent_core(agent_window_init=4, agent_window_max=8, agent_cooldown_intervals=0)
+    for i in range(20000):
+        core.observe_cache(10 if i % 2 else 90, 0, 100)          # idle / thrashing in turns
+    hist = core.window_history()
+    assert 4096 <= len(hist) < 8192
+    assert hist[-1] == core.agent_window_size               # the newest is kept
+
+
 def test_without_agent_window_sessions_are_ignored():
     core = make_core("overcommit", num_blocks=100)
     s = core.arrive(10, 5, session=5).slot

@@ -5,6 +5,10 @@ from libcpp.unordered_map cimport unordered_map
 from libcpp.vector cimport vector
 
 
+cdef enum:
+    HISTORY_KEPT = 4096     # AIMD updates history() keeps (between this and twice it)
+
+
 cdef struct AgentSession:
     char active
     int32_t waiting        # requests queued (never started or preempted)

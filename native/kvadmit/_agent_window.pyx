@@ -151,6 +151,9 @@ cdef class AgentWindow:
         if w != self._size:
             self._changes += 1
         self._size = w
+        if <int64_t>self._history.size() >= 2 * HISTORY_KEPT:
+            # a server runs for months: keep the recent updates, not every one
+            self._history.erase(self._history.begin(), self._history.begin() + HISTORY_KEPT)
         self._history.push_back(w)
         self.c_expire_idle(now)
 
@@ -222,7 +225,7 @@ cdef class AgentWindow:
         return out
 
     def history(self):
-        """W after each AIMD update, oldest first."""
+        """W after each of the last HISTORY_KEPT (at least) AIMD updates, oldest first."""
         return [w for w in self._history]
 
     def stats(self):

@@ -790,7 +790,7 @@ cdef class AdmissionCore:
         return self.agent_window.c_active()
 
     def window_history(self):
-        """W after each AIMD update, oldest first."""
+        """W after each of the recent AIMD updates (the last 4096 at least), oldest first."""
         return self.agent_window.history()
 
     # ------------------------------------------------------------------
