@@ -192,6 +192,14 @@ def test_cli_errors_name_the_flag_and_its_limit(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_cli_refuses_a_session_workload_before_any_run(capsys):
+    assert main(["simulate", "--synthetic", "agents", "--requests", "20", "--instances", "2",
+                 "--load", "1.0", "--quiet"]) == 2
+    captured = capsys.readouterr()
+    assert "open-loop requests only" in captured.err
+    assert "fleet capacity" not in captured.out          # refused before the capacity runs
+
+
 def test_prefix_routes_a_shared_prefix_back_to_where_it_went():
     # Two conversations (prefix ids 1.. and 100..), each turn extending its own;
     # prefix affinity sends every turn of one conversation to the same instance.

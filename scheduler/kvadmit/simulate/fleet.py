@@ -114,11 +114,15 @@ class _Outbox:
         self.clear()
 
 
-def run_fleet(workload: Workload, setup: FleetSetup, shape: EngineShape, step: StepTimeModel,
-              base: AdmissionConfig, slo: Slo, progress=None) -> FleetRun:
+def check_open_loop(workload: Workload) -> None:
     if workload.parent is not None and any(p >= 0 for p in workload.parent):
         raise ValueError(f"workload {workload.name}: a fleet replays open-loop requests only "
                          f"(session turns that wait for their previous turn are not routed yet)")
+
+
+def run_fleet(workload: Workload, setup: FleetSetup, shape: EngineShape, step: StepTimeModel,
+              base: AdmissionConfig, slo: Slo, progress=None) -> FleetRun:
+    check_open_loop(workload)
     n_inst, n = len(setup.policies), len(workload)
     t_wall = time.perf_counter()
     engines = [_engine(p, base, shape, step, workload) for p in setup.policies]

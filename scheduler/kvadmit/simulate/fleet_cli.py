@@ -16,7 +16,8 @@ import time
 
 from kvadmit.config import AdmissionConfig
 from kvadmit.simulate.engine import EngineShape
-from kvadmit.simulate.fleet import MAX_INSTANCES, FleetSetup, run_fleet, summarize_fleet
+from kvadmit.simulate.fleet import (MAX_INSTANCES, FleetSetup, check_open_loop, run_fleet,
+                                    summarize_fleet)
 from kvadmit.simulate.metrics import Slo
 from kvadmit.simulate.policies import parse_policy
 from kvadmit.simulate.routers import ROUTERS
@@ -100,6 +101,7 @@ def fmt_row(r: dict) -> str:
 
 def cmd_fleet(args, workload: Workload, shape: EngineShape, step: StepTimeModel,
               base: AdmissionConfig, slo: Slo) -> int:
+    check_open_loop(workload)          # before the capacity runs, not after
     n = args.instances
     routers = routers_for(args, workload)
     configs = fleets(args)
