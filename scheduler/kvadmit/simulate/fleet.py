@@ -88,11 +88,6 @@ class FleetRun:
     timeline: dict = field(default_factory=dict)
 
 
-def _engine(spec: PolicySpec, base: AdmissionConfig, shape: EngineShape, step: StepTimeModel,
-            workload: Workload) -> NativeEngine:
-    return native_engine(workload, spec.config(base), spec.shape(shape), step)
-
-
 class _Outbox:
     """Requests routed to one engine since the last tick, added in one call."""
 
@@ -125,7 +120,7 @@ def run_fleet(workload: Workload, setup: FleetSetup, shape: EngineShape, step: S
     check_open_loop(workload)
     n_inst, n = len(setup.policies), len(workload)
     t_wall = time.perf_counter()
-    engines = [_engine(p, base, shape, step, workload) for p in setup.policies]
+    engines = [native_engine(workload, p.config(base), p.shape(shape), step) for p in setup.policies]
     oracle = [p.oracle for p in setup.policies]
     prefix = [p.shape(shape).prefix_caching and workload.hash_ids is not None for p in setup.policies]
     router = make_router(setup.router, n_inst, shape.block_size,
