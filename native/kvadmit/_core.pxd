@@ -104,6 +104,7 @@ cdef class AdmissionCore:
     cdef void _run_remove(self, int32_t s) noexcept nogil
     cdef inline void _tick(self, double now) noexcept nogil
     cdef inline void _note_time(self, double now) noexcept nogil
+    cdef inline void _advance(self, double now) noexcept nogil
     cdef inline double _predicted_delay(self, int64_t ahead, int64_t ahead_tokens, int64_t queued,
                                         double now) noexcept nogil
     cdef void _ahead_of(self, QKey key, int64_t* reqs, int64_t* tokens) noexcept nogil
@@ -125,7 +126,6 @@ cdef class AdmissionCore:
     cdef void c_on_step(self) noexcept nogil
     cdef void c_preempt(self, int32_t s, double now) noexcept nogil
     cdef void _preempt(self, int32_t s) noexcept nogil
-    cdef inline void _advance(self, double now) noexcept nogil
     cdef void c_finish(self, int32_t s, double now) noexcept nogil
     cdef void _finish(self, int32_t s) noexcept nogil
     cdef void c_observe_cache(self, int64_t used_blocks, int64_t hit_tokens, int64_t query_tokens,

@@ -190,6 +190,11 @@ cdef class AdmissionCore:
         """The arrival gate's backlog clock (it runs while anything waits)."""
         self.gate.c_note_time(now, not self._waiting.empty())
 
+    cdef inline void _advance(self, double now) noexcept nogil:
+        """The latest `now` seen (sessions' idle clocks run on it)."""
+        if now > self._last_now:
+            self._last_now = now
+
     cdef inline double _predicted_delay(self, int64_t ahead, int64_t ahead_tokens, int64_t queued,
                                         double now) noexcept nogil:
         return self.gate.c_predicted_delay(ahead, ahead_tokens, queued, now, not self._waiting.empty())
@@ -658,11 +663,6 @@ cdef class AdmissionCore:
         self.ledger.check_state(slot, ST_RUNNING)
         _check_now(now)
         self.c_finish(<int32_t>slot, now)
-
-    cdef inline void _advance(self, double now) noexcept nogil:
-        """The latest `now` seen (sessions' idle clocks run on it)."""
-        if now > self._last_now:
-            self._last_now = now
 
     cdef void c_finish(self, int32_t s, double now) noexcept nogil:
         """`finish`, unchecked (the native engine's path too)."""
