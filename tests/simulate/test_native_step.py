@@ -48,12 +48,20 @@ def test_stepping_one_request_at_a_time_gives_what_run_gives(cfg, prefix):
     e = engine(cfg, prefix=prefix)
     e.start(rows[0][0])
     idle_seen = False
+    rejections = []
     for r in rows:                       # each request added just as it arrives
         idle_seen |= e.advance(r[0])
         assert e.clock >= r[0]
+        e.signals()                      # a look, as a fleet's router scrape: changes nothing
+        rejections += e.take_rejections()
         add(e, [r])
     e.drain()
+    rejections += e.take_rejections()
     assert e.results() == ref.results()
+    # the same refusals, with the same Retry-After to the bit (the drain-rate clock
+    # is not moved by signals())
+    assert rejections == ref.take_rejections()
+    assert bool(rejections) == ("max_queued_requests" in cfg)
     assert e.totals()["preemptions"] == ref.totals()["preemptions"]
     assert e.core.stats() == ref.core.stats()
     assert e.signals()["active_blocks"] == 0
