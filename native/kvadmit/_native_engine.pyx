@@ -203,8 +203,11 @@ cdef class NativeEngine:
         cdef int64_t par, p, o, m, h0 = self._hids.size()
         cdef double dl, ttft, tpot
         cdef double t, last = self._arr[self._open.back()] if not self._open.empty() else -1e300
-        # Every row is checked before any is added: a refused batch leaves the engine
-        # as it was (a half-added one would leave its per-request arrays unequal).
+        # Every row is read (into C arrays: a value C cannot hold raises here) and
+        # checked before any is added: a refused batch leaves the engine as it was
+        # (a half-added one would leave its per-request arrays unequal).
+        cdef vector[double] arr_v, delay_v, ttft_v, tpot_v
+        cdef vector[int64_t] par_v, prompt_v, out_v, max_v, prio_v, sess_v, hashed_v, hoff_v, ids_v
         for i in range(n):
             t = arrival_s[i]
             p = prompt_tokens[i]
@@ -239,31 +242,41 @@ cdef class NativeEngine:
                                  f"hash_offsets[{i}]={hash_offsets[i]}")
             if par < 0:
                 last = t
-        if hash_ids is not None and len(hash_ids) != hash_offsets[n] - hash_offsets[0]:
-            raise ValueError(f"hash_ids: {len(hash_ids)} entries, hash_offsets say "
-                             f"{hash_offsets[n] - hash_offsets[0]}")
-        for i in range(n):
-            t = arrival_s[i]
-            p = prompt_tokens[i]
-            par = parent[i] if parent is not None else -1
-            if par < 0:
-                self._open.push_back(base + i)
-            self._parent.push_back(par)
-            self._ttft.push_back(ttft_slo_s[i] if ttft_slo_s is not None else -1.0)
-            self._tpot.push_back(tpot_slo_s[i] if tpot_slo_s is not None else -1.0)
-            self._sess.push_back(session[i] if session is not None else -1)
-            self._delay.push_back(delay_s[i] if delay_s is not None else 0.0)
-            self._hashed.push_back(hashed_tokens[i] if hashed_tokens is not None else p)
-            self._arr.push_back(t if par < 0 else -1.0)
-            self._prompt.push_back(p)
-            self._out.push_back(output_tokens[i])
-            self._maxtok.push_back(max_tokens[i])
-            self._prio.push_back(priority[i] if priority is not None else 0)
-            self._hoff.push_back(h0 + (hash_offsets[i + 1] - hash_offsets[0]
-                                       if hash_offsets is not None else 0))
+            arr_v.push_back(t if par < 0 else -1.0)
+            par_v.push_back(par)
+            delay_v.push_back(dl)
+            ttft_v.push_back(ttft)
+            tpot_v.push_back(tpot)
+            prompt_v.push_back(p)
+            out_v.push_back(o)
+            max_v.push_back(m)
+            prio_v.push_back(priority[i] if priority is not None else 0)
+            sess_v.push_back(session[i] if session is not None else -1)
+            hashed_v.push_back(hashed_tokens[i] if hashed_tokens is not None else p)
+            hoff_v.push_back(h0 + (hash_offsets[i + 1] - hash_offsets[0]
+                                   if hash_offsets is not None else 0))
         if hash_ids is not None:
+            if len(hash_ids) != hash_offsets[n] - hash_offsets[0]:
+                raise ValueError(f"hash_ids: {len(hash_ids)} entries, hash_offsets say "
+                                 f"{hash_offsets[n] - hash_offsets[0]}")
             for i in range(len(hash_ids)):
-                self._hids.push_back(hash_ids[i])
+                ids_v.push_back(hash_ids[i])
+        for i in range(n):
+            if par_v[i] < 0:
+                self._open.push_back(base + i)
+        self._arr.insert(self._arr.end(), arr_v.begin(), arr_v.end())
+        self._parent.insert(self._parent.end(), par_v.begin(), par_v.end())
+        self._delay.insert(self._delay.end(), delay_v.begin(), delay_v.end())
+        self._ttft.insert(self._ttft.end(), ttft_v.begin(), ttft_v.end())
+        self._tpot.insert(self._tpot.end(), tpot_v.begin(), tpot_v.end())
+        self._prompt.insert(self._prompt.end(), prompt_v.begin(), prompt_v.end())
+        self._out.insert(self._out.end(), out_v.begin(), out_v.end())
+        self._maxtok.insert(self._maxtok.end(), max_v.begin(), max_v.end())
+        self._prio.insert(self._prio.end(), prio_v.begin(), prio_v.end())
+        self._sess.insert(self._sess.end(), sess_v.begin(), sess_v.end())
+        self._hashed.insert(self._hashed.end(), hashed_v.begin(), hashed_v.end())
+        self._hoff.insert(self._hoff.end(), hoff_v.begin(), hoff_v.end())
+        self._hids.insert(self._hids.end(), ids_v.begin(), ids_v.end())
         self._extend_request_state(base)
 
     cdef void _extend_request_state(self, Py_ssize_t base):

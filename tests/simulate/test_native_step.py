@@ -129,6 +129,8 @@ def test_stepping_refuses_an_arrival_before_the_horizon_and_misuse():
     ({"ttft_slo_s": [-1.0, float("nan")]}, r"ttft_slo_s\[1\]=nan"),
     ({"hash_offsets": [0, 2, 1], "hash_ids": [7]}, r"hash_offsets\[2\]=1: must not be below"),
     ({"hash_offsets": [0, 1, 2], "hash_ids": [7]}, r"hash_ids: 1 entries, hash_offsets say 2"),
+    ({"priority": [0, 2 ** 70]}, None),            # a value C cannot hold (OverflowError)
+    ({"hash_ids": [7, 2 ** 70]}, None),
 ])
 def test_a_refused_batch_adds_nothing(bad, match):
     """A bad row anywhere in a batch refuses the whole batch: the engine runs the
@@ -141,11 +143,11 @@ def test_a_refused_batch_adds_nothing(bad, match):
     e = engine(prefix=True)
     add(e, rows)
     cols = {"output_tokens": [5, 5], "ttft_slo_s": None, "hash_offsets": [0, 1, 2],
-            "hash_ids": [7, 8]}
+            "hash_ids": [7, 8], "priority": None}
     cols.update(bad)
     t = rows[-1][0]
-    with pytest.raises(ValueError, match=match):
-        e.add_requests([t, t], [40, 40], cols["output_tokens"], [9, 9],
+    with pytest.raises(OverflowError if match is None else ValueError, match=match):
+        e.add_requests([t, t], [40, 40], cols["output_tokens"], [9, 9], priority=cols["priority"],
                        hash_offsets=cols["hash_offsets"], hash_ids=cols["hash_ids"],
                        ttft_slo_s=cols["ttft_slo_s"])
     e.run()
