@@ -139,6 +139,9 @@ cdef class NativeEngine:
                  double step_c=0.0, int64_t hash_block_tokens=0, double sample_interval_s=1.0,
                  bint reserve_full_input=True, int64_t watermark_blocks=0,
                  int64_t max_num_active_seqs=0):
+        # The core checks the pool's numbers first (the checks below divide by block_size).
+        self.core = AdmissionCore(config, num_blocks, block_size, max_model_len)
+        self.allocator = BlockAllocator(num_blocks)
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs}: must be >= 1")
         if max_num_batched_tokens < 1:
@@ -164,8 +167,6 @@ cdef class NativeEngine:
                              f"block_size={block_size}")
         if not (isfinite(sample_interval_s) and sample_interval_s > 0):
             raise ValueError(f"sample_interval_s={sample_interval_s}: must be > 0")
-        self.core = AdmissionCore(config, num_blocks, block_size, max_model_len)
-        self.allocator = BlockAllocator(num_blocks)
         self._bs = block_size
         self._nblocks = num_blocks
         self._max_seqs = max_num_seqs

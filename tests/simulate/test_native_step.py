@@ -2,6 +2,7 @@
 stepping it on its own clock gets exactly what `run` gives, is told of refusals
 with their Retry-After, reads the published signals, and gets every block back."""
 import random
+import re
 
 import pytest
 
@@ -168,3 +169,13 @@ def test_a_turn_whose_parent_has_ended_is_refused_not_lost():
     e.add_requests([6.0], [10], [2], [2])      # the engine is unchanged: it goes on
     e.drain()
     assert [f >= 6.0 for f in e.results()["finish_s"]] == [False, True]
+
+
+@pytest.mark.parametrize("num_blocks, block_size, message", [
+    (64, 0, "block_size=0: must be in [1, 1048576]"),   # was a division by zero (SIGFPE)
+    (0, 16, "num_blocks=0: must be >= 1"),              # was "watermark_blocks=0: ..."
+])
+def test_the_pool_numbers_are_checked_first(num_blocks, block_size, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        NativeEngine(AdmissionConfig(), num_blocks, block_size, 2048, 64, 512, step_a=0.01,
+                     hash_block_tokens=32)
