@@ -192,6 +192,11 @@ def test_cli_errors_name_the_flag_and_its_limit(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_arrivals_out_of_order_are_refused_naming_the_index():
+    with pytest.raises(ValueError, match=r"arrival_s\[2\]=0.5: arrivals must be finite and not decrease"):
+        run(requests([0.0, 1.0, 0.5]), fleet(["auto"] * 2, "gie"))
+
+
 def test_cli_refuses_a_session_workload_before_any_run(capsys):
     assert main(["simulate", "--synthetic", "agents", "--requests", "20", "--instances", "2",
                  "--load", "1.0", "--quiet"]) == 2

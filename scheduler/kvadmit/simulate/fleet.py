@@ -110,9 +110,15 @@ class _Outbox:
 
 
 def check_open_loop(workload: Workload) -> None:
+    """A fleet routes open-loop requests in arrival order, as they come."""
     if workload.parent is not None and any(p >= 0 for p in workload.parent):
         raise ValueError(f"workload {workload.name}: a fleet replays open-loop requests only "
                          f"(session turns that wait for their previous turn are not routed yet)")
+    arr = workload.arrival_s
+    for i, t in enumerate(arr):
+        if not math.isfinite(t) or (i > 0 and t < arr[i - 1]):
+            raise ValueError(f"workload {workload.name}: arrival_s[{i}]={t}: arrivals must be "
+                             f"finite and not decrease (a fleet routes them in order)")
 
 
 def run_fleet(workload: Workload, setup: FleetSetup, shape: EngineShape, step: StepTimeModel,
