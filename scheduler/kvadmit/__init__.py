@@ -1,7 +1,9 @@
 """kvadmit: engine-side KV-cache admission control for LLM serving.
 
-The decisions live in the compiled core, ``kvadmit._native``; this package
-adds the configuration, engine adapters, simulator and command line.
+The decisions live in the compiled core: one extension module per part
+(``kvadmit._core``, ``kvadmit._policies``, ...; docs/architecture.md), all
+re-exported by ``kvadmit._native``; this package adds the configuration,
+engine adapters, simulator and command line.
 """
 try:
     from kvadmit import _native
