@@ -47,3 +47,23 @@ def test_every_native_module_is_an_extension_module():
     for name in NATIVE_MODULES:
         module = importlib.import_module(f"kvadmit.{name}")
         assert isinstance(module.__loader__, importlib.machinery.ExtensionFileLoader), name
+
+
+def test_the_sdist_ships_the_cython_sources(tmp_path):
+    """setup.py cythonizes native/kvadmit/*.pyx (cimporting their .pxd): an sdist with
+    only the generated .cpp could not be built (pip wheel of it failed with
+    "'native/kvadmit/_free_queue.pyx' doesn't match any files")."""
+    import subprocess
+    import sys
+    import tarfile
+    root = pathlib.Path(__file__).resolve().parents[1]
+    # a fresh egg-info: a stale one's SOURCES.txt would list the files by itself
+    subprocess.run([sys.executable, "setup.py", "-q", "egg_info", "-e", str(tmp_path), "sdist",
+                    "-d", str(tmp_path)], cwd=root, check=True, capture_output=True, timeout=300)
+    (archive,) = tmp_path.glob("*.tar.gz")
+    with tarfile.open(archive) as tar:
+        shipped = {pathlib.PurePosixPath(*pathlib.PurePosixPath(n).parts[1:]).as_posix()
+                   for n in tar.getnames()}
+    sources = {p.relative_to(root).as_posix()
+               for p in (root / "native" / "kvadmit").glob("*.p[xy][dx]")}
+    assert len(sources) >= 27 and sources <= shipped, sorted(sources - shipped)
