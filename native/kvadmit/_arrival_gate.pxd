@@ -50,6 +50,8 @@ cdef class ArrivalGate:
     cdef void c_admission_undone(self) noexcept nogil
     cdef double c_predicted_delay(self, int64_t ahead, int64_t ahead_tokens, int64_t queued,
                                   double now, bint backlog) noexcept nogil
+    cdef double c_peek_predicted_delay(self, int64_t ahead, int64_t ahead_tokens, int64_t queued,
+                                       double now, bint backlog) noexcept nogil
     cdef Rejection c_refuse(self, int code, str message, str limit, object value, object retry,
                             bint backlog)
     cdef Rejection c_refuse_context(self, int64_t prompt_tokens, int64_t max_new_tokens,
@@ -64,6 +66,8 @@ cdef class ArrivalGate:
     cdef Rejection c_refuse_shed(self, int64_t priority, int64_t victim_priority, bint over_reqs,
                                  bint backlog)
     cdef bint _drain_rates(self, double now, bint backlog, double* reqs_per_s,
+                           double* tokens_per_s) noexcept nogil
+    cdef bint _rates_as_of(self, double now, bint backlog, double* reqs_per_s,
                            double* tokens_per_s) noexcept nogil
     cdef bint _paced_rates(self, double now, bint backlog, double* reqs_per_s,
                            double* tokens_per_s) noexcept nogil

@@ -57,6 +57,15 @@ cdef class ArrivalResult:
         return f"ArrivalResult(rejected, {self.rejection!r})"
 
 
+cdef inline double _delay_at(int64_t ahead, int64_t ahead_tokens, int64_t queued,
+                             double reqs_per_s, double tokens_per_s) noexcept nogil:
+    """Seconds until `ahead` requests and their prefill, plus this one, drain."""
+    cdef double wait = (ahead + 1) / reqs_per_s
+    if tokens_per_s > 0:
+        wait = max(wait, (ahead_tokens + queued) / tokens_per_s)
+    return wait
+
+
 cdef class ArrivalGate:
     """The arrival gate of one core (its settings from the config). ``backlog``
     arguments: whether any request is waiting in the core's queue now."""
@@ -105,17 +114,35 @@ cdef class ArrivalGate:
     cdef bint _drain_rates(self, double now, bint backlog, double* reqs_per_s,
                            double* tokens_per_s) noexcept nogil:
         """Admissions and their prefill tokens per second of backlog over the last
-        drain_window_s of backlog (False: none observed yet)."""
+        drain_window_s of backlog (False: none observed yet); advances the backlog
+        clock to `now` and forgets admissions older than the window."""
         self.c_note_time(now, backlog)
         cdef double horizon = self._backlog_s - self._drain_window
         while not self._drain.empty() and self._drain.front().first < horizon:
             self._drain_tokens -= self._drain.front().second
             self._drain.pop_front()
-        cdef double span = min(self._backlog_s, self._drain_window)
-        if span <= 0.0 or self._drain.empty():
+        return self._rates_as_of(now, backlog, reqs_per_s, tokens_per_s)
+
+    cdef bint _rates_as_of(self, double now, bint backlog, double* reqs_per_s,
+                           double* tokens_per_s) noexcept nogil:
+        """The drain rates `_drain_rates` would give at `now`, changing nothing: a
+        read (a router's scrape, a metrics export) must not move the backlog clock,
+        or how often it is read would change later Retry-After hints and refusals."""
+        cdef double backlog_s = self._backlog_s
+        if self._seen_time and now > self._t_last and backlog:
+            backlog_s += now - self._t_last
+        cdef double horizon = backlog_s - self._drain_window
+        cdef int64_t n = self._drain.size(), tokens = self._drain_tokens
+        cdef size_t i = 0
+        while i < self._drain.size() and self._drain[i].first < horizon:
+            tokens -= self._drain[i].second
+            n -= 1
+            i += 1
+        cdef double span = min(backlog_s, self._drain_window)
+        if span <= 0.0 or n == 0:
             return False
-        reqs_per_s[0] = self._drain.size() / span
-        tokens_per_s[0] = self._drain_tokens / span
+        reqs_per_s[0] = n / span
+        tokens_per_s[0] = tokens / span
         return True
 
     cdef bint _paced_rates(self, double now, bint backlog, double* reqs_per_s,
@@ -150,13 +177,18 @@ cdef class ArrivalGate:
         """Queueing delay of an arrival behind `ahead` waiting requests (and their
         `ahead_tokens` of prefill), plus itself, at the recent admission rate
         (0 when nothing is ahead or no rate is known yet)."""
-        cdef double rr, rt, wait
+        cdef double rr, rt
         if ahead == 0 or not self._drain_rates(now, backlog, &rr, &rt):
             return 0.0
-        wait = (ahead + 1) / rr
-        if rt > 0:
-            wait = max(wait, (ahead_tokens + queued) / rt)
-        return wait
+        return _delay_at(ahead, ahead_tokens, queued, rr, rt)
+
+    cdef double c_peek_predicted_delay(self, int64_t ahead, int64_t ahead_tokens, int64_t queued,
+                                       double now, bint backlog) noexcept nogil:
+        """`c_predicted_delay` without advancing the backlog clock (for reads)."""
+        cdef double rr, rt
+        if ahead == 0 or not self._rates_as_of(now, backlog, &rr, &rt):
+            return 0.0
+        return _delay_at(ahead, ahead_tokens, queued, rr, rt)
 
     # --- refusals --------------------------------------------------------
     cdef double _in_line(self, double wait, double now, bint backlog) noexcept nogil:

@@ -891,8 +891,9 @@ cdef class AdmissionCore:
         return {
             "kv_headroom_blocks": max(self.num_blocks - demand, 0),
             "admission_pressure": demand / <double>self.num_blocks,
-            "predicted_queue_delay_s": self._predicted_delay(
-                self._waiting.size(), self._queued_tokens, 0, self._last_now),
+            "predicted_queue_delay_s": self.gate.c_peek_predicted_delay(
+                self._waiting.size(), self._queued_tokens, 0, self._last_now,
+                not self._waiting.empty()),
         }
 
     def stats(self):
