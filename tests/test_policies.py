@@ -172,3 +172,18 @@ def test_peak_admits_whenever_reserve_does(running, cp, cm, B):
         ok[name] = res.accepted and core.decide(res.slot, 40) == "admit"
     if ok["reserve"]:
         assert ok["peak"]
+
+
+def test_update_many_is_all_or_nothing():
+    """One bad entry refuses the whole step's update: the entries before it are not
+    applied (the engine's step is reported whole or not at all)."""
+    core = make_core("peak", num_blocks=100)
+    a = add_running(core, 20, 20)
+    b = add_running(core, 20, 20)
+    peak = core.peak_blocks()
+    with pytest.raises(ValueError, match="computed_tokens=99"):
+        core.update_many([a, b], [21, 99], [1, 1])
+    assert core.info(a)["generated_tokens"] == 0 and core.info(a)["computed_tokens"] == 0
+    assert core.peak_blocks() == peak
+    core.update_many([a, b], [21, 21], [1, 1])
+    assert core.info(a)["generated_tokens"] == core.info(b)["generated_tokens"] == 1

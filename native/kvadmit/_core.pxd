@@ -4,6 +4,7 @@
 # adapters drive it through the Python methods.
 from libc.stdint cimport int32_t, int64_t
 from libcpp.map cimport map as cmap
+from libcpp.vector cimport vector
 
 from kvadmit._agent_window cimport AgentWindow
 from kvadmit._arrival_gate cimport ArrivalGate, Rejection
@@ -121,7 +122,10 @@ cdef class AdmissionCore:
     cdef int32_t c_next_admissible(self, int64_t free_blocks, bint check_blocks) noexcept nogil
     cdef inline void _count_hold(self, int32_t s, int d) noexcept nogil
     cdef void c_admit(self, int32_t s, double now) noexcept nogil
+    cdef vector[int64_t] _batch   # update_many's checked (slot, computed, generated) rows
     cdef int _update(self, int64_t slot, int64_t computed_tokens, int64_t generated_tokens) except -1
+    cdef int _check_update(self, int64_t slot, int64_t computed_tokens, int64_t generated_tokens) except -1
+    cdef void _apply_update(self, int32_t s, int64_t computed_tokens, int64_t generated_tokens) noexcept nogil
     cdef void c_progress(self, int32_t s, int64_t computed_tokens, int64_t generated_tokens) noexcept nogil
     cdef void c_on_step(self) noexcept nogil
     cdef void c_preempt(self, int32_t s, double now) noexcept nogil

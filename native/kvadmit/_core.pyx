@@ -582,17 +582,23 @@ cdef class AdmissionCore:
         self._update(slot, computed_tokens, generated_tokens)
 
     cdef int _update(self, int64_t slot, int64_t computed_tokens, int64_t generated_tokens) except -1:
+        self._check_update(slot, computed_tokens, generated_tokens)
+        self._apply_update(<int32_t>slot, computed_tokens, generated_tokens)
+        return 0
+
+    cdef int _check_update(self, int64_t slot, int64_t computed_tokens, int64_t generated_tokens) except -1:
         self.ledger.check_live(slot)
         if generated_tokens < 0:
             raise ValueError(f"generated_tokens={generated_tokens}: must be >= 0")
         if computed_tokens < 0 or computed_tokens > self.ledger.prompt[slot] + generated_tokens:
             raise ValueError(f"computed_tokens={computed_tokens}: must be in "
                              f"[0, prompt_tokens + generated_tokens = {self.ledger.prompt[slot] + generated_tokens}]")
-        cdef int32_t s = <int32_t>slot
+        return 0
+
+    cdef void _apply_update(self, int32_t s, int64_t computed_tokens, int64_t generated_tokens) noexcept nogil:
         self._queued_tokens += self.ledger.set_counts(s, computed_tokens, generated_tokens)
         if self.ledger.state[s] == ST_RUNNING:
             self.policy.c_running_changed()
-        return 0
 
     cdef void c_progress(self, int32_t s, int64_t computed_tokens, int64_t generated_tokens) noexcept nogil:
         """`update` for a running request, unchecked (the native engine's hot path)."""
@@ -600,13 +606,28 @@ cdef class AdmissionCore:
         self.policy.c_running_changed()
 
     def update_many(self, slots, computed_tokens, generated_tokens):
-        """`update` for many requests at once (one call per engine step)."""
+        """`update` for many requests at once (one call per engine step). Every
+        entry is checked before any is applied: a refused call changes nothing."""
         cdef Py_ssize_t i, n = len(slots)
         if len(computed_tokens) != n or len(generated_tokens) != n:
             raise ValueError(f"update_many: {n} slots but {len(computed_tokens)} computed_tokens "
                              f"and {len(generated_tokens)} generated_tokens")
+        if <Py_ssize_t>self._batch.size() < 3 * n:
+            self._batch.resize(3 * n)       # kept between calls: no allocation a step
+        cdef int64_t* row = self._batch.data()
+        cdef int64_t slot, computed, generated, live = self.ledger.state.size()
         for i in range(n):
-            self._update(slots[i], computed_tokens[i], generated_tokens[i])
+            slot, computed, generated = slots[i], computed_tokens[i], generated_tokens[i]
+            if (slot < 0 or slot >= live or self.ledger.state[slot] == ST_FREE or generated < 0
+                    or computed < 0 or computed > self.ledger.prompt[slot] + generated):
+                self._check_update(slot, computed, generated)     # raises, naming the field
+            row[3 * i], row[3 * i + 1], row[3 * i + 2] = slot, computed, generated
+        cdef bint running_changed = False
+        for i in range(n):
+            self._queued_tokens += self.ledger.set_counts(<int32_t>row[3 * i], row[3 * i + 1], row[3 * i + 2])
+            running_changed |= self.ledger.state[row[3 * i]] == ST_RUNNING
+        if running_changed:
+            self.policy.c_running_changed()
 
     def set_cached(self, int64_t slot, int64_t cached_tokens):
         """Prefix-cache hit the engine found for a waiting request (tokens)."""
