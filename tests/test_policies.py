@@ -187,3 +187,52 @@ def test_update_many_is_all_or_nothing():
     assert core.peak_blocks() == peak
     core.update_many([a, b], [21, 21], [1, 1])
     assert core.info(a)["generated_tokens"] == core.info(b)["generated_tokens"] == 1
+
+
+def _first_admissible(core, free, max_bypass, lookahead):
+    """next_admissible's scan, one decide() at a time (no scan cache): the queue in
+    order; a held request stops it unless bypass lets later ones pass, within the
+    lookahead."""
+    scanned = 0
+    for i, s in enumerate(core.waiting()):
+        if core.decide(s, free) == "admit":
+            return s
+        if core.info(s)["bypassed"] >= max_bypass:
+            return -1
+        if i > 0:
+            scanned += 1
+            if scanned >= lookahead:
+                return -1
+    return -1
+
+
+@pytest.mark.parametrize("policy", ["peak", "adaptive", "auto"])
+@pytest.mark.parametrize("seed", range(6))
+def test_queue_scan_answers_as_one_decide_at_a_time(policy, seed):
+    """next_admissible skips the peak computation for a request whose curve covers
+    one refused earlier in the same scan; its answer stays the first admissible
+    request, step after step, as admissions, progress and finishes change the pool."""
+    import random
+    rng = random.Random(seed)
+    core = make_core(policy, num_blocks=rng.randint(40, 160), block_size=4,
+                     head_of_line="bypass", max_bypass=6, bypass_lookahead=5)
+    running = []
+    for step in range(120):
+        for _ in range(rng.randint(0, 3)):
+            core.arrive(rng.randint(1, 60), rng.randint(1, 60), now=step)
+        free = rng.randint(0, core.num_blocks)
+        want = _first_admissible(core, free, 6, 5)
+        got = core.next_admissible(free)
+        assert got == want, (step, got, want)
+        if got >= 0:
+            core.admit(got, step)
+            running.append(got)
+        for s in list(running):
+            info = core.info(s)
+            g = info["generated_tokens"] + 1
+            if g >= info["max_new_tokens"] or rng.random() < 0.05:
+                core.finish(s, step)
+                running.remove(s)
+            else:
+                core.update(s, info["prompt_tokens"] + g - 1, g)
+        core.on_step(step)

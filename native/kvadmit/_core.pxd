@@ -120,6 +120,7 @@ cdef class AdmissionCore:
                                   const int64_t* held, int64_t n, int64_t free_blocks,
                                   int64_t budget, int64_t lookahead, char* paused) noexcept nogil
     cdef int32_t c_next_admissible(self, int64_t free_blocks, bint check_blocks) noexcept nogil
+    cdef int32_t _scan_queue(self, int64_t free_blocks, bint check_blocks) noexcept nogil
     cdef inline void _count_hold(self, int32_t s, int d) noexcept nogil
     cdef void c_admit(self, int32_t s, double now) noexcept nogil
     cdef vector[int64_t] _batch   # update_many's checked (slot, computed, generated) rows

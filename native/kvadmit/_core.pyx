@@ -478,6 +478,14 @@ cdef class AdmissionCore:
         return self.c_next_admissible(free_blocks, check_blocks)
 
     cdef int32_t c_next_admissible(self, int64_t free_blocks, bint check_blocks) noexcept nogil:
+        self.policy.c_scan_begin()
+        cdef int32_t s = self._scan_queue(free_blocks, check_blocks)
+        self.policy.c_scan_end()
+        return s
+
+    cdef int32_t _scan_queue(self, int64_t free_blocks, bint check_blocks) noexcept nogil:
+        """The first waiting request that may start now, in queue order with bypass
+        (-1: none); counts the head's hold."""
         if self._waiting.empty():
             return -1
         if self._paused_now:

@@ -17,6 +17,10 @@ cdef enum:  # indexes into POLICIES
     P_AUTO = 5        # adaptive's curves, own constants (AUTO_*), prefix sharing discounted
 
 
+cdef enum:
+    REFUSED_CURVES_KEPT = 8   # refused curves a queue scan remembers
+
+
 cdef class Policy:
     cdef readonly int kind                 # its index in POLICIES
     cdef Ledger ledger
@@ -37,6 +41,35 @@ cdef class Policy:
     # The output-length model, fed by every finish; adaptive and auto predict with it.
     cdef readonly OutputLengthModel lengths
     cdef readonly double quantile          # the length quantile (adaptive and auto move it)
+
+    # A scan of the waiting queue (the core's next_admissible) asks c_fits of many
+    # requests against one running set: curves refused in it refuse every curve at
+    # least as long and as large (the peak only grows), without recomputing it.
+    cdef vector[Curve] _refused_in_scan
+    cdef bint _scanning
+
+    cdef inline void c_scan_begin(self) noexcept nogil:
+        self._refused_in_scan.clear()
+        self._scanning = True
+
+    cdef inline void c_scan_end(self) noexcept nogil:
+        self._scanning = False
+
+    cdef inline bint _covers_refused(self, const Curve& c) noexcept nogil:
+        """Whether c is at least one refused curve of this scan, in both steps and tokens."""
+        cdef size_t i
+        if not self._scanning:
+            return False
+        for i in range(self._refused_in_scan.size()):
+            if self._refused_in_scan[i].steps <= c.steps and self._refused_in_scan[i].tokens <= c.tokens:
+                return True
+        return False
+
+    cdef inline bint _noted(self, bint fits, const Curve& c) noexcept nogil:
+        """Returns fits; remembers c for this scan when refused (a few curves suffice)."""
+        if not fits and self._scanning and self._refused_in_scan.size() < REFUSED_CURVES_KEPT:
+            self._refused_in_scan.push_back(c)
+        return fits
 
     cdef inline void c_running_changed(self) noexcept nogil:
         """A running request's numbers changed, or the running set did."""

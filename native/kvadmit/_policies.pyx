@@ -208,8 +208,11 @@ cdef class PeakPolicy(Policy):
     cdef bint c_fits(self, int32_t s, int64_t free_blocks) noexcept nogil:
         self._ensure_profile()
         cdef Curve c = self._curve(s)
-        return peak_blocks_sorted(self._profile.data(), self._profile.size(), &c,
-                                  self.block_size, self.num_blocks, self._fenwick) <= self.num_blocks
+        if self._covers_refused(c):
+            return False
+        return self._noted(peak_blocks_sorted(self._profile.data(), self._profile.size(), &c,
+                                              self.block_size, self.num_blocks, self._fenwick)
+                           <= self.num_blocks, c)
 
     cdef int64_t c_forecast_blocks(self) noexcept nogil:
         return self.c_peak_blocks()
@@ -339,9 +342,11 @@ cdef class AutoPolicy(AdaptivePolicy):
     cdef bint c_fits(self, int32_t s, int64_t free_blocks) noexcept nogil:
         self._ensure_profile()
         cdef Curve c = self._curve(s)
-        return peak_blocks_sorted(self._profile.data(), self._profile.size(), &c,
-                                  self.block_size, self.num_blocks, self._fenwick) \
-            + self._shared_term() <= self.num_blocks
+        if self._covers_refused(c):
+            return False
+        return self._noted(peak_blocks_sorted(self._profile.data(), self._profile.size(), &c,
+                                              self.block_size, self.num_blocks, self._fenwick)
+                           + self._shared_term() <= self.num_blocks, c)
 
     cdef int64_t c_forecast_blocks(self) noexcept nogil:
         return self.c_peak_blocks() + self._shared_term()
