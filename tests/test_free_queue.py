@@ -49,6 +49,13 @@ def test_errors_match_vllm():
     with pytest.raises(ValueError, match="block 0 listed twice"):
         q.prepend_n([0, 0])
     assert q.get_all_free_blocks() == [1]        # refused whole: nothing was linked
+    with pytest.raises(ValueError, match="double free"):
+        q.append_n([0, 1])                       # 1 is already free: 0 stays out
+    with pytest.raises(ValueError, match="double free"):
+        q.append_n([0, 0])
+    with pytest.raises(TypeError):
+        q.append_n([0, None])
+    assert q.get_all_free_blocks() == [1]
     q.check_invariants()
 
 
@@ -78,6 +85,12 @@ def test_object_queue_returns_the_pools_own_objects():
         q.remove(Block(9))
     with pytest.raises(RuntimeError):
         q.append(blocks[0])
+    q.popleft_n(2)                                   # 3 and 2 out; 1, 0 free
+    with pytest.raises(RuntimeError, match="already free or unknown: .*"):
+        q.append_n([blocks[3], blocks[2], blocks[0]])   # 0 is free: 3 and 2 stay out
+    with pytest.raises(AttributeError):
+        q.append_n([blocks[3], object()])
+    assert [b.block_id for b in q.get_all_free_blocks()] == [1, 0]
     with pytest.raises(ValueError, match="must equal its index"):
         BlockObjectQueue([Block(1)])
 

@@ -51,6 +51,14 @@ cdef class FreeBlockQueue:
         self._unlink(b)
         return b
 
+    cdef inline int32_t c_pop_tail(self) noexcept nogil:
+        """The tail's id, unlinked (undoes the last c_append); -1 when empty."""
+        cdef int32_t b = self._prev[self._tail]
+        if b == self._head:
+            return -1
+        self._unlink(b)
+        return b
+
     cdef inline int c_remove(self, int32_t b) noexcept nogil:
         if not self.c_contains(b):
             return -1

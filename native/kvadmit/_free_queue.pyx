@@ -84,10 +84,20 @@ cdef class FreeBlockQueue:
         self.c_append(<int32_t>b)
 
     def append_n(self, blocks):
+        """Append blocks at the tail in order. A refused call links nothing: the
+        blocks appended before a bad one are taken back off the tail."""
         cdef int64_t b
-        for b in blocks:
-            self._check_append(b)
-            self.c_append(<int32_t>b)
+        cdef Py_ssize_t appended = 0
+        try:
+            for b in blocks:
+                self._check_append(b)
+                self.c_append(<int32_t>b)
+                appended += 1
+        except BaseException:
+            while appended > 0:
+                self.c_pop_tail()
+                appended -= 1
+            raise
 
     def prepend_n(self, blocks):
         """Put blocks at the head, keeping their order (blocks[0] pops first)."""
@@ -218,13 +228,22 @@ cdef class BlockObjectQueue:
             raise RuntimeError(f"append() called on a block already free or unknown: {block}")
 
     def append_n(self, blocks):
+        """A refused call links nothing: the blocks appended before a bad one are
+        taken back off the tail."""
         cdef int64_t b
         cdef list seq = blocks if type(blocks) is list else list(blocks)
-        cdef Py_ssize_t i
-        for i in range(len(seq)):
-            b = self._id(seq[i])
-            if b < 0 or b >= self._q.c_num_blocks() or self._q.c_append(<int32_t>b) != 0:
-                raise RuntimeError(f"append_n() called on a block already free or unknown: {seq[i]}")
+        cdef Py_ssize_t i, appended = 0
+        try:
+            for i in range(len(seq)):
+                b = self._id(seq[i])
+                if b < 0 or b >= self._q.c_num_blocks() or self._q.c_append(<int32_t>b) != 0:
+                    raise RuntimeError(f"append_n() called on a block already free or unknown: {seq[i]}")
+                appended += 1
+        except BaseException:
+            while appended > 0:
+                self._q.c_pop_tail()
+                appended -= 1
+            raise
 
     def prepend_n(self, blocks):
         self._q.prepend_n([block.block_id for block in blocks])
