@@ -47,7 +47,6 @@ EXTRA = {
                      'predict={"policy": "predict", "shortfall": "preempt"}'],
     "agents": ['agent-window={"agent_window": true}',
                'agent-window-peak={"agent_window": true, "policy": "peak", "agent_window_init": 2}'],
-    "mooncake-prefix": ['adaptive={"policy": "adaptive"}'],
 }
 
 
