@@ -104,7 +104,7 @@ cdef class ReservePolicy(Policy):
 
 
 cdef class PeakPolicy(Policy):
-    pass
+    cdef int64_t _shared_term(self) noexcept nogil
 
 
 cdef class PredictPolicy(Policy):
@@ -123,7 +123,6 @@ cdef class AutoPolicy(AdaptivePolicy):
     cdef int64_t _n_capped            # how many in _capped_window did
     cdef int64_t _unowned_blocks      # blocks in use that no running request's own part counts
     cdef int64_t _max_shared_blocks   # the longest prefix a running request shares, in blocks
-    cdef int64_t _shared_term(self) noexcept nogil
 
 
 cdef Policy make_policy(config, Ledger ledger, int64_t num_blocks, int64_t max_model_len)

@@ -212,10 +212,15 @@ cdef class PeakPolicy(Policy):
             return False
         return self._noted(peak_blocks_sorted(self._profile.data(), self._profile.size(), &c,
                                               self.block_size, self.num_blocks, self._fenwick)
-                           <= self.num_blocks, c)
+                           + self._shared_term() <= self.num_blocks, c)
 
     cdef int64_t c_forecast_blocks(self) noexcept nogil:
-        return self.c_peak_blocks()
+        return self.c_peak_blocks() + self._shared_term()
+
+    cdef int64_t _shared_term(self) noexcept nogil:
+        """Blocks added to the running curves' peak: none here (auto adds its shared
+        prefixes)."""
+        return 0
 
 
 cdef class PredictPolicy(Policy):
@@ -338,18 +343,6 @@ cdef class AutoPolicy(AdaptivePolicy):
                 return self.ledger.worst_steps(s)
             q = q / (1.0 - h)
         return self.lengths.c_predict_remaining(self.ledger.generated[s], self.ledger.max_new[s], q)
-
-    cdef bint c_fits(self, int32_t s, int64_t free_blocks) noexcept nogil:
-        self._ensure_profile()
-        cdef Curve c = self._curve(s)
-        if self._covers_refused(c):
-            return False
-        return self._noted(peak_blocks_sorted(self._profile.data(), self._profile.size(), &c,
-                                              self.block_size, self.num_blocks, self._fenwick)
-                           + self._shared_term() <= self.num_blocks, c)
-
-    cdef int64_t c_forecast_blocks(self) noexcept nogil:
-        return self.c_peak_blocks() + self._shared_term()
 
     cdef int64_t _shared_term(self) noexcept nogil:
         """Blocks auto adds to the own curves: those in use that no running request
