@@ -24,3 +24,21 @@ def wrap(owner, name: str, make_wrapper) -> None:
     wrapper.__wrapped__ = original
     wrapper.__doc__ = original.__doc__
     setattr(owner, name, wrapper)
+
+
+def add_app_middleware(middleware) -> None:
+    """Adds the ASGI `middleware` to vLLM's API server app where vLLM adds its own
+    (init_entrypoints_middleware, when the app is built), once per middleware."""
+    import vllm.entrypoints.launchers.app as app_module
+
+    def make(original):
+        def init_entrypoints_middleware(args, app, *rest, **kwargs):
+            result = original(args, app, *rest, **kwargs)
+            app.add_middleware(middleware)
+            return result
+        return init_entrypoints_middleware
+
+    # wrap's once-mark is the maker's name: the middleware's patch module, one per middleware.
+    make.__module__ = middleware.__module__
+    make.__qualname__ = f"{make.__qualname__}[{middleware.__qualname__}]"
+    wrap(app_module, "init_entrypoints_middleware", make)

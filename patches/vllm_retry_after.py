@@ -14,7 +14,7 @@ server loads it before it builds its app (the engine client comes first).
 from __future__ import annotations
 
 from kvadmit.protocol import RETRY_HINT_RE
-from kvadmit_patches import wrap
+from kvadmit_patches import add_app_middleware
 
 TARGET = "vllm.entrypoints.launchers.app.init_entrypoints_middleware"
 # 0.33.0 variant: the same hook. vLLM 0.33.0's init_entrypoints_middleware (in
@@ -58,14 +58,5 @@ def apply() -> bool:
 
     if vllm.__version__ not in VERSIONS:
         return False
-    import vllm.entrypoints.launchers.app as app_module
-
-    def make(original):
-        def init_entrypoints_middleware(args, app, *rest, **kwargs):
-            result = original(args, app, *rest, **kwargs)
-            app.add_middleware(RetryAfterMiddleware)
-            return result
-        return init_entrypoints_middleware
-
-    wrap(app_module, "init_entrypoints_middleware", make)
+    add_app_middleware(RetryAfterMiddleware)
     return True

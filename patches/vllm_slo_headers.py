@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 from kvadmit.request_fields import FLAT_PREFIX
-from kvadmit_patches import wrap
+from kvadmit_patches import add_app_middleware
 
 TARGET = "vllm.entrypoints.launchers.app.init_entrypoints_middleware"
 VERSIONS = ("0.32.0", "0.33.0")     # the same hook as vllm_retry_after.py
@@ -100,14 +100,5 @@ def apply() -> bool:
 
     if vllm.__version__ not in VERSIONS:
         return False
-    import vllm.entrypoints.launchers.app as app_module
-
-    def make(original):
-        def init_entrypoints_middleware(args, app, *rest, **kwargs):
-            result = original(args, app, *rest, **kwargs)
-            app.add_middleware(SloHeaderMiddleware)
-            return result
-        return init_entrypoints_middleware
-
-    wrap(app_module, "init_entrypoints_middleware", make)
+    add_app_middleware(SloHeaderMiddleware)
     return True
