@@ -666,9 +666,9 @@ cdef class NativeEngine:
         self.core.c_on_step()
         # As the engine adapters do: the fit is also reported (stats), guard or not.
         self.core.slo_guard.c_observe_step(batch, ctx, dt)
-        self.core.c_observe_cache(self._nblocks - self.allocator.c_num_free(), self._step_hit,
-                                   self._step_query, t_end)
-        self.core.c_observe_used_blocks(self._nblocks - self.allocator.c_num_free())
+        used = self._nblocks - self.allocator.c_num_free()     # after the finishes
+        self.core.c_observe_cache(used, self._step_hit, self._step_query, t_end)
+        self.core.c_observe_used_blocks(used)
         self._step_hit = self._step_query = 0
         self._demote_paused()
         self._sample_timeline()
