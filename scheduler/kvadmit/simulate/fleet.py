@@ -100,6 +100,20 @@ class _Outbox:
         self.prio = []
         self.off, self.ids, self.hashed = [0], [], []
 
+    def push(self, t: float, prompt: int, out: int, mx: int, prio: int, ttft: float,
+             tpot: float, hashed: int, hash_ids) -> None:
+        self.arr.append(t)
+        self.prompt.append(prompt)
+        self.out.append(out)
+        self.mx.append(mx)
+        self.prio.append(prio)
+        self.ttft.append(ttft)
+        self.tpot.append(tpot)
+        self.hashed.append(hashed)
+        if self.prefix:
+            self.ids.extend(hash_ids)
+            self.off.append(len(self.ids))
+
     def flush(self, eng: NativeEngine) -> None:
         if not self.arr:
             return
@@ -119,6 +133,16 @@ def check_open_loop(workload: Workload) -> None:
         if not math.isfinite(t) or (i > 0 and t < arr[i - 1]):
             raise ValueError(f"workload {workload.name}: arrival_s[{i}]={t}: arrivals must be "
                              f"finite and not decrease (a fleet routes them in order)")
+
+
+def _last_scrape_tick(t0: float, tick: float, t: float, k_from: int) -> int:
+    """The last scrape tick (a multiple of SYNC_PER_SCRAPE) at or before t, as a tick
+    count from t0; k_from or below if none lies after k_from."""
+    k = int((t - t0) / tick)
+    k -= k % SYNC_PER_SCRAPE
+    while k > k_from and t0 + k * tick > t:     # rounding
+        k -= SYNC_PER_SCRAPE
+    return k
 
 
 def run_fleet(workload: Workload, setup: FleetSetup, shape: EngineShape, step: StepTimeModel,
@@ -214,18 +238,12 @@ def run_fleet(workload: Workload, setup: FleetSetup, shape: EngineShape, step: S
         e = choice
         placed[i] = e
         router.sent(e, req_view)
-        ob = outbox[e]
-        ob.arr.append(t)
-        ob.prompt.append(workload.prompt_tokens[i])
-        ob.out.append(workload.output_tokens[i])
-        ob.mx.append(workload.output_tokens[i] if oracle[e] else workload.max_tokens[i])
-        ob.prio.append(workload.priority[i] if workload.priority is not None else 0)
-        ob.ttft.append(ttft[i])
-        ob.tpot.append(tpot[i])
-        ob.hashed.append(hashed[i] if hashed is not None else workload.prompt_tokens[i])
-        if ob.prefix:
-            ob.ids.extend(req_view.hash_ids)
-            ob.off.append(len(ob.ids))
+        outbox[e].push(t, workload.prompt_tokens[i], workload.output_tokens[i],
+                       workload.output_tokens[i] if oracle[e] else workload.max_tokens[i],
+                       workload.priority[i] if workload.priority is not None else 0,
+                       ttft[i], tpot[i],
+                       hashed[i] if hashed is not None else workload.prompt_tokens[i],
+                       req_view.hash_ids)
         owner[e].append(i)
 
     idle = False
@@ -239,10 +257,7 @@ def run_fleet(workload: Workload, setup: FleetSetup, shape: EngineShape, step: S
                 break
             if idle and t_ev < math.inf and t_ev > t_sync + tick:
                 # nothing runs anywhere until t_ev: skip the empty ticks
-                k_skip = int((t_ev - t0) / tick)
-                k_skip -= k_skip % SYNC_PER_SCRAPE
-                while k_skip > k_sync and t0 + k_skip * tick > t_ev:   # rounding
-                    k_skip -= SYNC_PER_SCRAPE
+                k_skip = _last_scrape_tick(t0, tick, t_ev, k_sync)
                 if k_skip > k_sync:
                     k_sync = k_skip
                     t_sync = t0 + k_sync * tick
