@@ -158,17 +158,17 @@ class Prefix(Gie):
     def choose(self, req, now, exclude):
         cands = self.filtered(exclude)
         ids = req.hash_ids or []
-        match = dict.fromkeys(cands, 0)
-        for e in cands:
-            k = 0
-            for h in ids:
-                if self.where.get(h) != e:
-                    break
-                k += 1
-            match[e] = k
+        # Only the instance the first block went to can hold a leading run of them.
+        last = self.where.get(ids[0]) if ids else None
+        run = 0
+        for h in ids:
+            if self.where.get(h) != last:
+                break
+            run += 1
         base = self.scores(cands)
         total = max(len(ids), 1)
-        e = self.pick_max(cands, lambda e: base(e) + self.PREFIX_WEIGHT * match[e] / total)
+        e = self.pick_max(cands, lambda e: base(e) + self.PREFIX_WEIGHT
+                          * (run if e == last else 0) / total)
         for h in ids:
             self.where.pop(h, None)
             self.where[h] = e
