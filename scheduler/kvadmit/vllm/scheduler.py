@@ -329,9 +329,8 @@ class _KvadmitMixin:
 
     def _kvadmit_shared_tokens(self, request: Request) -> int:
         """Tokens of a just-allocated request in blocks other requests also hold
-        (prefix-cache hits on blocks in use: reference count above one)."""
-        if not self.kvadmit.count_shared_prefix:
-            return 0
+        (prefix-cache hits on blocks in use: reference count above one). Asked only
+        where kvadmit.count_shared_prefix (one full-attention group)."""
         blocks = self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks.get(
             request.request_id, ())
         return sum(1 for b in blocks if b.ref_cnt > 1) * self.block_size
