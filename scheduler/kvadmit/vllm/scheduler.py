@@ -234,8 +234,6 @@ class KvadmitState:
     usable_blocks: int                   # the pool less vLLM's null block
     # vLLM's priority queue: ties of (priority, arrival_time) go by request id (None: FCFS).
     request_id_ties: RequestIdTies | None
-    # Agent window: KV usage and prefix hits go to the core every step.
-    feeds_cache_signals: bool
     # Agent window with prefix caching: the requests the gate started this step (their
     # prefix-cache hits are reported to the bridge); None otherwise.
     started_this_step: list[Request] | None
@@ -289,7 +287,6 @@ class _KvadmitMixin:
             vocab_size=self.vllm_config.model_config.get_vocab_size(),
             usable_blocks=usable_blocks,
             request_id_ties=RequestIdTies() if self.policy == SchedulingPolicy.PRIORITY else None,
-            feeds_cache_signals=cfg.agent_window,
             started_this_step=[] if cfg.agent_window and caching else None,
             pause_plan_blocks=(self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
                                if cfg.pause_on_shortfall else None),
@@ -517,7 +514,7 @@ class _KvadmitMixin:
         # From the previous schedule() to this one: that step's scheduling, forward
         # pass and output processing (with async scheduling, the pipeline's period).
         bridge.begin_step(now)
-        if self.kvadmit.feeds_cache_signals:
+        if self.kvadmit.config.agent_window:   # KV usage and prefix hits go to the core
             used = self.kvadmit.usable_blocks - self.kv_cache_manager.block_pool.get_num_free_blocks()
             bridge.observe_cache(used, now)
         # The window, the running set and the step-time fit may have changed since the
