@@ -29,7 +29,7 @@ every step. The script prints, against vLLM's default on the native engine:
 The online rules also run on the scorecard's azure-honest burst (honest caps,
 varied lengths) when the trace is found, to show what they cost there.
 
-    python bench/equal_burst_bound.py --iterations 9000 --json bench/results/equal_burst_bound.json
+    python bench/equal_burst_bound.py --iterations 80000 --seed 2 --json bench/results/equal_burst_bound.json
 """
 from __future__ import annotations
 
