@@ -37,6 +37,8 @@ from kvadmit.simulate.scorecard import WATERMARKS
 from kvadmit.vllm.scheduler import KvadmitAsyncScheduler, KvadmitScheduler
 from kvadmit.vllm.tiny_model import DEFAULT_DIR, EOS_TOKEN_ID
 
+# The Azure 2023 conversation trace bundled in the package (kvadmit.traces.BUNDLED).
+DEFAULT_TRACE = "azure2023_conv"
 COUNTS_ENV = "KVADMIT_BENCH_COUNTS"
 EXPECT_ENV = "KVADMIT_BENCH_EXPECT"
 STEP_TIMES_ENV = "KVADMIT_BENCH_STEP_TIMES"
@@ -573,7 +575,7 @@ def build_workload(kind: str, requests: int, max_model_len: int, max_tokens: int
         workload = synthetic_workload(requests, max_model_len, max_tokens, stop_early=stop_early)
         source = f"synthetic, {requests} requests, seed 0"
     elif kind == "azure":
-        trace = trace or str(pathlib.Path("..") / "shared" / "traces" / "azure2023_conv.csv")
+        trace = trace or DEFAULT_TRACE
         workload = azure_workload(trace, requests, max_model_len, max_tokens)
         if not stop_early:
             workload = [BenchRequest(r.prompt_token_ids, r.max_tokens, r.max_tokens) for r in workload]
@@ -767,7 +769,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", nargs="+", default=None, metavar="NAME",
                     help=f"--suite: only these workloads (of {', '.join(c.name for c in SUITE)})")
     ap.add_argument("--workload", choices=("synthetic", "azure"), default="azure")
-    ap.add_argument("--trace", default=None, help="Azure CSV (default: ../shared/traces/azure2023_conv.csv)")
+    ap.add_argument("--trace", default=None,
+                    help="the Azure trace: a path to its CSV (optionally .gz) or a bundled trace's "
+                         f"name (default: {DEFAULT_TRACE}, the copy shipped in the package)")
     ap.add_argument("--requests", type=int, default=None,
                     help="requests in the workload (default 256; --suite: each workload's own)")
     ap.add_argument("--num-blocks", type=int, default=33)
