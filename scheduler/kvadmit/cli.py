@@ -3,7 +3,7 @@
     kvadmit bench vllm [--workload azure|synthetic] ...
         vLLM's real engine (CPU build) on a tiny local model: vLLM's scheduler
         against every kvadmit policy on one workload (see kvadmit.vllm.bench).
-    kvadmit simulate --trace ../shared/traces/azure2023_conv.csv --preset h100-8b --load 1.5
+    kvadmit simulate --trace azure2023_conv --preset h100-8b --load 1.5
         Replays a workload through every policy on a virtual clock, on the native
         engine model or vLLM's real scheduler (kvadmit.simulate).
     kvadmit config
