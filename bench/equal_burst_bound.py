@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import pathlib
 import platform
 import random
 import sys
@@ -47,7 +46,7 @@ import numpy as np
 from kvadmit.config import AdmissionConfig
 from kvadmit.simulate.policies import parse_policy
 from kvadmit.simulate.run import run_policy
-from kvadmit.simulate.scorecard import AZURE, azure_burst, equal_burst, tiny_shape
+from kvadmit.simulate.scorecard import azure_burst, equal_burst, tiny_shape
 from kvadmit.simulate.steptime import CPU_TINY
 
 
@@ -247,9 +246,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iterations", type=int, default=2000, help="local-search moves (0: none)")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--traces", default="../shared/traces",
-                    help="folder with azure2023_conv.csv: also the online rules on the scorecard's "
-                         "azure-honest burst (skipped when missing)")
+    ap.add_argument("--trace", default="azure2023_conv",
+                    help="the Azure conversation trace (a bundled name or a CSV path): also the "
+                         "online rules on the scorecard's azure-honest burst")
     ap.add_argument("--json", help="write the numbers here")
     args = ap.parse_args(argv)
     if args.iterations < 0:
@@ -287,17 +286,14 @@ def main(argv=None) -> int:
     print(f"  1.02x vLLM would be {1.02 * vllm:.0f} steps: an average of "
           f"{eq['block_steps'] / (1.02 * vllm):.1f} of {pool} blocks in use")
     out = {"equal-burst": eq}
-    trace = pathlib.Path(args.traces) / AZURE
-    if trace.exists():
-        hw = azure_burst(trace, 12000, 256, "real", "azure-honest")
-        h = out["azure-honest"] = block_model(hw, tiny_shape(32), "azure-honest")
-        print(f"azure-honest ({len(hw)} requests, honest caps, 32 blocks): first fit (= peak) "
-              f"{h['first_fit_steps']}, lookahead {h['lookahead']['steps']} (held "
-              f"{h['lookahead']['held_steps']}), stagger {h['stagger']['steps']} (held "
-              f"{h['stagger']['held_steps']}); native: auto {h['engine']['default']['steps']}, "
-              f"vLLM {h['engine']['vllm-default']['steps']}")
-    else:
-        print(f"azure-honest skipped: {trace} not found (--traces)")
+    trace = args.trace
+    hw = azure_burst(trace, 12000, 256, "real", "azure-honest")
+    h = out["azure-honest"] = block_model(hw, tiny_shape(32), "azure-honest")
+    print(f"azure-honest ({len(hw)} requests, honest caps, 32 blocks): first fit (= peak) "
+          f"{h['first_fit_steps']}, lookahead {h['lookahead']['steps']} (held "
+          f"{h['lookahead']['held_steps']}), stagger {h['stagger']['steps']} (held "
+          f"{h['stagger']['held_steps']}); native: auto {h['engine']['default']['steps']}, "
+          f"vLLM {h['engine']['vllm-default']['steps']}")
     wall = time.perf_counter() - t0
     if args.json:
         out.update({"command": "python bench/equal_burst_bound.py " + " ".join(

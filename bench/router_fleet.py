@@ -410,14 +410,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacity", type=float, default=None,
                     help="the fleet's capacity in req/s (default: measured on stock vLLM)")
     ap.add_argument("--setups", nargs="*", help="setup names (default: all)")
-    ap.add_argument("--trace", default=None, help="Azure CSV (default: the bundled trace)")
+    ap.add_argument("--trace", default="azure2023_conv",
+                    help="an Azure conversation trace: a bundled name or a CSV path")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--out", default=None, help="save the rows as JSON here")
     args = ap.parse_args(argv)
     from kvadmit.vllm.tiny_model import DEFAULT_DIR, build_tiny_llama
     model_dir = str(build_tiny_llama(args.model_dir or DEFAULT_DIR))
-    trace = args.trace or default_trace()
+    trace = args.trace
     chosen = setups(args.ttft, args.setups)
     if any(s.front == "haproxy" for s in chosen) and not shutil.which("haproxy"):
         print("router_fleet: haproxy is not installed; its setups are left out", file=sys.stderr)
@@ -458,15 +459,6 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(out, f, indent=1)
         print(f"saved {args.out}")
     return 0
-
-
-def default_trace() -> str:
-    import pathlib
-    here = pathlib.Path(__file__).resolve().parents[1]
-    for candidate in (here.parent / "shared" / "traces" / "azure2023_conv.csv",):
-        if candidate.exists():
-            return str(candidate)
-    raise SystemExit("router_fleet: give --trace (an Azure conversation CSV)")
 
 
 if __name__ == "__main__":

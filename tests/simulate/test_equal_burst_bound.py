@@ -24,10 +24,9 @@ def test_place_keeps_the_pool_and_starts_each_at_the_first_fit():
 
 def test_the_block_model_is_the_engines_and_the_bounds_are_ordered(tmp_path, capsys):
     # main() fails unless first fit in the block model gives the native engine's peak
-    # steps, on the equal burst and (with the trace) on azure-honest.
+    # steps, on the equal burst and on azure-honest (the bundled trace).
     path = tmp_path / "b.json"
-    traces = ROOT.parent / "shared" / "traces"
-    assert bound.main(["--iterations", "20", "--traces", str(traces), "--json", str(path)]) == 0
+    assert bound.main(["--iterations", "20", "--json", str(path)]) == 0
     out = json.loads(path.read_text())
     eq = out["equal-burst"]
     assert eq["first_fit_steps"] == eq["engine"]["peak"]["steps"]
@@ -38,6 +37,5 @@ def test_the_block_model_is_the_engines_and_the_bounds_are_ordered(tmp_path, cap
         < eq["banker_with_pauses"]["steps"]
     assert eq["lookahead"]["held_steps"] > 0 and eq["banker_with_pauses"]["paused"] > 0
     assert "1.02x vLLM would be" in capsys.readouterr().out
-    if traces.exists():
-        h = out["azure-honest"]
-        assert h["first_fit_steps"] == h["engine"]["peak"]["steps"]
+    h = out["azure-honest"]
+    assert h["first_fit_steps"] == h["engine"]["peak"]["steps"]
