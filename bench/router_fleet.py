@@ -219,8 +219,10 @@ def served_by_instance(bases: list[str]) -> list[int]:
     out = []
     for base in bases:
         text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+        # finished with a stop or its length: not the aborts (kvadmit's refusals among them)
         out.append(int(sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
-                           if ln.startswith("vllm:request_success_total"))))
+                           if ln.startswith("vllm:request_success_total")
+                           and ('finished_reason="length"' in ln or 'finished_reason="stop"' in ln))))
     return out
 
 
