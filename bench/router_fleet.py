@@ -33,6 +33,7 @@ requests sent. Breaker trips: vllm-router's `vllm_router_cb_state_transitions_to
 {to="open"}`.
 
     python bench/router_fleet.py [--load 2] [--duration 40] [--out bench/results/router_fleet.json]
+    python bench/router_fleet.py --show bench/results/router_fleet.json    # the Markdown table
 
 Needs vllm-router (`pip install vllm-router==0.1.17`), haproxy (Debian) for the
 HAProxy setups, and vLLM's CPU build.
@@ -390,7 +391,27 @@ def print_row(row: dict) -> None:
           f"per instance {row['served_per_instance']}  ({row['wall_s']} s)", flush=True)
 
 
+def markdown(out: dict) -> str:
+    """The recorded rows as the Markdown table docs/router.md and the README show."""
+    lines = ["| setup | served | refused (status) | lost | breaker trips | goodput | TTFT p50 / p99 (s) | served per instance |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in out["rows"]:
+        statuses = sorted({k.split(" ", 1)[0] for k in r["refusals"]})
+        trips = "-" if r["breaker_trips"] is None else r["breaker_trips"]
+        ttft = (f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f}" if r["ttft_p50_s"] is not None
+                else "-")
+        lines.append(f"| {r['setup']} | {r['served']} | {r['refused']} ({', '.join(statuses)}) | "
+                     f"{r['lost']} | {trips} | {r['goodput']:.3f} | {ttft} | "
+                     f"{' / '.join(map(str, r['served_per_instance']))} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and sys.argv[1:2] == ["--show"] or argv and argv[:1] == ["--show"]:
+        path = (argv or sys.argv[1:])[1]
+        with open(path) as f:
+            print(markdown(json.load(f)))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--instances", type=int, default=3)
     ap.add_argument("--load", type=float, default=2.0, help="offered load x measured capacity")
