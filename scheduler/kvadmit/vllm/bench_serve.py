@@ -40,6 +40,7 @@ import os
 import pathlib
 import platform
 import random
+import signal
 import socket
 import statistics
 import subprocess
@@ -684,6 +685,8 @@ def main(argv: list[str] | None = None) -> int:
            "burstiness": args.burstiness, "trace": args.trace, "requests": args.requests,
            "log": str(log), "sections": []}
     servers: list[Server] = []
+    # a SIGTERM (timeout, CI) still stops the servers: they run in their own sessions
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         # capacity first, on vLLM's default (a lone server), then every config's server
         base_cfg = parse_config("vllm-default", 1, 1.0)
@@ -756,6 +759,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s in servers:
             s.stop()
+        signal.signal(signal.SIGTERM, previous)
     out["wall_s"] = time.perf_counter() - t0
     print(f"\n{sum(len(s['rows']) for s in out['sections'])} runs on {len(servers)} servers in "
           f"{out['wall_s']:.0f} s; vLLM's logs: {log}", flush=True)
