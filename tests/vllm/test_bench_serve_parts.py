@@ -100,3 +100,21 @@ def test_summary_medians_and_spreads():
     assert (s["goodput"], s["goodput_min"], s["goodput_max"]) == (0.7, 0.5, 0.9)
     assert s["preemptions"] == 2 and s["repeats"] == 3
     assert s["refused_by_reason"] == {"queue_full": 3} and s["failed_by_status"] == {"503": 3}
+
+
+def test_goal_figures():
+    def row(config, load, goodput, tok=100.0, pre=0):
+        return dict(config=config, load=load, goodput=goodput, output_tok_per_s=tok,
+                    preemptions=pre)
+    summary = [row("vllm-default", 0.5, 1.0, 100.0, 3), row("vllm-default", 2.0, 0.2, 90.0, 30),
+               row("vllm-queued=40", 0.5, 1.0), row("vllm-queued=40", 2.0, 0.5),
+               row("vllm-watermark=0.05", 0.5, 1.0), row("vllm-watermark=0.05", 2.0, 0.4),
+               row("kvadmit-default", 0.5, 0.9, 98.0), row("kvadmit-default", 2.0, 0.3, 99.0),
+               row("kvadmit-delay=2", 0.5, 1.0), row("kvadmit-delay=2", 2.0, 1.0)]
+    g = bench_serve.goal_figures(summary)
+    assert g["best_vllm_knob"] == "vllm-queued=40"
+    assert g["kvadmit-delay=2/vllm-queued=40 goodput"] == {"0.5": 1.0, "2": 2.0}
+    assert g["kvadmit-default/vllm-default goodput"] == pytest.approx({"0.5": 0.9, "2": 1.5})
+    assert g["kvadmit-default/vllm-default tok/s"] == pytest.approx({"0.5": 0.98, "2": 1.1})
+    assert g["preemptions"]["vllm-default"] == {"0.5": 3, "2": 30}
+    assert bench_serve.goal_figures(summary[:2])["best_vllm_knob"] is None

@@ -379,7 +379,8 @@ def wait_idle(server: Server, timeout: float = 300) -> dict:
     deadline = time.time() + timeout
     while True:
         m = server.metrics()
-        if (m.get("vllm:num_requests_running", 0) == 0 and m.get("vllm:num_requests_waiting", 0) == 0):
+        if (m.get("vllm:num_requests_running", 0) == 0 and m.get("vllm:num_requests_waiting", 0) == 0
+                and m.get("kvadmit_waiting_requests", 0) == 0):
             return m
         if time.time() > deadline:
             raise RuntimeError(f"{server.config.label}: still busy {timeout:.0f} s after a run")
@@ -497,6 +498,40 @@ def summarize(rows: list[dict]) -> list[dict]:
                     total[reason] = total.get(reason, 0) + c
             s[key] = total
         out.append(s)
+    return out
+
+
+def goal_figures(summary: list[dict]) -> dict:
+    """Issue 20's goals as ratios of medians, per load: kvadmit-delay's goodput over
+    the best vLLM knob's (the vllm-queued / vllm-watermark row with the highest mean
+    goodput at loads >= 1.5), kvadmit-default's goodput and tokens/s over
+    vllm-default's, and the preemptions of each. Absent rows give no figure."""
+    by = {(s["config"], s["load"]): s for s in summary}
+    loads = sorted({s["load"] for s in summary})
+    configs = {s["config"] for s in summary}
+    knobs = [c for c in configs if c.startswith(("vllm-queued", "vllm-watermark"))]
+    high = [x for x in loads if x >= 1.5] or loads
+    best = max(knobs, key=lambda c: (statistics.mean(by[(c, x)]["goodput"] for x in high), c),
+               default=None)
+    delay = next((c for c in configs if c.startswith("kvadmit-delay")), None)
+
+    def ratio(a, b, key):
+        if a not in configs or b not in configs:
+            return {}
+        return {f"{x:g}": (by[(a, x)][key] / by[(b, x)][key] if by[(b, x)][key] else None)
+                for x in loads}
+
+    out = {"best_vllm_knob": best,
+           "kvadmit-default/vllm-default goodput": ratio("kvadmit-default", "vllm-default",
+                                                          "goodput"),
+           "kvadmit-default/vllm-default tok/s": ratio("kvadmit-default", "vllm-default",
+                                                        "output_tok_per_s"),
+           "preemptions": {c: {f"{x:g}": by[(c, x)]["preemptions"] for x in loads}
+                           for c in sorted(configs)}}
+    if best and delay:
+        out[f"{delay}/{best} goodput"] = ratio(delay, best, "goodput")
+        out[f"{delay}/vllm-default goodput"] = ratio(delay, "vllm-default", "goodput")
+        out[f"{delay}/vllm-default tok/s"] = ratio(delay, "vllm-default", "output_tok_per_s")
     return out
 
 
@@ -725,12 +760,14 @@ def main(argv: list[str] | None = None) -> int:
                  f"(max_tokens {args.max_tokens} scaled); capacity {capacity:.2f} req/s; "
                  f"SLO TTFT <= {args.ttft_ms:g} ms, TPOT <= {args.tpot_ms:g} ms")
         print_table(summary, title, labels)
+        goals = goal_figures(summary)
+        print(f"goal figures (ratios of medians, per load): {json.dumps(goals)}", flush=True)
         out["sections"].append({"name": "trace", "title": title, "capacity_rps": capacity,
                                 "configs": labels, "real_output_tokens": sum(real),
                                 "config_docs": {c.label: c.doc for c in configs},
                                 "queue_cap_rule": f"max_num_seqs {args.max_num_seqs} + "
                                 f"capacity x TTFT target = {cap_n}",
-                                "rows": trace_rows_out, "summary": summary})
+                                "rows": trace_rows_out, "summary": summary, "goals": goals})
         if args.fixed_length:
             fixed = ["--dataset-name", "random", "--random-input-len", str(args.fixed_input_len),
                      "--random-output-len", str(args.fixed_length), "--ignore-eos"]
@@ -751,11 +788,13 @@ def main(argv: list[str] | None = None) -> int:
                       f"{args.fixed_length} --ignore-eos; capacity "
                       f"{fcap['request_throughput']:.2f} req/s")
             print_table(fsum, ftitle, list(FIXED_CONFIGS))
+            fgoals = goal_figures(fsum)
+            print(f"goal figures: {json.dumps(fgoals)}", flush=True)
             out["sections"].append({"name": "fixed-length", "title": ftitle,
                                     "capacity_rps": fcap["request_throughput"],
                                     "capacity_run": fcap, "configs": list(FIXED_CONFIGS),
                                     "real_output_tokens": args.fixed_length * args.requests,
-                                    "rows": frows, "summary": fsum})
+                                    "rows": frows, "summary": fsum, "goals": fgoals})
     finally:
         for s in servers:
             s.stop()
