@@ -667,6 +667,11 @@ def _check(args) -> None:
                  "max_num_seqs", "max_num_batched_tokens", "max_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+    if (args.num_blocks - 1) * args.block_size < args.max_model_len:
+        raise ValueError(f"--num-blocks={args.num_blocks} x --block-size={args.block_size}: "
+                         f"{args.num_blocks - 1} usable blocks hold "
+                         f"{(args.num_blocks - 1) * args.block_size} tokens, fewer than "
+                         f"--max-model-len={args.max_model_len} (vLLM refuses to start)")
     if not all(x > 0 for x in args.load):
         raise ValueError(f"--load {args.load}: every load must be > 0")
     if args.capacity is not None and not args.capacity > 0:
