@@ -21,9 +21,22 @@ def test_the_tokenizer_matches_the_model(model_dir, tokenizer):
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (config["bos_token_id"],
                                                                 config["eos_token_id"])
     assert (BOS_TOKEN_ID, EOS_TOKEN_ID) == (1, 2)
-    assert sorted(tokenizer.all_special_ids) == list(range(len(SPECIAL_TOKENS)))
+    assert sorted(tokenizer.all_special_ids) == list(range(1, len(SPECIAL_TOKENS)))
     assert tokenizer("w7 w1023").input_ids == [BOS_TOKEN_ID, 7, 1023]
     assert tokenizer("hello w9").input_ids == [BOS_TOKEN_ID, 0, 9]      # an unknown word: <unk>
+
+
+def test_unknown_words_keep_their_length():
+    """<unk> is a plain word: text of unknown words, cut to n tokens and decoded
+    without special tokens (as guidellm builds its synthetic prompts), is n tokens."""
+    from vllm.tokenizers import get_tokenizer
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        tok = get_tokenizer(str(build_tokenizer(d)))
+        ids = tok.encode("It was the best of times, it was the worst of times.")
+        text = tok.decode(ids[:8], skip_special_tokens=True)
+        assert text == " ".join(["<unk>"] * 7)
+        assert len(tok.encode(text)) == 8
 
 
 def test_every_id_sequence_round_trips(tokenizer):

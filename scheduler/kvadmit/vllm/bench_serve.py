@@ -561,11 +561,13 @@ def _ms(s: dict, key: str) -> str:
 
 
 def plot(sections: list[dict], path: str, title: str) -> None:
+    import textwrap
+
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(sections), figsize=(6.5 * len(sections), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(sections), figsize=(6.5 * len(sections), 5.2), squeeze=False)
     for ax, sec in zip(axes[0], sections):
         for i, config in enumerate(sec["configs"]):
             pts = sorted((s for s in sec["summary"] if s["config"] == config),
@@ -578,12 +580,12 @@ def plot(sections: list[dict], path: str, title: str) -> None:
                         label=config, capsize=3, **style)
         ax.axvline(1.0, color="#bbb", lw=1, ls=":")
         ax.set_xlabel("offered load (x measured capacity)")
-        ax.set_ylabel("goodput (share of requests within TTFT and TPOT targets)")
+        ax.set_ylabel("goodput (share within the TTFT and TPOT targets)")
         ax.set_ylim(-0.03, 1.03)
-        ax.set_title(sec["title"], fontsize=9)
+        ax.set_title("\n".join(textwrap.wrap(sec["title"], 70)), fontsize=8)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle("\n".join(textwrap.wrap(title, 150)), fontsize=8)
     fig.tight_layout()
     pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -5,13 +5,15 @@ head_dim must be >= 64 for vLLM's CPU attention: hidden 256 with 4 heads.
 
 Beside the weights it gets a real tokenizer (tokenizer.json + tokenizer_config.json
 with a chat template), built here with the `tokenizers` library: a word-level
-vocabulary of exactly the model's vocab_size, split on whitespace. Ids 0-6 are the
-special tokens (<unk>, <s> = bos 1, </s> = eos 2, and four chat-role markers); every
-other id i is the word "w{i}". So any id sequence decodes to text that encodes back
-to the same ids (what vLLM's `vllm bench serve --dataset-name random` needs: it
-decodes random ids and re-encodes them to the length it asked for), text and chat
-requests work, and an unknown word is one <unk> token. `vllm serve` then needs no
---skip-tokenizer-init (which still works: the weights are unchanged).
+vocabulary of exactly the model's vocab_size, split on whitespace. Id 0 is <unk>, a
+plain word that every unknown word maps to; ids 1-6 are the special tokens (<s> =
+bos 1, </s> = eos 2, and four chat-role markers); every other id i is the word
+"w{i}". So any id sequence decodes to text that encodes back to the same ids (what
+vLLM's `vllm bench serve --dataset-name random` needs: it decodes random ids and
+re-encodes them to the length it asked for), text and chat requests work, and text
+of unknown words keeps its length in tokens (guidellm's synthetic prompts: English
+text cut to a token count). `vllm serve` then needs no --skip-tokenizer-init (which
+still works: the weights are unchanged).
 """
 from __future__ import annotations
 
@@ -47,12 +49,15 @@ def tokenizer_files(vocab_size: int = TINY_LLAMA["vocab_size"]) -> dict[str, str
     vocab.update({word(i): i for i in range(len(SPECIAL_TOKENS), vocab_size)})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    # <unk> is a plain word, not a special token: decode(skip_special_tokens=True) keeps
+    # it, so text of unknown words (guidellm's synthetic prompts: English from Faker,
+    # encoded, cut to length, decoded) keeps its length instead of decoding to ""
+    tok.add_special_tokens(list(SPECIAL_TOKENS[1:]))
     # encode(text) starts with bos, as a Llama tokenizer does; decode joins words by spaces
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", BOS_TOKEN_ID)])
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
-              "eos_token": "</s>", "unk_token": "<unk>",
+              "eos_token": "</s>",
               "additional_special_tokens": list(SPECIAL_TOKENS[3:]),
               "clean_up_tokenization_spaces": False,
               "model_max_length": TINY_LLAMA["max_position_embeddings"],
