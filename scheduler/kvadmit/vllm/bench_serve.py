@@ -585,7 +585,7 @@ def plot(sections: list[dict], path: str, title: str) -> None:
         ax.set_title("\n".join(textwrap.wrap(sec["title"], 70)), fontsize=8)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    fig.suptitle("\n".join(textwrap.wrap(title, 150)), fontsize=8)
+    fig.suptitle("\n".join(textwrap.wrap(title, 100 * len(sections))), fontsize=8)
     fig.tight_layout()
     pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
