@@ -10,6 +10,10 @@ from setuptools import Extension, find_packages, setup
 packages = find_packages("scheduler") + ["kvadmit_patches"] + [
     "kvadmit_patches." + p for p in find_packages("patches")]
 package_dir = {"": "scheduler", "kvadmit_patches": "patches"}
+# The bundled traces (scheduler/kvadmit/data/: gzip-compressed, with their sources and
+# licences): the main job and `kvadmit simulate --trace NAME` read them from the
+# installed package, so a wheel carries them (tests/test_bundled_traces.py checks one).
+package_data = {"kvadmit": ["data/*.gz", "data/README.md"]}
 
 # The compiled core: one extension module per part, each native/kvadmit/<name>.pyx
 # with a .pxd declaring the C-level API its users cimport. native/ is on Cython's
@@ -33,6 +37,7 @@ extensions = [
 setup(
     packages=packages,
     package_dir=package_dir,
+    package_data=package_data,
     ext_modules=cythonize(
         extensions,
         include_path=["native"],

@@ -33,7 +33,7 @@ def shape_of(num_blocks: int, max_model_len: int) -> EngineShape:
 def other_workloads(step) -> list[dict]:
     """The bench's `adaptive+pause` setting (tuned on the workload above) against
     vLLM's rule on other bursts and pool sizes."""
-    trace = "../shared/traces/azure2023_conv.csv"
+    trace = "azure2023_conv"      # the copy bundled in the package (kvadmit/data/)
     cases = [("azure 512 requests, 32 blocks", as_burst(azure_workload(trace, 512, 1024, 2048)), 32, 1024),
              ("azure 256 requests, 64 blocks", as_burst(azure_workload(trace, 256, 1024, 2048)), 64, 1024),
              ("azure 512 requests, 128 blocks", as_burst(azure_workload(trace, 512, 1024, 2048)), 128, 1024),
@@ -53,7 +53,7 @@ def other_workloads(step) -> list[dict]:
 
 
 def main() -> None:
-    w = as_burst(azure_workload("../shared/traces/azure2023_conv.csv", 256, 1024, 2048))
+    w = as_burst(azure_workload("azure2023_conv", 256, 1024, 2048))
     shape = shape_of(32, 1024)
     step = get_preset("cpu-tiny")
     runs = [("vllm rule", w, dict(policy="overcommit")),

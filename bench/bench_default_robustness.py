@@ -26,16 +26,15 @@ from kvadmit.simulate.scorecard import AZURE, Case, azure_burst, open_loop, run_
 from kvadmit.simulate.steptime import CPU_TINY, get_preset
 from kvadmit.simulate.workload import from_trace, mixed, synthetic
 
-TRACES = pathlib.Path("../shared/traces")     # --traces
 ROWS = ["vllm-default", "vllm-watermark=0.05", "default={}"]
 
 
-def draw_burst(rng: random.Random, traces: pathlib.Path) -> tuple[str, Case]:
+def draw_burst(rng: random.Random, azure) -> tuple[str, Case]:
     ctx = rng.choice([512, 1024, 2048])
     start = rng.randrange(0, 19000 - 512)
     n = rng.choice([64, 128, 256, 512])
     caps = rng.choice(["context", "cap", "real", "2xreal"])
-    w = azure_burst(traces / AZURE, start, n, "real" if caps == "2xreal" else caps, "burst", ctx)
+    w = azure_burst(azure, start, n, "real" if caps == "2xreal" else caps, "burst", ctx)
     if caps == "2xreal":
         w = dataclasses.replace(w, max_tokens=[min(ctx - p, 2 * o)
                                                for p, o in zip(w.prompt_tokens, w.output_tokens)])
@@ -44,7 +43,7 @@ def draw_burst(rng: random.Random, traces: pathlib.Path) -> tuple[str, Case]:
             Case("burst", "", w, tiny_shape(blocks, ctx), CPU_TINY))
 
 
-def draw_open_loop(rng: random.Random, traces: pathlib.Path) -> tuple[str, Case]:
+def draw_open_loop(rng: random.Random, azure) -> tuple[str, Case]:
     h100 = get_preset("h100-8b")
     frac = rng.choice([4, 8, 16, 32])
     shape = EngineShape(num_blocks=h100.num_blocks // frac, block_size=16, max_model_len=8192,
@@ -54,7 +53,7 @@ def draw_open_loop(rng: random.Random, traces: pathlib.Path) -> tuple[str, Case]
     seed = rng.randrange(1000)
     if kind == "azure":
         start = rng.randrange(0, 15000)
-        full = from_trace(traces / AZURE, limit=start + 1500, max_tokens_rule=rng.choice(["cap", "context"]))
+        full = from_trace(azure, limit=start + 1500, max_tokens_rule=rng.choice(["cap", "context"]))
         w = dataclasses.replace(full, arrival_s=full.arrival_s[start:], prompt_tokens=full.prompt_tokens[start:],
                                 output_tokens=full.output_tokens[start:], max_tokens=full.max_tokens[start:])
     elif kind == "mixed":
@@ -71,13 +70,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--bursts", type=int, default=25)
     ap.add_argument("--open-loop", type=int, default=16)
-    ap.add_argument("--traces", default=str(TRACES), help="folder with the Azure trace")
+    ap.add_argument("--traces", default=None,
+                    help=f"a folder with {AZURE} (default: the copy bundled in the package)")
     args = ap.parse_args()
-    traces = pathlib.Path(args.traces)
+    azure = "azure2023_conv" if args.traces is None else pathlib.Path(args.traces) / AZURE
     rng = random.Random(args.seed)
     specs = [parse_policy(r) for r in ROWS]
-    draws = ([draw_burst(rng, traces) for _ in range(args.bursts)] +
-             [draw_open_loop(rng, traces) for _ in range(args.open_loop)])
+    draws = ([draw_burst(rng, azure) for _ in range(args.bursts)] +
+             [draw_open_loop(rng, azure) for _ in range(args.open_loop)])
     rows = []
     print(f"{'workload':52} {'vLLM pre/steps|goodput':>24} {'wm 0.05':>16} {'default':>16} {'time':>6}")
     for what, case in draws:

@@ -3,7 +3,7 @@ back (x1, x5, x52: 19k, 97k, 1.0M requests) at 1.0x and 1.5x the H100-8B preset'
 capacity, vLLM's rule and kvadmit's adaptive policy. Wall time covers the engine
 run only (building the workload is printed apart). Saves bench/results/simulate_scale.json.
 
-    python bench/bench_simulate_scale.py [--trace ../shared/traces/azure2023_conv.csv]
+    python bench/bench_simulate_scale.py [--trace azure2023_conv]
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from kvadmit.simulate import EngineShape, at_load, capacity_rps, from_trace, get
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--trace", default="../shared/traces/azure2023_conv.csv")
+    ap.add_argument("--trace", default="azure2023_conv",
+                    help="a trace path or a bundled trace's name (default: the bundled Azure trace)")
     ap.add_argument("--repeats", type=int, nargs="+", default=[1, 5, 52])
     ap.add_argument("--loads", type=float, nargs="+", default=[1.0, 1.5])
     args = ap.parse_args()

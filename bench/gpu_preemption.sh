@@ -8,8 +8,8 @@
 #   DRY_RUN=1 bash bench/gpu_preemption.sh                       # the CPU rehearsal (CI)
 #
 # Needs: vLLM's CUDA build of a supported version (0.32.x or 0.33.x: pip install
-# "vllm>=0.32,<0.34"), kvadmit installed (pip install .), and the Azure conversation
-# trace (TRACE=path/to/azure2023_conv.csv; default ../shared/traces/azure2023_conv.csv).
+# "vllm>=0.32,<0.34"), kvadmit installed (pip install .); the Azure conversation trace
+# is the copy bundled in the package (TRACE=path/to/azure2023_conv.csv for another file).
 # Writes $OUT_DIR/gpu_preemption.json and .png (OUT_DIR: bench/results) and prints the
 # table. CONFIGS="vllm-default adaptive ..." runs only those (default: all of the bench's).
 #
@@ -33,7 +33,7 @@ if [ "$DRY_RUN" = 1 ]; then
   read -r -a CONFIG_LIST <<<"${CONFIGS:-vllm-default adaptive}"
 else
   OUT_DIR=${OUT_DIR:-bench/results}
-  TRACE=${TRACE:-../shared/traces/azure2023_conv.csv}
+  TRACE=${TRACE:-azure2023_conv}
   LLAMA_DIR=$HOME/.cache/kvadmit/gpu-llama
   LLAMA_SIZE=gpu
   DTYPE=bfloat16
@@ -44,7 +44,7 @@ else
   read -r -a CONFIG_LIST <<<"${CONFIGS:-}"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 fi
-[ -f "$TRACE" ] || { echo "no trace at $TRACE: set TRACE to the Azure conversation trace" \
+[ "$TRACE" = azure2023_conv ] || [ -f "$TRACE" ] || { echo "no trace at $TRACE: set TRACE to the Azure conversation trace" \
   "(AzureLLMInferenceTrace_conv.csv, Azure/AzurePublicDataset)"; exit 1; }
 # A vLLM kvadmit does not support stops here, with the version it found and the supported ones.
 python - <<'PY'

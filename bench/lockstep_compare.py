@@ -6,7 +6,7 @@ chunked prefill, no token budget. This script reproduces the recorded table
 (bench/results/lockstep_azure2000.json, docs/results.md); to compare policies on
 a trace with time, use `kvadmit simulate --trace ...`.
 
-    python bench/lockstep_compare.py --trace ../shared/traces/azure2023_conv.csv --requests 2000 \
+    python bench/lockstep_compare.py --trace azure2023_conv --requests 2000 \
         --policies overcommit reserve peak predict adaptive --json bench/results/lockstep_azure2000.json
 """
 from __future__ import annotations
@@ -66,7 +66,8 @@ def compare(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--trace", required=True, help="Azure .csv or Mooncake .jsonl trace")
+    p.add_argument("--trace", required=True, help="an Azure .csv or Mooncake .jsonl trace, or a "
+                   "bundled one by name (azure2023_conv, mooncake_conversation)")
     p.add_argument("--requests", type=int, default=2000, help="first N requests of the trace")
     p.add_argument("--rate", type=float, default=1.0, help="arrival-rate multiplier")
     p.add_argument("--num-blocks", type=int, default=2048)

@@ -30,7 +30,6 @@ from kvadmit.simulate.policies import parse_policy
 from kvadmit.simulate.run import run_policy
 from kvadmit.simulate.scorecard import CONFIGS, suite
 
-TRACES = pathlib.Path(__file__).resolve().parents[2] / "shared" / "traces"
 
 # Configs beyond the scorecard's rows: each reaches a part of the core the rows do not.
 EXTRA = {
@@ -61,7 +60,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     runs = {}
-    for case in suite(TRACES):
+    for case in suite():            # the traces bundled in the package
         for row in list(CONFIGS) + EXTRA.get(case.name, []):
             spec = parse_policy(row)
             raw = run_policy(case.workload, spec, "native", case.shape, case.step, AdmissionConfig())

@@ -1,19 +1,20 @@
-"""vLLM 0.32 and 0.33: a `Retry-After` header on kvadmit's 503 answers.
+"""vLLM 0.32 and 0.33: a `Retry-After` header on kvadmit's 503 (or 429) answers.
 
 vLLM's error responses carry no headers (GracefulHTTPError has a message and a
 status only). kvadmit's HTTP patch (vllm_http_status.py) writes the engine's
 hint into the message as "(retry after N s)" (kvadmit.protocol); this patch adds an ASGI middleware,
 installed with vLLM's own ones when the API server app is built, that copies N
-into a `Retry-After: N` header on 503 responses whose body is a kvadmit refusal.
-Every other response passes through untouched (the body is not buffered beyond
-the first chunk of a 503).
+into a `Retry-After: N` header on 503 and 429 responses whose body is a kvadmit
+refusal (429 where the config's `overload_status` says so). Every other response
+passes through untouched (the body is not buffered beyond the first chunk of a
+503 or 429).
 
 Applied in every vLLM process by the `vllm.general_plugins` entry point; the API
 server loads it before it builds its app (the engine client comes first).
 """
 from __future__ import annotations
 
-from kvadmit.protocol import RETRY_HINT_RE
+from kvadmit.protocol import OVERLOAD_STATUSES, RETRY_HINT_RE
 from kvadmit_patches import add_app_middleware
 
 TARGET = "vllm.entrypoints.launchers.app.init_entrypoints_middleware"
@@ -22,10 +23,11 @@ TARGET = "vllm.entrypoints.launchers.app.init_entrypoints_middleware"
 # unchanged from 0.32.0.
 VERSIONS = ("0.32.0", "0.33.0")
 HINT = RETRY_HINT_RE
+STATUSES = frozenset(int(s) for s in OVERLOAD_STATUSES)
 
 
 class RetryAfterMiddleware:
-    """Adds `Retry-After` to 503 responses that carry a kvadmit retry hint."""
+    """Adds `Retry-After` to 503 and 429 responses that carry a kvadmit retry hint."""
 
     def __init__(self, app):
         self.app = app
@@ -37,7 +39,7 @@ class RetryAfterMiddleware:
 
         async def send_with_header(message):
             nonlocal held
-            if message["type"] == "http.response.start" and message["status"] == 503:
+            if message["type"] == "http.response.start" and message["status"] in STATUSES:
                 held = message                      # wait for the body to read the hint
                 return
             if held is not None and message["type"] == "http.response.body":

@@ -50,3 +50,10 @@ def test_a_streamed_body_is_forwarded_in_order():
     headers, _ = call(503, "kvadmit:slo_infeasible: too slow (retry after 12 s)", chunks=4)
     # the hint may straddle chunks: only the first chunk is read, the rest passes through
     assert headers.get(b"retry-after") in (None, b"12")
+
+
+def test_kvadmit_429_with_a_hint_gets_the_header():
+    """overload_status 429: the same header."""
+    headers, status = call(429, "kvadmit:queue_delay: the predicted wait is 9 s "
+                                "(retry after 4 s)")
+    assert status == 429 and headers[b"retry-after"] == b"4"

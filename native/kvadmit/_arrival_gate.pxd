@@ -1,7 +1,8 @@
 # The arrival gate's C-level API (see _arrival_gate.pyx).
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uint64_t
 from libcpp.deque cimport deque
 from libcpp.pair cimport pair
+from libcpp.unordered_map cimport unordered_map
 
 cdef enum:  # indexes into REJECT_REASONS
     R_QUEUE_FULL = 0
@@ -13,6 +14,13 @@ cdef enum:  # indexes into REJECT_REASONS
     R_SLO = 6
     R_INVALID = 7         # malformed request (its engine fields, its numbers)
     N_REJECT_REASONS = 8
+
+
+cdef struct Place:          # one place in the retry line (see ArrivalGate._in_line)
+    double at                # the promised retry time (engine clock)
+    uint64_t key             # the refused request's signature (ArrivalGate.c_request)
+    int64_t claim            # claim order: when it was last handed out (a sequence number)
+    int64_t step             # the engine step it was last handed out in
 
 
 cdef class Rejection:
@@ -40,13 +48,19 @@ cdef class ArrivalGate:
     cdef int64_t _drain_tokens                 # sum of the prefill tokens in _drain
     cdef double _t_last, _backlog_s
     cdef bint _seen_time
-    # Retry-After line: refused clients are told to come back one after another
-    cdef double _retry_line_end               # when the last refused client was told to return
-    cdef int64_t _retry_line_len              # refused clients told to return after now
+    # Retry-After line: the promised retry times still in the future, in time order
+    cdef deque[Place] _line
+    cdef unordered_map[uint64_t, int64_t] _line_keys   # places in the line per signature
+    cdef int64_t _claims                      # places handed out (new or again) so far
+    cdef int64_t _step                        # the engine step of the request being judged
+    cdef uint64_t _key                        # signature of the request being judged
+    cdef int64_t _place                       # the last refusal's place in the line (1-based)
     cdef int64_t _rejected[N_REJECT_REASONS]
 
     cdef void c_note_time(self, double now, bint backlog) noexcept nogil
     cdef void c_admitted(self, int64_t prefill_tokens) noexcept nogil
+    cdef void c_request(self, int64_t prompt_tokens, int64_t max_new_tokens, int64_t priority,
+                        int64_t session, int64_t step) noexcept nogil
     cdef void c_admission_undone(self) noexcept nogil
     cdef double c_predicted_delay(self, int64_t ahead, int64_t ahead_tokens, int64_t queued,
                                   double now, bint backlog) noexcept nogil
@@ -73,3 +87,5 @@ cdef class ArrivalGate:
                            double* tokens_per_s) noexcept nogil
     cdef object _retry_after(self, double excess_reqs, double excess_tokens, double now, bint backlog)
     cdef double _in_line(self, double wait, double now, bint backlog) noexcept nogil
+    cdef double _insert_place(self, double at, double now) noexcept nogil
+    cdef void _forget_key(self, uint64_t key) noexcept nogil

@@ -6,14 +6,19 @@
 # the drain rate, the engine's recent pace at taking queued work: admissions
 # counted against a backlog clock that runs only while requests wait (so a lightly
 # loaded server's arrival rate is not mistaken for its pace); a refused burst is
-# told to come back as a line, one admission apart, not all at once.
+# told to come back as a line, one admission apart, not all at once. The line is
+# the set of retry times promised and not yet come (a place is forgotten when its
+# time passes), and a request refused again before its own time gets its place
+# back instead of a second one (see `_in_line` for how, without client identity).
 #
 # The core owns the queue; it passes what the gate needs to know of it (whether
 # anything waits, how much) with each call.
 
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uint64_t
 from libcpp.deque cimport deque
 from libcpp.pair cimport pair
+from libcpp.unordered_map cimport unordered_map
+from cython.operator cimport dereference as deref
 
 REJECT_REASONS = ("queue_full", "queued_tokens_full", "context_length", "kv_capacity", "shed",
                   "queue_delay", "slo_infeasible", "invalid")
@@ -66,6 +71,22 @@ cdef inline double _delay_at(int64_t ahead, int64_t ahead_tokens, int64_t queued
     return wait
 
 
+cdef inline uint64_t _mix(uint64_t x) noexcept nogil:
+    """splitmix64's finaliser: a well-spread 64-bit hash of x."""
+    x += <uint64_t>0x9E3779B97F4A7C15ULL
+    x = (x ^ (x >> 30)) * <uint64_t>0xBF58476D1CE4E5B9ULL
+    x = (x ^ (x >> 27)) * <uint64_t>0x94D049BB133111EBULL
+    return x ^ (x >> 31)
+
+
+# A client told to come back at `at` and arriving at `at` (its clock's rounding
+# aside) is on time, not early: its place has passed.
+cdef double _ON_TIME_S = 1e-9
+# A new place looks for a gap among at most this many places after its own time;
+# past them (a dense line) it goes after the last place, as a plain line would.
+cdef size_t _GAP_SCAN = 64
+
+
 cdef class ArrivalGate:
     """The arrival gate of one core (its settings from the config). ``backlog``
     arguments: whether any request is waiting in the core's queue now."""
@@ -81,8 +102,8 @@ cdef class ArrivalGate:
         cdef int i
         for i in range(N_REJECT_REASONS):
             self._rejected[i] = 0
-        self._retry_line_end = 0.0
-        self._retry_line_len = 0
+        self._claims = self._step = self._place = 0
+        self._key = 0
         self._seen_time = False
         self._t_last = self._backlog_s = 0.0
         self._drain_tokens = 0
@@ -104,6 +125,15 @@ cdef class ArrivalGate:
         """A waiting request with `prefill_tokens` to prefill was admitted."""
         self._drain.push_back(pair[double, int64_t](self._backlog_s, prefill_tokens))
         self._drain_tokens += prefill_tokens
+
+    cdef void c_request(self, int64_t prompt_tokens, int64_t max_new_tokens, int64_t priority,
+                        int64_t session, int64_t step) noexcept nogil:
+        """The request the next refusals are of, judged in engine step `step`: its
+        signature for the retry line (what the core knows of a request, and what a
+        retry of it repeats)."""
+        self._step = step
+        self._key = _mix(_mix(_mix(_mix(<uint64_t>prompt_tokens) ^ <uint64_t>max_new_tokens)
+                              ^ <uint64_t>priority) ^ <uint64_t>session)
 
     cdef void c_admission_undone(self) noexcept nogil:
         """The latest admission (as a rule) was undone."""
@@ -192,24 +222,114 @@ cdef class ArrivalGate:
 
     # --- refusals --------------------------------------------------------
     cdef double _in_line(self, double wait, double now, bint backlog) noexcept nogil:
-        """Spreads a burst's Retry-After hints: a refused client is told to come back
-        no earlier than its own predicted wait and one admission after the client
-        refused before it (at the recent admission rate, `_paced_rates`; with none yet,
-        retry_after_default_s / max_queued_requests), so a refused burst returns as
-        a line, not all at once. Deterministic: the k-th refusal gets the k-th place."""
+        """Spreads a burst's Retry-After hints: a refused client is given a place in the
+        retry line, a retry time no earlier than its own predicted wait (`now + wait`)
+        and at least one admission (at the recent admission rate, `_paced_rates`;
+        with none yet, retry_after_default_s / max_queued_requests) from every other
+        place still to come, capped at now + retry_after_max_s. Deterministic.
+
+        The line is the set of retry times promised and not yet come: a place is
+        forgotten once its time passes, whether or not its client came back (the
+        gate cannot know sooner that it will not). A line laid at a slower pace
+        than the engine's pace now has room between its places, and a new place
+        takes the first such gap (among the 64 places after its own time: past
+        them, in a dense line, it goes after the last place, so a call costs at
+        most a binary search, 64 steps and, for a request whose numbers are in the
+        line, one pass over it).
+
+        An early retry takes no second place. The core does not know who a client
+        is, only a request's numbers, and a retry repeats them (a router resends the
+        same body). So a refused request whose signature (prompt_tokens,
+        max_new_tokens, priority, session; `c_request`) matches a place still to
+        come is taken for that place's client back early, and is told that place
+        again, if the place was handed out in an earlier engine step: a client
+        cannot retry before the step that refused it has ended (its answer leaves
+        the engine with that step's output), so equal requests refused in one step
+        are distinct clients and get a place each, while a retry, on any router's
+        or client's schedule (vllm-router: 50 ms, then x1.5; HAProxy: at once),
+        comes in a later step. Among matching places, the one handed out longest
+        ago: a burst retried on one backoff schedule gets its places back in order.
+        The cost of a wrong guess (a new client with the numbers of a waiting one,
+        in a later step) is a hint too short, never too long: that client comes
+        back early, is refused again and gets its own place then; a hint too long,
+        as every early retry inflated the line before, leaves room idle that
+        nobody is told about. A matched place earlier than the client's own
+        predicted wait now moves to that time (not behind the line: the client
+        keeps its turn)."""
         cdef double rr, rt, spacing, at = now + wait
-        if self._retry_line_end > now:
+        cdef size_t i, n, lo, hi, best
+        cdef int64_t best_claim = 0
+        cdef size_t scanned = 0
+        while not self._line.empty() and self._line.front().at <= now + _ON_TIME_S:
+            self._forget_key(self._line.front().key)
+            self._line.pop_front()
+        n = self._line.size()
+        best = n
+        if self._line_keys.count(self._key):            # this request's place, back early?
+            for i in range(n):
+                if (self._line[i].key == self._key and self._line[i].step < self._step
+                        and (best == n or self._line[i].claim < best_claim)):
+                    best, best_claim = i, self._line[i].claim
+        if best < n:
+            if self._line[best].at >= at:
+                self._line[best].claim = self._claims
+                self._line[best].step = self._step
+                self._claims += 1
+                self._place = best + 1
+                return self._line[best].at - now
+            self._forget_key(self._key)
+            self._line.erase(self._line.begin() + best)   # its room is later now: the place
+            return self._insert_place(at, now) - now       # moves there, in its turn
+        if not self._line.empty():
             if self._paced_rates(now, backlog, &rr, &rt) and rr > 0:
                 spacing = 1.0 / rr
             else:
                 spacing = self._retry_default / max(self.max_queued_requests, 1)
-            at = max(at, self._retry_line_end + spacing)
-            self._retry_line_len += 1
-        else:
-            self._retry_line_len = 1
+            lo, hi = 0, self._line.size()               # the first place after at - spacing
+            while lo < hi:
+                i = (lo + hi) // 2
+                if self._line[i].at <= at - spacing:
+                    lo = i + 1
+                else:
+                    hi = i
+            while lo < self._line.size() and self._line[lo].at < at + spacing:
+                at = self._line[lo].at + spacing           # too close to a place: after it
+                lo += 1
+                scanned += 1
+                if scanned == _GAP_SCAN:                   # a dense line: after its last place
+                    at = max(at, self._line.back().at + spacing)
+                    break
+        return self._insert_place(at, now) - now
+
+    cdef double _insert_place(self, double at, double now) noexcept nogil:
+        """Adds a place at `at`, at most now + retry_after_max_s, in time order (its
+        index + 1 goes to `_place`); returns its time."""
+        cdef Place p
+        cdef size_t lo = 0, hi = self._line.size(), i
         at = min(at, now + self._retry_max)
-        self._retry_line_end = at
-        return at - now
+        while lo < hi:                                  # after every place at or before it
+            i = (lo + hi) // 2
+            if self._line[i].at <= at:
+                lo = i + 1
+            else:
+                hi = i
+        p.at = at
+        p.key = self._key
+        p.claim = self._claims
+        p.step = self._step
+        self._claims += 1
+        self._line.insert(self._line.begin() + lo, p)
+        self._line_keys[self._key] += 1
+        self._place = lo + 1
+        return at
+
+    cdef void _forget_key(self, uint64_t key) noexcept nogil:
+        """One place of signature `key` leaves the line."""
+        cdef unordered_map[uint64_t, int64_t].iterator it = self._line_keys.find(key)
+        if it != self._line_keys.end():
+            deref(it).second -= 1
+            if deref(it).second == 0:
+                self._line_keys.erase(it)
 
     cdef Rejection c_refuse(self, int code, str message, str limit, object value, object retry,
                             bint backlog):
@@ -220,7 +340,7 @@ cdef class ArrivalGate:
         if retry is not None:
             wait = self._in_line(retry, now, backlog)
             message = (f"{message}; room expected in {retry:.3g} s, retry in {wait:.3g} s "
-                       f"(place {self._retry_line_len} in the retry line)")
+                       f"(place {self._place} in the retry line)")
             retry = wait
         return Rejection(REJECT_REASONS[code], message, limit, value, retry)
 

@@ -112,6 +112,7 @@ cdef class AdmissionCore:
     cdef int32_t _new_request(self, int64_t prompt_tokens, int64_t max_new_tokens, int64_t priority,
                               int64_t cached_tokens, double now, double ttft_slo_s, double tpot_slo_s,
                               int64_t session, double arrival_time, double arrival_tie)
+    cdef void _judging(self, int32_t s) noexcept nogil
     cdef Rejection _refusal(self, int32_t s, double now)
     cdef Rejection _make_room(self, int32_t s, double now, list shed)
     cdef bint _shed_for(self, int64_t priority, int64_t over_reqs, int64_t over_tokens,

@@ -272,6 +272,7 @@ cdef class AdmissionCore:
         cdef int32_t s = self._new_request(prompt_tokens, max_new_tokens, priority, cached_tokens, now,
                                            ttft_slo_s, tpot_slo_s, session, arrival_time, arrival_tie)
         cdef list shed = []
+        self._judging(s)
         refused = self._refusal(s, now)
         if refused is None:
             refused = self._make_room(s, now, shed)
@@ -314,6 +315,12 @@ cdef class AdmissionCore:
         self.agent_window.c_track(self.ledger.session[s], now)
         self.ledger.state[s] = ST_WAITING  # provisional, so helpers may read it
         return s
+
+    cdef inline void _judging(self, int32_t s) noexcept nogil:
+        """Tells the gate which request its next refusal is of (its retry line
+        knows a request back early by these numbers)."""
+        self.gate.c_request(self.ledger.prompt[s], self.ledger.max_new[s], self.ledger.priority[s],
+                            self.ledger.session[s], self.ledger.step)
 
     cdef Rejection _refusal(self, int32_t s, double now):
         """Why the new request s can never be queued here (the KV pool, the prefill
@@ -387,6 +394,7 @@ cdef class AdmissionCore:
             return False
         for v in picked:
             self._dequeue(v)
+            self._judging(v)
             self.ledger.release(v)
             out.append((v, self.gate.c_refuse_shed(priority, self.ledger.priority[v], over_reqs > 0,
                                                    not self._waiting.empty())))

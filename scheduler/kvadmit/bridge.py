@@ -49,6 +49,8 @@ class EngineBridge:
 
     def __init__(self, core):
         self.core = core
+        # the status of a retryable refusal (503 or 429), the config's
+        self._overload_status = core.config.overload_status
         self._slot: dict = {}     # engine request id -> slot
         self._key: dict = {}      # slot -> engine request id
         self._obj: dict = {}      # engine request id -> engine object (a strong ref while tracked)
@@ -91,7 +93,11 @@ class EngineBridge:
     # -- arrival -------------------------------------------------------------
     def refuse_invalid(self, error: Exception) -> Refusal:
         """A malformed request (its error names the field): counted by the core."""
-        return Refusal.of(self.core.refuse_invalid(str(error), getattr(error, "field", None)))
+        return self.refusal(self.core.refuse_invalid(str(error), getattr(error, "field", None)))
+
+    def refusal(self, rejection) -> Refusal:
+        """The client's answer to one of the core's rejections."""
+        return Refusal.of(rejection, self._overload_status)
 
     def arrive(self, key: Hashable, obj: Any, numbers: Callable[[], dict], now: float) -> Arrival:
         """One request arrives. ``numbers()`` gives `AdmissionCore.arrive`'s keywords
@@ -103,9 +109,9 @@ class EngineBridge:
             res = self.core.arrive(now=now, **numbers())
         except (ValueError, OverflowError) as e:   # OverflowError: beyond the core's int64
             return Arrival(refusal=self.refuse_invalid(e))
-        shed = [(self.untrack(s), Refusal.of(rejection)) for s, rejection in res.shed]
+        shed = [(self.untrack(s), self.refusal(rejection)) for s, rejection in res.shed]
         if not res.accepted:
-            return Arrival(refusal=Refusal.of(res.rejection), shed=shed)
+            return Arrival(refusal=self.refusal(res.rejection), shed=shed)
         self.track(key, res.slot, obj)
         return Arrival(slots=[res.slot], shed=shed)
 
@@ -117,7 +123,7 @@ class EngineBridge:
         than max_queued_requests is a refusal retrying cannot help)."""
         oversized = self.core.refuse_oversized_group(len(members)) if len(members) > 1 else None
         if oversized is not None:
-            return Arrival(refusal=Refusal.of(oversized))
+            return Arrival(refusal=self.refusal(oversized))
         slots, shed = [], []
         for key, obj in members:
             one = self.arrive(key, obj, numbers, now)

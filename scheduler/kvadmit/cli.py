@@ -6,7 +6,7 @@
     kvadmit bench serve [--load 0.25 0.5 1 1.5 2] ...
         online goodput against load on `vllm serve`, driven by `vllm bench serve`
         (kvadmit.vllm.bench_serve).
-    kvadmit simulate --trace ../shared/traces/azure2023_conv.csv --preset h100-8b --load 1.5
+    kvadmit simulate --trace azure2023_conv --preset h100-8b --load 1.5
         Replays a workload through every policy on a virtual clock, on the native
         engine model or vLLM's real scheduler (kvadmit.simulate).
     kvadmit config

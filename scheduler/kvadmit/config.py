@@ -99,6 +99,10 @@ class AdmissionConfig:
         1, 10_000_000, "adaptive: lengths needed before predictions replace max_new"))
     adaptive_bucket_tokens: int = field(default=16, metadata=int_rule(
         1, 1_000_000, "adaptive: histogram bucket width of the length model (tokens)"))
+    overload_status: int = field(default=503, metadata=choice_rule(
+        (503, 429), "HTTP status of a refusal retrying can help (overload), with Retry-After: "
+        "503 Service Unavailable, or 429 Too Many Requests (see docs/router.md for which one a "
+        "router acts on); a request the server can never take is 400 either way"))
     retry_after_default_s: float = field(default=1.0, metadata=float_rule(
         0.0, 86400.0, "Retry-After hint when no drain rate has been observed yet"))
     retry_after_max_s: float = field(default=300.0, metadata=float_rule(
@@ -320,8 +324,9 @@ def _check(f: dataclasses.Field, value: Any) -> None:
     kind = rule["kind"]
     where = f"kvadmit config: {f.name}={value!r}"
     if kind == "choice":
-        if value not in rule["options"]:
-            raise ConfigError(f"{where}: must be one of {', '.join(rule['options'])}")
+        # bool is an int in Python: true must not pass for a numeric option
+        if isinstance(value, bool) or value not in rule["options"]:
+            raise ConfigError(f"{where}: must be one of {', '.join(map(str, rule['options']))}")
     elif kind == "bool":
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: must be true or false")

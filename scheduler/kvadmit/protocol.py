@@ -6,7 +6,8 @@ The core decides all three (`kvadmit.Rejection`); this module says what each
 engine shows the client, so vLLM and SGLang answer the same refusal the same way:
 
 - HTTP status: 503 Service Unavailable for a retryable refusal (overload: the
-  queue, the backlog, the predicted wait or TTFT, shedding), 400 Bad Request for
+  queue, the backlog, the predicted wait or TTFT, shedding), or 429 Too Many
+  Requests where the config's ``overload_status`` says so, 400 Bad Request for
   a request this server can never take (context, KV pool, a prompt larger than
   ``max_queued_tokens``, more samples (n) than ``max_queued_requests``, an
   invalid request field). Retryability belongs to the
@@ -37,6 +38,7 @@ PREFIX = "kvadmit:"
 # Keys of a refused vLLM output's kv_transfer_params (the one free-form field of an
 # engine output that reaches the API server).
 RETRY_AFTER_KEY = "kvadmit_retry_after_s"   # the hint in seconds; present iff retryable
+STATUS_KEY = "kvadmit_status"               # a retryable refusal's status, when not 503
 DETAIL_KEY = "kvadmit_detail"               # the refusal's message (limit and numbers)
 
 # In a vLLM sample's SamplingParams.extra_args: "<n>/<parent request id>", set by the
@@ -51,6 +53,8 @@ HELD_HELP = ("Steps a waiting request spent at the head of the queue unable to s
              "engine looked within a step")
 
 RETRYABLE_STATUS = HTTPStatus.SERVICE_UNAVAILABLE
+# The statuses a retryable refusal may have (AdmissionConfig.overload_status).
+OVERLOAD_STATUSES = (HTTPStatus.SERVICE_UNAVAILABLE, HTTPStatus.TOO_MANY_REQUESTS)
 FINAL_STATUS = HTTPStatus.BAD_REQUEST
 
 
@@ -99,11 +103,18 @@ class Refusal:
     reason: str
     message: str
     retry_after_s: Optional[float] = None   # None: retrying cannot help
+    overload_status: int = RETRYABLE_STATUS   # the status when retryable (OVERLOAD_STATUSES)
+
+    def __post_init__(self):
+        if self.overload_status not in OVERLOAD_STATUSES:
+            raise ValueError(f"overload_status={self.overload_status!r}: must be one of "
+                             f"{', '.join(str(int(s)) for s in OVERLOAD_STATUSES)}")
 
     @classmethod
-    def of(cls, rejection) -> "Refusal":
+    def of(cls, rejection, overload_status: int = RETRYABLE_STATUS) -> "Refusal":
         """From the core's `kvadmit.Rejection` (or anything with its three fields)."""
-        return cls(rejection.reason, rejection.message, rejection.retry_after_s)
+        return cls(rejection.reason, rejection.message, rejection.retry_after_s,
+                   overload_status)
 
     @property
     def retryable(self) -> bool:
@@ -111,7 +122,7 @@ class Refusal:
 
     @property
     def status(self) -> HTTPStatus:
-        return RETRYABLE_STATUS if self.retryable else FINAL_STATUS
+        return HTTPStatus(self.overload_status) if self.retryable else FINAL_STATUS
 
     @property
     def retry_after(self) -> Optional[int]:
@@ -136,6 +147,8 @@ class Refusal:
         params = {DETAIL_KEY: self.message}
         if self.retry_after_s is not None:
             params[RETRY_AFTER_KEY] = float(self.retry_after_s)
+            if self.overload_status != RETRYABLE_STATUS:
+                params[STATUS_KEY] = int(self.overload_status)
         return params
 
     @classmethod
@@ -149,7 +162,10 @@ class Refusal:
         info = REASONS.get(reason)
         message = params.get(DETAIL_KEY) or (info.message if info else "refused by kvadmit")
         retry = params.get(RETRY_AFTER_KEY)
-        return cls(reason, str(message), None if retry is None else float(retry))
+        status = params.get(STATUS_KEY, RETRYABLE_STATUS)
+        if status not in OVERLOAD_STATUSES:
+            status = RETRYABLE_STATUS
+        return cls(reason, str(message), None if retry is None else float(retry), status)
 
 
 def invalid(message: str) -> Refusal:

@@ -3,11 +3,17 @@
 Every row becomes a `TraceRequest` or a `TraceError` naming the file, line and
 field: nothing is dropped silently. Traces carry the real output length but no
 `max_tokens`; choosing one is the replay's job (see `max_tokens_for`).
+
+The package ships both traces whole (`kvadmit/data/`, gzip-compressed, content
+unchanged; sources and licences in its README.md): every loader here takes a
+bundled trace's name (`BUNDLED`: ``azure2023_conv``, ``mooncake_conversation``) as
+well as a path to a .csv / .jsonl file (or the same gzip-compressed, .gz).
 """
 from __future__ import annotations
 
 import csv
 import datetime
+import gzip
 import json
 import pathlib
 from dataclasses import dataclass
@@ -27,6 +33,48 @@ class TraceRequest:
 
 
 AZURE_HEADER = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
+
+DATA_DIR = pathlib.Path(__file__).resolve().parent / "data"
+# The traces shipped inside the package: name -> file in DATA_DIR.
+BUNDLED = {
+    # Azure/AzurePublicDataset, data/AzureLLMInferenceTrace_conv.csv (CC BY 4.0)
+    "azure2023_conv": "azure2023_conv.csv.gz",
+    # kvcache-ai/Mooncake, FAST25-release/traces/conversation_trace.jsonl (Apache-2.0)
+    "mooncake_conversation": "mooncake_conversation_trace.jsonl.gz",
+}
+BUNDLED_HELP = "a bundled trace's name (" + ", ".join(BUNDLED) + ") or a path"
+
+
+def trace_path(trace: str | pathlib.Path) -> pathlib.Path:
+    """The file a trace argument names: a bundled trace's name (BUNDLED) is its
+    file inside the package; anything else is a path, returned as given."""
+    if isinstance(trace, str) and trace in BUNDLED:
+        return DATA_DIR / BUNDLED[trace]
+    return pathlib.Path(trace)
+
+
+def trace_name(trace: str | pathlib.Path) -> str:
+    """A short name for a trace: a bundled name as is, a path's file name without
+    its format and .gz suffixes ("azure2023_conv" for azure2023_conv.csv)."""
+    if isinstance(trace, str) and trace in BUNDLED:
+        return trace
+    name = pathlib.Path(trace).name
+    name = name[:-3] if name.endswith(".gz") else name
+    return name.rsplit(".", 1)[0] if "." in name else name
+
+
+def _format(path: pathlib.Path) -> str:
+    """The trace format by suffix, a trailing .gz aside: '.csv' or '.jsonl' (or other)."""
+    suffixes = path.suffixes
+    if suffixes and suffixes[-1] == ".gz":
+        suffixes = suffixes[:-1]
+    return suffixes[-1] if suffixes else ""
+
+
+def _open_text(path: pathlib.Path, newline: str | None = None):
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", newline=newline)
+    return path.open(newline=newline)
 
 
 def _positive_int(value: str | int, where: str, name: str, minimum: int = 1) -> int:
@@ -50,8 +98,8 @@ def _parse_azure_time(text: str, where: str) -> float:
 
 
 def iter_azure(path: str | pathlib.Path) -> Iterator[TraceRequest]:
-    path = pathlib.Path(path)
-    with path.open(newline="") as f:
+    path = trace_path(path)
+    with _open_text(path, newline="") as f:
         reader = csv.reader(f)
         header = next(reader, None)
         if header != AZURE_HEADER:
@@ -70,8 +118,8 @@ def iter_azure(path: str | pathlib.Path) -> Iterator[TraceRequest]:
 
 
 def iter_mooncake(path: str | pathlib.Path) -> Iterator[TraceRequest]:
-    path = pathlib.Path(path)
-    with path.open() as f:
+    path = trace_path(path)
+    with _open_text(path) as f:
         t0 = None
         for lineno, line in enumerate(f, 1):
             where = f"{path.name} line {lineno}"
@@ -103,16 +151,22 @@ def iter_mooncake(path: str | pathlib.Path) -> Iterator[TraceRequest]:
 
 
 def load_trace(path: str | pathlib.Path, limit: int | None = None) -> list[TraceRequest]:
-    """Loads a trace by its suffix: .csv (Azure) or .jsonl (Mooncake)."""
-    path = pathlib.Path(path)
+    """Loads a trace, a bundled one by name (BUNDLED) or a file by its suffix: .csv
+    (Azure) or .jsonl (Mooncake), either optionally gzip-compressed (.gz)."""
+    given, path = path, trace_path(path)
     if not path.exists():
-        raise FileNotFoundError(f"trace not found: {path}")
-    if path.suffix == ".csv":
+        if isinstance(given, str) and given in BUNDLED:
+            raise FileNotFoundError(f"bundled trace {given!r} is missing from this install: {path}")
+        raise FileNotFoundError(f"trace not found: {path} (or name a bundled trace: "
+                                f"{', '.join(BUNDLED)})")
+    fmt = _format(path)
+    if fmt == ".csv":
         it = iter_azure(path)
-    elif path.suffix == ".jsonl":
+    elif fmt == ".jsonl":
         it = iter_mooncake(path)
     else:
-        raise TraceError(f"{path.name}: unknown trace format (expected .csv or .jsonl)")
+        raise TraceError(f"{path.name}: unknown trace format (expected .csv or .jsonl, "
+                         f"optionally .gz)")
     out = []
     for req in it:
         if limit is not None and len(out) >= limit:

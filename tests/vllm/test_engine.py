@@ -2,6 +2,7 @@
 random-weight Llama and a small KV pool, vLLM's scheduler against each kvadmit
 policy, via `python -m kvadmit.vllm.bench` (one engine at a time)."""
 import json
+import re
 import subprocess
 import sys
 
@@ -14,7 +15,16 @@ def bench(model_dir, tmp_path, *args):
            "--json", str(out), "--plot", "", *args]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    # What a person reads: one progress line per engine, the table; vLLM's INFO logs and
+    # the tokenizer-less model's chat-template traceback only in the log beside the JSON.
+    shown, log = p.stdout + p.stderr, out.with_suffix(".log")
+    assert f"vLLM's engine output goes to {log}" in shown
+    info = re.compile(r"pid=\d+\) INFO ")                # vLLM's record format
+    assert info.search(log.read_text()) and not info.search(shown)
+    assert "Chat template warmup failed" in log.read_text() and "Traceback" not in shown
+    assert sum(line.startswith("[config ") for line in shown.splitlines()) == len(rows)
+    return rows
 
 
 @pytest.fixture(scope="module")

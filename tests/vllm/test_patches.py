@@ -9,20 +9,26 @@ import vllm
 from kvadmit import ConfigError
 from kvadmit.protocol import Refusal
 from kvadmit.vllm.plugin import check_vllm_config
-from kvadmit_patches import (vllm_config_check, vllm_http_status, vllm_orca, vllm_retry_after,
-                             vllm_slo_headers)
+from kvadmit_patches import (vllm_config_check, vllm_get_load, vllm_http_status, vllm_orca,
+                             vllm_retry_after, vllm_slo_headers)
 
 
 @pytest.mark.parametrize("patch, owner, name", [
     (vllm_http_status, "vllm.v1.engine.async_llm:AsyncLLM", "generate"),
     (vllm_http_status, "vllm.v1.engine.parallel_sampling:ParentRequest",
      "_get_child_sampling_params"),
+    (vllm_http_status, "vllm.entrypoints.openai.completion.serving:OpenAIServingCompletion",
+     "create_completion"),
+    (vllm_http_status, "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat",
+     "create_chat_completion"),
     (vllm_retry_after, "vllm.entrypoints.launchers.app", "init_entrypoints_middleware"),
+    (vllm_get_load, "vllm.entrypoints.launchers.app", "init_entrypoints_middleware"),
     (vllm_slo_headers, "vllm.entrypoints.launchers.app", "init_entrypoints_middleware"),
     (vllm_config_check, "vllm.engine.arg_utils:EngineArgs", "create_engine_config"),
     (vllm_orca, "vllm.entrypoints.serve.utils.orca_metrics", "get_named_metrics_from_prometheus"),
     (vllm_orca, "vllm.entrypoints.serve.utils.orca_metrics", "create_orca_header"),
-], ids=["generate", "child-params", "middleware", "slo-headers", "config-check", "orca-named",
+], ids=["generate", "child-params", "stream-completion", "stream-chat", "middleware", "get-load",
+        "slo-headers", "config-check", "orca-named",
         "orca-header"])
 def test_every_patch_applies_to_the_installed_vllm(patch, owner, name):
     import importlib
@@ -48,21 +54,32 @@ def refused_output(refusal: Refusal):
                          kv_transfer_params=refusal.to_params())
 
 
-@pytest.mark.parametrize("reason, retry_after_s, status", [
-    ("queue_full", 2.2, 503), ("context_length", None, 400)])
+def refusals():
+    """A refusal of every reason: the retryable ones with each overload status."""
+    from kvadmit.protocol import REASONS
+    for reason, info in REASONS.items():
+        if info.retryable is not False:
+            for status in (503, 429):
+                yield pytest.param(reason, 2.2, status, id=f"{reason}-{status}")
+        if info.retryable is not True:
+            yield pytest.param(reason, None, 400, id=f"{reason}-final")
+
+
+@pytest.mark.parametrize("reason, retry_after_s, status", list(refusals()))
 def test_a_refused_output_becomes_vllms_error_response(reason, retry_after_s, status):
     """The refusal in a real RequestOutput, raised as the patch raises it, answered by
     vLLM's own create_error_response: the status, and the message with the hint that
     the Retry-After middleware turns into the header."""
     from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
-    refusal = Refusal(reason, "the limit and its numbers", retry_after_s)
+    refusal = Refusal(reason, "the limit and its numbers", retry_after_s,
+                      status if retry_after_s is not None else 503)
     found = vllm_http_status.refusal_of(refused_output(refusal))
     assert found == refusal
     response = create_error_response(vllm_http_status.error_for(found))
     assert response.error.code == status
     assert response.error.message == refusal.client_message()
     hint = vllm_retry_after.HINT.search(response.model_dump_json().encode())
-    assert (hint.group(1) if hint else None) == (b"3" if status == 503 else None)
+    assert (hint.group(1) if hint else None) == (b"3" if status != 400 else None)
 
 
 def test_the_api_servers_middleware_set_up_adds_retry_after():

@@ -4,30 +4,15 @@ by the `openai` client over loopback: normal requests succeed, an overload burst
 kvadmit's queue cap gets HTTP 503 naming the reason, and `/metrics` (Prometheus
 multiprocess mode) shows kvadmit's counters."""
 import json
-import os
-import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from serving import free_port, metrics, running_server, serve_command
 
 openai = pytest.importorskip("openai")
-
-
-def serve_command(model_dir, port, additional_config, scheduler_cls=None):
-    """`vllm serve` of the tiny model through kvadmit's launcher, which also starts
-    vLLM's CPU build (whose `vllm` command does not: kvadmit.vllm.serve) and adds
-    `--scheduler-cls kvadmit.vllm.Scheduler` when `scheduler_cls` is None."""
-    return [sys.executable, "-m", "kvadmit.vllm.serve", model_dir,
-            "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
-            "--dtype", "float32", "--block-size", "32", "--num-gpu-blocks-override", "24",
-            "--max-model-len", "512", "--max-num-seqs", "4", "--enforce-eager",
-            "--gpu-memory-utilization", "0.3",
-            *(["--scheduler-cls", scheduler_cls] if scheduler_cls else []),
-            "--additional-config", json.dumps(additional_config)]
 
 
 def burst(base, model, n, max_tokens):
@@ -44,42 +29,15 @@ def burst(base, model, n, max_tokens):
     return [r for r in results if r[0] == "ok"], [r for r in results if r[0] != "ok"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    port = free_port()
     prom = tmp_path_factory.mktemp("prom")
     log = tmp_path_factory.mktemp("log") / "serve.log"
-    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(prom))
     # slo_guard only acts on requests with a target (the defaults are none).
     cfg = {"kvadmit": {"policy": "peak", "max_queued_requests": 3, "slo_guard": True}}
-    cmd = serve_command(model_dir, port, cfg)
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"vllm serve exited: {log.read_text()[-3000:]}")
-        try:
-            urllib.request.urlopen(base + "/health", timeout=2)
-            break
-        except OSError:
-            time.sleep(1)
-    else:
-        proc.kill()
-        pytest.fail("vllm serve did not come up in 300 s")
-    yield base, model_dir, log
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with running_server(serve_command(model_dir, free_port(), cfg), log,
+                        env={"PROMETHEUS_MULTIPROC_DIR": str(prom)}) as base:
+        yield base, model_dir, log
 
 
 def client(base):
@@ -307,21 +265,6 @@ def test_the_launcher_adds_kvadmits_scheduler_unless_one_is_named():
                                                 "--scheduler-cls", "kvadmit.vllm.Scheduler"]
     assert serve_argv(["M", "--scheduler-cls", "x.Y"]) == ["vllm", "serve", "M", "--scheduler-cls", "x.Y"]
     assert serve_argv(["M", "--scheduler-cls=x.Y"])[-1] == "--scheduler-cls=x.Y"
-
-
-def metrics(base) -> dict:
-    """/metrics as {series: value}, summed over label sets that differ only in labels
-    not named here (vLLM's engine and model labels)."""
-    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
-    out = {}
-    for ln in text.splitlines():
-        if ln.startswith("#") or " " not in ln:
-            continue
-        name, value = ln.rsplit(" ", 1)
-        if name.startswith("vllm:") and "{" in name:
-            name = name.split("{")[0]
-        out[name] = out.get(name, 0.0) + float(value)
-    return out
 
 
 def rejected(m) -> float:

@@ -10,7 +10,8 @@ import urllib.request
 
 import pytest
 
-from test_serve import burst, free_port, serve_command
+from serving import free_port, serve_command
+from test_serve import burst
 
 openai = pytest.importorskip("openai")
 

@@ -11,9 +11,10 @@ hooks itself, checks that every one is in place, and raises
 swallow) when one is missing or the configuration is bad.
 
 Without a configuration (no ``KVADMIT_CONFIG``, no ``--kvadmit-config``)
-``register()`` installs only the two command-line hooks, which add the
-``--kvadmit-config`` flag and do nothing unless it is given: SGLang behaves
-exactly as without kvadmit.
+``register()`` installs only the command-line hooks, which add the
+``--kvadmit-config`` flag and do nothing unless it is given, and the HTTP
+server's answer to a kvadmit refusal (`kvadmit.sglang.http`, which acts only on
+kvadmit's messages): SGLang behaves exactly as without kvadmit.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from typing import Callable, Optional
 
 from kvadmit import ConfigError, __version__ as KVADMIT_VERSION
 from kvadmit.sglang import adapter as _adapter
+from kvadmit.sglang import http as _http
 
 logger = logging.getLogger("kvadmit.sglang")
 
@@ -262,9 +264,12 @@ def _hook_types():
 
 
 def cli_hooks() -> dict:
+    """The hooks of every process: the flag, and the HTTP server's answer to a
+    kvadmit refusal (kvadmit.sglang.http; it acts only on kvadmit's messages)."""
     H = _hook_types()
     return {T_ADD_CLI_ARGS: (after_add_cli_args, H.AFTER),
-            T_FROM_CLI_ARGS: (after_from_cli_args, H.AFTER)}
+            T_FROM_CLI_ARGS: (after_from_cli_args, H.AFTER),
+            _http.T_HANDLE_REQUEST: (_http.around_handle_request, H.AROUND)}
 
 
 def engine_hooks() -> dict:

@@ -1,7 +1,7 @@
 """`kvadmit simulate`: compare admission policies on a workload, on a virtual clock.
 
-    kvadmit simulate --trace ../shared/traces/azure2023_conv.csv --preset h100-8b --load 1.5
-    kvadmit simulate --trace ../shared/traces/azure2023_conv.csv --preset h100-8b \\
+    kvadmit simulate --trace azure2023_conv --preset h100-8b --load 1.5
+    kvadmit simulate --trace azure2023_conv --preset h100-8b \\
         --sweep 0.5 0.75 1 1.25 1.5 2 --plot bench/results/sim_azure_cliff.png
     kvadmit simulate --synthetic agents --requests 2000 --prefix-caching --rate 2
 """
@@ -25,7 +25,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("simulate", help="replay a workload through each policy on a virtual clock",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--trace", help="Azure .csv or Mooncake .jsonl trace")
+    src.add_argument("--trace", help="an Azure .csv or Mooncake .jsonl trace (optionally .gz), or "
+                     "a bundled one by name: azure2023_conv, mooncake_conversation")
     src.add_argument("--synthetic", choices=("poisson", "gamma", "agents", "mixed"),
                      help="generated workload (gamma: bursty arrivals, cv --burst-cv; mixed: "
                      "interactive + batch requests with their own SLOs)")

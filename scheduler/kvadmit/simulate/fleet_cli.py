@@ -1,8 +1,8 @@
 """`kvadmit simulate --instances N --router NAME`: a fleet behind a router.
 
-    kvadmit simulate --trace ../shared/traces/azure2023_conv.csv --preset h100-8b \\
+    kvadmit simulate --trace azure2023_conv --preset h100-8b \\
         --instances 8 --router gie headroom --policies vllm-default auto --load 1.5
-    kvadmit simulate --trace ../shared/traces/azure2023_conv.csv --instances 8 \\
+    kvadmit simulate --trace azure2023_conv --instances 8 \\
         --sweep 0.5 1 1.5 --plot bench/results/fleet_azure.png --json bench/results/fleet_azure.json
 
 Every policy in --policies is a fleet of N instances of it (--instance-policies:

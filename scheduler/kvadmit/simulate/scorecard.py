@@ -27,8 +27,10 @@ from kvadmit.simulate.policies import PolicySpec, parse_policy
 from kvadmit.simulate.run import at_load, capacity_rps, run_policy
 from kvadmit.simulate.steptime import CPU_TINY, StepTimeModel, get_preset
 from kvadmit.simulate.workload import Workload, agent_sessions, from_trace, synthetic
-from kvadmit.traces import load_trace
+from kvadmit.traces import load_trace, trace_name
 
+# The traces' file names in a --traces folder (one holding the originals);
+# without one the scorecard reads the copies bundled in the package (kvadmit/data/).
 AZURE = "azure2023_conv.csv"
 MOONCAKE = "mooncake_conversation_trace.jsonl"
 WATERMARKS = (0.01, 0.05, 0.1)
@@ -86,7 +88,7 @@ def azure_burst(path: pathlib.Path, start: int, n: int, caps: str, name: str,
         mx.append(m)
     return Workload(name=name, arrival_s=[0.0] * len(reqs), prompt_tokens=prompt,
                     output_tokens=out, max_tokens=mx,
-                    description=f"{path.name} requests {start}-{start + n - 1} at once, scaled "
+                    description=f"{trace_name(path)} requests {start}-{start + n - 1} at once, scaled "
                                 f"to a {context}-token context, max_tokens rule '{caps}'")
 
 
@@ -106,9 +108,13 @@ def open_loop(w: Workload, shape: EngineShape, step: StepTimeModel, load: float)
     return at_load(w, load, capacity_rps(w, shape, step))
 
 
-def suite(traces_dir: str | pathlib.Path, quick: bool = False) -> list[Case]:
-    """The scorecard's workloads. ``quick``: smaller versions (tests)."""
-    d = pathlib.Path(traces_dir)
+def suite(traces_dir: str | pathlib.Path | None = None, quick: bool = False) -> list[Case]:
+    """The scorecard's workloads, from the bundled traces (``traces_dir`` None) or from a
+    folder holding AZURE and MOONCAKE. ``quick``: smaller versions (tests)."""
+    if traces_dir is None:
+        azure, moon = "azure2023_conv", "mooncake_conversation"     # kvadmit.traces.BUNDLED
+    else:
+        azure, moon = pathlib.Path(traces_dir) / AZURE, pathlib.Path(traces_dir) / MOONCAKE
     k = 4 if quick else 1                    # quick: a quarter of the requests
     cases: list[Case] = []
 
@@ -117,19 +123,19 @@ def suite(traces_dir: str | pathlib.Path, quick: bool = False) -> list[Case]:
         cases.append(Case(name, about, w, shape, step, **kw))
 
     add("azure-context", "Azure conversation burst, no max_tokens (caps = context left), 32 blocks",
-        lambda: (azure_burst(d / AZURE, 0, 256 // k, "context", "azure-context"), tiny_shape(32), CPU_TINY))
+        lambda: (azure_burst(azure, 0, 256 // k, "context", "azure-context"), tiny_shape(32), CPU_TINY))
     add("azure-cap", "another Azure slice, max_tokens 2048 (scaled) far above real lengths, 32 blocks",
-        lambda: (azure_burst(d / AZURE, 6000, 256 // k, "cap", "azure-cap"), tiny_shape(32), CPU_TINY))
+        lambda: (azure_burst(azure, 6000, 256 // k, "cap", "azure-cap"), tiny_shape(32), CPU_TINY))
     add("azure-honest", "a third Azure slice with honest caps (max_tokens = real length), 32 blocks",
-        lambda: (azure_burst(d / AZURE, 12000, 256 // k, "real", "azure-honest"), tiny_shape(32), CPU_TINY))
+        lambda: (azure_burst(azure, 12000, 256 // k, "real", "azure-honest"), tiny_shape(32), CPU_TINY))
     add("equal-burst", "64 requests of exactly 200 output tokens (ignore_eos, honest caps), 24 blocks",
         lambda: (equal_burst(64 // k, 200), tiny_shape(24, 512), CPU_TINY))
     add("tight-pool", "Azure burst scaled to a 512-token context, caps = context left, on a tight "
         "pool (16 blocks: 1 context)",
-        lambda: (azure_burst(d / AZURE, 2000, 256 // k, "context", "tight", 512), tiny_shape(16, 512),
+        lambda: (azure_burst(azure, 2000, 256 // k, "context", "tight", 512), tiny_shape(16, 512),
                  CPU_TINY))
     add("loose-pool", "Azure burst, caps = context left, on a pool where vLLM never preempts (512 blocks)",
-        lambda: (azure_burst(d / AZURE, 0, 256 // k, "context", "loose"), tiny_shape(512), CPU_TINY))
+        lambda: (azure_burst(azure, 0, 256 // k, "context", "loose"), tiny_shape(512), CPU_TINY))
 
     h100 = get_preset("h100-8b")
     big = EngineShape(num_blocks=h100.num_blocks // 8, block_size=h100.block_size,
@@ -144,7 +150,7 @@ def suite(traces_dir: str | pathlib.Path, quick: bool = False) -> list[Case]:
     def mooncake():
         shape = dataclasses.replace(big, prefix_caching=True, max_model_len=131072,
                                     num_blocks=h100.num_blocks)
-        w = from_trace(d / MOONCAKE, limit=1500 // k, max_tokens_rule="context",
+        w = from_trace(moon, limit=1500 // k, max_tokens_rule="context",
                        max_model_len=shape.max_model_len)
         return open_loop(w, shape, h100, 1.0), shape, h100
     add("mooncake-prefix", "Mooncake conversation trace with prefix caching at 1.0x capacity, "
@@ -311,7 +317,9 @@ def plot_heatmap(out: dict, path: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvadmit bench scorecard", description=__doc__.splitlines()[0])
-    ap.add_argument("--traces", default="../shared/traces", help="folder with the Azure and Mooncake traces")
+    ap.add_argument("--traces", default=None,
+                    help=f"a folder with {AZURE} and {MOONCAKE} (default: the copies bundled "
+                         "in the package)")
     ap.add_argument("--configs", nargs="+", default=CONFIGS, metavar="CONFIG",
                     help="rows: simulator policy names (vllm-default, vllm-watermark=F, vllm-active=N, "
                          "sglang, peak, adaptive, ...) or NAME=JSON kvadmit configs")

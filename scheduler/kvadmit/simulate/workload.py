@@ -14,7 +14,7 @@ import random
 import dataclasses
 from dataclasses import dataclass, field
 
-from kvadmit.traces import load_trace, max_tokens_for
+from kvadmit.traces import load_trace, max_tokens_for, trace_name
 
 
 @dataclass
@@ -96,7 +96,7 @@ def from_trace(path: str | pathlib.Path, limit: int | None = None, rate: float =
             ids.extend(r.hash_ids)
             off.append(len(ids))
     has_ids = bool(ids)
-    name = pathlib.Path(path).stem
+    name = trace_name(path)
     return Workload(
         name=name, arrival_s=arr, prompt_tokens=prompt, output_tokens=out, max_tokens=mx,
         hash_block_tokens=512 if has_ids else 0,

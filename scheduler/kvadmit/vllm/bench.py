@@ -34,9 +34,12 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
 from kvadmit._native import POLICIES
 from kvadmit.simulate.scorecard import WATERMARKS
+from kvadmit.vllm.engine_log import engine_log, say
 from kvadmit.vllm.scheduler import KvadmitAsyncScheduler, KvadmitScheduler
 from kvadmit.vllm.tiny_model import DEFAULT_DIR, EOS_TOKEN_ID
 
+# The Azure 2023 conversation trace bundled in the package (kvadmit.traces.BUNDLED).
+DEFAULT_TRACE = "azure2023_conv"
 COUNTS_ENV = "KVADMIT_BENCH_COUNTS"
 EXPECT_ENV = "KVADMIT_BENCH_EXPECT"
 STEP_TIMES_ENV = "KVADMIT_BENCH_STEP_TIMES"
@@ -477,9 +480,9 @@ def warm_up(model_dir: str, workload: list[BenchRequest], engine: BenchEngine,
     """One discarded engine on the first n requests (vLLM's own scheduler), so the
     first measured engine does not pay the process's cold start."""
     if n > 0:
-        print(f"warm-up: one discarded engine, {min(n, len(workload))} requests ...",
-              file=sys.stderr, flush=True)
-        run_one("warm-up", model_dir, workload[:n], engine, None, stop_early)
+        row = run_one("warm-up", model_dir, workload[:n], engine, None, stop_early)
+        say(f"[warm-up] a discarded engine, {min(n, len(workload))} requests: {row['steps']} steps "
+            f"({_elapsed()} elapsed)", err=True)
 
 
 def run_configs(configs: list[BenchConfig], model_dir: str, workload: list[BenchRequest],
@@ -490,14 +493,22 @@ def run_configs(configs: list[BenchConfig], model_dir: str, workload: list[Bench
     rows: list[dict | None] = [None] * len(configs)
     for pos, i in enumerate(run_order(len(configs), order, seed), 1):
         c = configs[i]
-        head = f"{tag}[{pos}/{len(configs)}] {c.label}"
-        print(f"{head}: starting an engine ...", file=sys.stderr, flush=True)
         row = run_one(c.label, model_dir, workload, engine, c.kvadmit, stop_early, c.engine_args)
         row["run_position"] = pos
         rows[i] = row
-        print(f"{head}: {row['steps']} steps, {row['preemptions']} preemptions, "
-              f"{row['wall_s']:.1f} s", file=sys.stderr, flush=True)
+        # one line per engine, once it has run (its start-up logs go to the engine log)
+        say(f"{tag}[config {pos}/{len(configs)}] {c.label}: {row['steps']} steps, "
+            f"{row['preemptions']} preemptions, generate {row['wall_s']:.1f} s "
+            f"({_elapsed()} elapsed)", err=True)
     return rows
+
+
+_T0 = time.perf_counter()      # main() restarts it: the run's clock for the progress lines
+
+
+def _elapsed() -> str:
+    s = int(time.perf_counter() - _T0)
+    return f"{s // 60}:{s % 60:02d}"
 
 
 def _ratio(a: float, b: float) -> float:
@@ -534,10 +545,10 @@ def print_table(rows: list[dict], sims: dict[str, dict] | None = None) -> None:
     wm = best_watermark(rows)
     width = max([15] + [len(r["config"]) + 1 for r in rows])
     sim_head = f" {'sim steps':>9} {'sim pre':>7}" if sims else ""
-    print(f"{'config':{width}} {'steps':>6} {'preempt':>7} {'recomp':>7} {'paused':>6} "
-          f"{'steps/' + base['config'][:4]:>10} {'steps/wm':>8} {'pre/wm':>6}{sim_head} | "
-          f"{'wall s':>6} {'wall/' + base['config'][:4]:>9} {'tok/s':>7} {'TTFT p50/p99 ms':>16} "
-          f"{'TPOT p50/p99 ms':>16} {'rej':>4} {'same out':>8}")
+    say(f"{'config':{width}} {'steps':>6} {'preempt':>7} {'recomp':>7} {'paused':>6} "
+        f"{'steps/' + base['config'][:4]:>10} {'steps/wm':>8} {'pre/wm':>6}{sim_head} | "
+        f"{'wall s':>6} {'wall/' + base['config'][:4]:>9} {'tok/s':>7} {'TTFT p50/p99 ms':>16} "
+        f"{'TPOT p50/p99 ms':>16} {'rej':>4} {'same out':>8}")
     for r in rows:
         vs_base = ratios(r, base)
         vs_wm = ratios(r, by[wm]) if wm else None
@@ -547,18 +558,18 @@ def print_table(rows: list[dict], sims: dict[str, dict] | None = None) -> None:
         if sims:
             s = sims[r["config"]]
             sim = f" {s['steps']:9d} {s['preemptions']:7d}"
-        print(f"{r['config'] + ('*' if r['config'] == wm else ''):{width}} {r['steps']:6d} "
-              f"{r['preemptions']:7d} {r['recomputed_tokens']:7d} {r['paused']:6d} "
-              f"{_fmt_ratio(vs_base['steps']):>10} "
-              f"{_fmt_ratio(vs_wm['steps']) if vs_wm else '-':>8} "
-              f"{_fmt_ratio(vs_wm['preemptions']) if vs_wm else '-':>6}{sim} | "
-              f"{r['wall_s']:6.2f} {_fmt_ratio(vs_base['wall_s']):>9} {r['output_tok_per_s']:7.1f} "
-              f"{r['ttft_p50_s'] * 1e3:7.0f}/{r['ttft_p99_s'] * 1e3:<8.0f} "
-              f"{r['tpot_p50_s'] * 1e3:7.1f}/{r['tpot_p99_s'] * 1e3:<8.1f} "
-              f"{sum(r['rejected'].values()):4d} {str(same):>8}")
+        say(f"{r['config'] + ('*' if r['config'] == wm else ''):{width}} {r['steps']:6d} "
+            f"{r['preemptions']:7d} {r['recomputed_tokens']:7d} {r['paused']:6d} "
+            f"{_fmt_ratio(vs_base['steps']):>10} "
+            f"{_fmt_ratio(vs_wm['steps']) if vs_wm else '-':>8} "
+            f"{_fmt_ratio(vs_wm['preemptions']) if vs_wm else '-':>6}{sim} | "
+            f"{r['wall_s']:6.2f} {_fmt_ratio(vs_base['wall_s']):>9} {r['output_tok_per_s']:7.1f} "
+            f"{r['ttft_p50_s'] * 1e3:7.0f}/{r['ttft_p99_s'] * 1e3:<8.0f} "
+            f"{r['tpot_p50_s'] * 1e3:7.1f}/{r['tpot_p99_s'] * 1e3:<8.1f} "
+            f"{sum(r['rejected'].values()):4d} {str(same):>8}")
     order = ", ".join(r["config"] for r in sorted(rows, key=lambda r: r["run_position"]))
-    print(f"{'* = vLLM best watermark (fewest preemptions, then steps); ' if wm else ''}"
-          f"wall times from this one run, in the order {order}", flush=True)
+    say(f"{'* = vLLM best watermark (fewest preemptions, then steps); ' if wm else ''}"
+        f"wall times from this one run, in the order {order}", flush=True)
 
 
 # ---------------------------------------------------------------------------
@@ -573,7 +584,7 @@ def build_workload(kind: str, requests: int, max_model_len: int, max_tokens: int
         workload = synthetic_workload(requests, max_model_len, max_tokens, stop_early=stop_early)
         source = f"synthetic, {requests} requests, seed 0"
     elif kind == "azure":
-        trace = trace or str(pathlib.Path("..") / "shared" / "traces" / "azure2023_conv.csv")
+        trace = trace or DEFAULT_TRACE
         workload = azure_workload(trace, requests, max_model_len, max_tokens)
         if not stop_early:
             workload = [BenchRequest(r.prompt_token_ids, r.max_tokens, r.max_tokens) for r in workload]
@@ -697,9 +708,9 @@ def run_suite(args, model_dir: str, configs: list[BenchConfig]) -> dict:
         if not warmed:
             warm_up(model_dir, workload, case.engine, case.stop_early, args.warmup)
             warmed = True
-        print(f"\n== {case.name} ({k}/{len(cases)}): {case.about}\n   {source}; pool "
-              f"{case.engine.num_blocks} blocks x {case.engine.block_size}; max_model_len "
-              f"{case.engine.max_model_len}", flush=True)
+        say(f"\n== {case.name} ({k}/{len(cases)}): {case.about}\n   {source}; pool "
+            f"{case.engine.num_blocks} blocks x {case.engine.block_size}; max_model_len "
+            f"{case.engine.max_model_len}", flush=True)
         rows = run_configs(configs, model_dir, workload, case.engine, case.stop_early, args.order,
                            args.seed + k, tag=f"{case.name} ")
         sims = {c.label: simulate(c, workload, case.engine) for c in configs}
@@ -719,20 +730,20 @@ def run_suite(args, model_dir: str, configs: list[BenchConfig]) -> dict:
             entry["goals"] = goals
             missed = [g for g, ok in goals["real"].items() if not ok]
             differ = [g for g, ok in goals["real"].items() if goals["sim"][g] != ok]
-            print(f"{DEFAULT_CONFIG} goals on the real engine: "
-                  f"{'all met' if not missed else 'missed ' + ', '.join(missed)}; the simulator "
-                  f"{'agrees' if not differ else 'differs on ' + ', '.join(differ)}", flush=True)
+            say(f"{DEFAULT_CONFIG} goals on the real engine: "
+                f"{'all met' if not missed else 'missed ' + ', '.join(missed)}; the simulator "
+                f"{'agrees' if not differ else 'differs on ' + ', '.join(differ)}", flush=True)
         agree = [name for name, c in entry["sim_vs_real"].items() if c.get("same_verdict") is False]
-        print(f"simulator vs real: steps {_sim_err(rows, sims):.1%} apart at most; verdicts vs "
-              f"vllm-default {'all the same' if not agree else 'differ for ' + ', '.join(agree)}",
-              flush=True)
+        say(f"simulator vs real: steps {_sim_err(rows, sims):.1%} apart at most; verdicts vs "
+            f"vllm-default {'all the same' if not agree else 'differ for ' + ', '.join(agree)}",
+            flush=True)
         if not args.keep_tokens:
             for r in rows:
                 r.pop("tokens")
         out["workloads"].append(entry)
     out["wall_s"] = time.perf_counter() - t_all
-    print(f"\nsuite: {len(cases)} workloads x {len(configs)} configs in {out['wall_s']:.0f} s",
-          flush=True)
+    say(f"\nsuite: {len(cases)} workloads x {len(configs)} configs in {out['wall_s']:.0f} s",
+        flush=True)
     return out
 
 
@@ -767,7 +778,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", nargs="+", default=None, metavar="NAME",
                     help=f"--suite: only these workloads (of {', '.join(c.name for c in SUITE)})")
     ap.add_argument("--workload", choices=("synthetic", "azure"), default="azure")
-    ap.add_argument("--trace", default=None, help="Azure CSV (default: ../shared/traces/azure2023_conv.csv)")
+    ap.add_argument("--trace", default=None,
+                    help="the Azure trace: a path to its CSV (optionally .gz) or a bundled trace's "
+                         f"name (default: {DEFAULT_TRACE}, the copy shipped in the package)")
     ap.add_argument("--requests", type=int, default=None,
                     help="requests in the workload (default 256; --suite: each workload's own)")
     ap.add_argument("--num-blocks", type=int, default=33)
@@ -810,6 +823,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default="bench/results/vllm_cpu_{workload}.png",
                     help="write a PNG comparison here ('' to skip; not with --suite)")
     ap.add_argument("--keep-tokens", action="store_true", help="keep token ids in the JSON")
+    ap.add_argument("--log", default=None,
+                    help="where vLLM's engine output goes (its INFO logs, progress bars; the "
+                         "terminal shows one line per engine, the table, and each distinct "
+                         "warning or error once). Default: beside the JSON, .log for .json (a "
+                         "temporary file without a JSON); '' lets vLLM print to the terminal")
     args = ap.parse_args(argv)
     args.argv = argv
     try:
@@ -826,25 +844,39 @@ def main(argv: list[str] | None = None) -> int:
     if args.inline_engine_core if args.inline_engine_core is not None else args.suite:
         _use_inline_engine_core()
 
+    if args.suite:
+        args.json = "bench/results/vllm_cpu_suite.json" if args.json is None else args.json
+    else:
+        args.json = (args.json if args.json is not None else "bench/results/vllm_cpu_{workload}.json")
+        args.json = args.json.format(workload=args.workload) if args.json else None
+        args.plot = args.plot.format(workload=args.workload) if args.plot else None
+    if args.log is None:
+        import tempfile
+        args.log = (str(pathlib.Path(args.json).with_suffix(".log")) if args.json else
+                    str(pathlib.Path(tempfile.gettempdir()) /
+                        f"kvadmit-bench-vllm-{'suite' if args.suite else args.workload}.log"))
+    global _T0
+    _T0 = time.perf_counter()
+    with engine_log(args.log):
+        return _run(args, argv, configs)
+
+
+def _run(args, argv: list[str], configs: list[BenchConfig]) -> int:
     from kvadmit.vllm.tiny_model import build_tiny_llama
     model_dir = args.model or str(build_tiny_llama(args.model_dir))
     if args.suite:
         out = run_suite(args, model_dir, configs)
-        path = "bench/results/vllm_cpu_suite.json" if args.json is None else args.json
-        if path:
-            _save(path, out, args)
+        if args.json:
+            _save(args.json, out, args)
         return 0
 
-    args.json = (args.json if args.json is not None else "bench/results/vllm_cpu_{workload}.json")
-    args.json = args.json.format(workload=args.workload) if args.json else None
-    args.plot = args.plot.format(workload=args.workload) if args.plot else None
     stop_early = not args.ignore_eos
     engine = BenchEngine(args.num_blocks, args.block_size, args.max_model_len, args.max_num_seqs,
                          args.max_num_batched_tokens, args.dtype)
     workload, source = build_workload(args.workload, args.requests or 256, args.max_model_len,
                                       args.max_tokens, args.caps, stop_early, args.trace)
-    print(f"workload: {source}; pool {args.num_blocks} blocks x {args.block_size}; "
-          f"max_model_len {args.max_model_len}", flush=True)
+    say(f"workload: {source}; pool {args.num_blocks} blocks x {args.block_size}; "
+        f"max_model_len {args.max_model_len}", flush=True)
     warm_up(model_dir, workload, engine, stop_early, args.warmup)
     rows = run_configs(configs, model_dir, workload, engine, stop_early, args.order, args.seed)
     print_table(rows)
@@ -857,7 +889,7 @@ def main(argv: list[str] | None = None) -> int:
                           "rows": rows}, args)
     if args.plot:
         _plot(rows, args.plot, source)
-        print(f"saved {args.plot}")
+        say(f"saved {args.plot}")
     return 0
 
 
@@ -865,25 +897,81 @@ def _save(path: str, out: dict, args) -> None:
     out["args"] = {k: v for k, v in vars(args).items() if k != "argv"}
     pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(path).write_text(json.dumps(out, indent=2))
-    print(f"saved {path}")
+    say(f"saved {path}")
 
 
-def _plot(rows: list[dict], path: str, title: str) -> None:
+# The chart's families and marks: a colour per family, a hatch and a bold label for the
+# three rows a reader compares (vLLM's default, vLLM's best knob, kvadmit's default).
+PLOT_COLOURS = {"vLLM": "#8c9db5", "kvadmit": "#4daf7c"}
+PLOT_MARKS = {"vLLM's default": ("//", "#2c3e50"), "vLLM's best knob": ("xx", "#2c3e50"),
+              "kvadmit's default": ("..", "#145a32")}
+
+
+def plot_marks(rows: list[dict]) -> dict[str, str]:
+    """config -> its mark (PLOT_MARKS' names) for the rows that carry one: vllm-default,
+    vLLM's best watermark (best_watermark's rule), and kvadmit-default."""
+    marks = {}
+    wm = best_watermark(rows)
+    names = {r["config"] for r in rows}
+    for config, mark in (("vllm-default", "vLLM's default"), (wm, "vLLM's best knob"),
+                         (DEFAULT_CONFIG, "kvadmit's default")):
+        if config in names:
+            marks[config] = mark
+    return marks
+
+
+def _plot(rows: list[dict], path: str, title: str):
+    """Horizontal bars, one row per config (labels read level), coloured by family,
+    the three reference rows hatched and named in the legend; saves a PNG at `path`
+    and returns the (closed) figure."""
+    import textwrap
+
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     names = [r["config"] for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    for ax, key, label in zip(axes, ("preemptions", "steps", "output_tok_per_s"),
-                              ("preemptions", "engine steps", "output tokens/s")):
-        ax.bar(names, [r[key] for r in rows], color=["#888"] + ["#3a7"] * (len(rows) - 1))
-        ax.set_title(label)
-        ax.tick_params(axis="x", rotation=45)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    families = ["vLLM" if n.startswith("vllm-") else "kvadmit" for n in names]
+    marks = plot_marks(rows)
+    fig, axes = plt.subplots(1, 3, figsize=(14, 1.6 + 0.36 * len(rows)), sharey=True)
+    ys = range(len(rows))
+    for ax, key, label, fmt in zip(axes, ("preemptions", "steps", "output_tok_per_s"),
+                                   ("preemptions (fewer is better)", "engine steps (fewer is better)",
+                                    "output tokens/s (this run's wall time)"),
+                                   ("{:.0f}", "{:.0f}", "{:.0f}")):
+        values = [r[key] for r in rows]
+        bars = ax.barh(ys, values, color=[PLOT_COLOURS[f] for f in families], height=0.7)
+        for bar, name in zip(bars, names):
+            if name in marks:
+                hatch, edge = PLOT_MARKS[marks[name]]
+                bar.set_hatch(hatch)
+                bar.set_edgecolor(edge)
+                bar.set_linewidth(1.2)
+        top = max(values) if values and max(values) > 0 else 1
+        for y, v in zip(ys, values):
+            ax.text(v + top * 0.01, y, fmt.format(v), va="center", fontsize=8)
+        ax.set_xlim(0, top * 1.15)
+        ax.set_title(label, fontsize=10)
+        ax.grid(axis="x", alpha=0.3)
+        ax.set_axisbelow(True)
+    axes[0].set_yticks(list(ys))
+    axes[0].set_yticklabels(names, fontsize=9)
+    for tick, name in zip(axes[0].get_yticklabels(), names):
+        if name in marks:
+            tick.set_fontweight("bold")
+    axes[0].invert_yaxis()
+    legend = [Patch(facecolor=PLOT_COLOURS["vLLM"], label="vLLM's scheduler and its knobs"),
+              Patch(facecolor=PLOT_COLOURS["kvadmit"], label="kvadmit's policies")]
+    legend += [Patch(facecolor="white", hatch=PLOT_MARKS[m][0], edgecolor=PLOT_MARKS[m][1],
+                     label=f"{m}: {n}") for n, m in marks.items()]
+    fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=8, frameon=False)
+    fig.suptitle("\n".join(textwrap.wrap(f"kvadmit bench vllm: {title}", 130)), fontsize=9)
+    fig.tight_layout(rect=(0, 0.07 if len(rows) > 6 else 0.12, 1, 1))
     pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return fig
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ KVADMIT_SCHEDULER = "kvadmit.vllm.Scheduler"
 STOP_AT_PROCESSOR = "kvadmit.vllm.bench:StopAtLength"
 STOP_AT_KEY = "kvadmit_stop_at"              # kvadmit.vllm.bench.STOP_AT_KEY (not imported:
                                              # that module imports torch and vLLM's engine)
-DEFAULT_TRACE = "../shared/traces/azure2023_conv.csv"
+DEFAULT_TRACE = "azure2023_conv"          # bundled with the package (kvadmit.traces.BUNDLED)
 DEFAULT_CONFIGS = ("vllm-default", "vllm-queued", "vllm-watermark=0.01", "vllm-watermark=0.05",
                    "vllm-watermark=0.1", "kvadmit-default", "kvadmit-delay")
 FIXED_CONFIGS = ("vllm-default", "kvadmit-default")
@@ -628,7 +628,9 @@ def build_parser() -> argparse.ArgumentParser:
                "kvadmit-delay[=S] (max_queue_delay_s, default the TTFT target); NAME=JSON "
                "(kvadmit's keys).\n\n`kvadmit bench serve client [vllm bench serve flags]` runs "
                "vLLM's own client (the CPU build's `vllm` command does not start).")
-    ap.add_argument("--trace", default=DEFAULT_TRACE, help="Azure conversation CSV")
+    from kvadmit.traces import BUNDLED_HELP
+    ap.add_argument("--trace", default=DEFAULT_TRACE,
+                    help=f"the Azure conversation trace: {BUNDLED_HELP} (default {DEFAULT_TRACE})")
     ap.add_argument("--requests", type=int, default=200, help="requests per point")
     ap.add_argument("--load", type=float, nargs="+", default=[0.25, 0.5, 0.8, 1.0, 1.5, 2.0],
                     help="offered loads, as multiples of the measured capacity")
@@ -696,7 +698,8 @@ def main(argv: list[str] | None = None) -> int:
         _check(args)
         for c in args.configs:                       # names checked before any server starts
             parse_config(c, 1, 1.0)
-        if not pathlib.Path(args.trace).exists():
+        from kvadmit.traces import trace_path
+        if not trace_path(args.trace).exists():
             raise FileNotFoundError(f"--trace {args.trace}: not found")
     except (ValueError, FileNotFoundError) as e:
         ap.error(str(e))

@@ -1,7 +1,7 @@
 """`vllm.general_plugins` entry point: vLLM loads it in every process.
 
 It applies kvadmit's vLLM patches (see patches/README.md): two act only on
-requests kvadmit's scheduler refused, one checks kvadmit's settings where vLLM
+requests kvadmit's scheduler refused, one answers routers' `GET /get_load`, one checks kvadmit's settings where vLLM
 builds its config (`check_vllm_config`, before any engine process starts), and, in Prometheus multiprocess mode,
 makes the engine's kvadmit counters visible to `LLM.get_metrics()`
 (kvadmit.vllm.metrics). Without `--scheduler-cls kvadmit.vllm.Scheduler`
@@ -41,8 +41,8 @@ def check_vllm_config(vllm_config) -> None:
 
 
 def register() -> None:
-    from kvadmit_patches import (vllm_config_check, vllm_http_status, vllm_orca, vllm_retry_after,
-                                 vllm_slo_headers)
+    from kvadmit_patches import (vllm_config_check, vllm_get_load, vllm_http_status, vllm_orca,
+                                 vllm_retry_after, vllm_slo_headers)
 
     from kvadmit.vllm.metrics import register_bridge
 
@@ -65,6 +65,10 @@ def register() -> None:
         import vllm
         logger.warning("kvadmit: no SLO request-header patch for vLLM %s (written for %s)",
                        vllm.__version__, ", ".join(vllm_slo_headers.VERSIONS))
+    if not vllm_get_load.apply():
+        import vllm
+        logger.warning("kvadmit: no /get_load route for vLLM %s (written for %s)",
+                       vllm.__version__, ", ".join(vllm_get_load.VERSIONS))
     if not vllm_orca.apply():
         import vllm
         logger.warning("kvadmit: no ORCA load-report patch for vLLM %s (written for %s)",

