@@ -19,8 +19,8 @@ a small KV pool) behind one front:
 
 Load: Poisson arrivals at `--load` times the fleet's measured capacity (a closed
 loop of instances x max_num_seqs clients on stock vLLM), half of them streaming;
-the requests are the Azure conversation trace's first ones, lengths scaled to the
-model's 512-token context, each with its real output length as max_tokens. Every
+the requests are the Azure conversation trace's first ones, lengths scaled by 1/4
+(a 2k-context model's onto the tiny model's 512 tokens), each with its real output length as max_tokens. Every
 setup gets the same requests at the same times. Clients do not retry: what the
 front does is what is measured.
 
@@ -54,26 +54,14 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-POOL_BLOCKS = 24           # --num-gpu-blocks-override
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from haproxy_pair import HAPROXY_CFG  # noqa: E402  (the same HAProxy recipe)
+
+POOL_BLOCKS = 96           # --num-gpu-blocks-override: 3,072 tokens, ~8 requests
+TRACE_CONTEXT = 2048       # lengths scaled by MAX_MODEL_LEN / this: prompts ~290, outputs ~53
 MAX_MODEL_LEN = 512
 MAX_NUM_SEQS = 8
 RECIPE_FLAGS = ("--policy", "power_of_two", "--worker-startup-check-interval", "1")
-HAPROXY_CFG = """global
-    maxconn 1024
-defaults
-    mode http
-    timeout connect 5s
-    timeout client 300s
-    timeout server 300s
-    retries 3
-    option redispatch 1
-    retry-on 503
-    option http-buffer-request
-listen llm
-    bind 127.0.0.1:{port}
-    balance roundrobin
-{servers}
-"""
 
 
 def free_port() -> int:
@@ -231,8 +219,10 @@ def served_by_instance(bases: list[str]) -> list[int]:
     out = []
     for base in bases:
         text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+        # finished with a stop or its length: not the aborts (kvadmit's refusals among them)
         out.append(int(sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
-                           if ln.startswith("vllm:request_success_total"))))
+                           if ln.startswith("vllm:request_success_total")
+                           and ('finished_reason="length"' in ln or 'finished_reason="stop"' in ln))))
     return out
 
 
@@ -253,7 +243,7 @@ class Outcome:
 def workload(trace: str, n: int, rate: float, seed: int):
     """(arrival s, prompt ids, max_tokens, stream) for n requests, Poisson at `rate`."""
     from kvadmit.vllm.bench import azure_workload
-    reqs = azure_workload(trace, n, MAX_MODEL_LEN, cap=2048, seed=seed)
+    reqs = azure_workload(trace, n, MAX_MODEL_LEN, cap=2048, seed=seed, trace_context=TRACE_CONTEXT)
     rng = random.Random(seed)
     t, out = 0.0, []
     for i, r in enumerate(reqs):
@@ -291,10 +281,10 @@ async def send(client, url: str, model: str, prompt, max_tokens: int, stream: bo
                 if "error" in event:
                     error = str(event["error"].get("message", event["error"]))[:160]
                     continue
-                for choice in event.get("choices", ()):
-                    if choice.get("text") is not None or choice.get("finish_reason"):
-                        ttft = ttft if ttft is not None else time.perf_counter() - t0
-                        tokens += 1 if choice.get("text") else 0
+                # one event per token (n = 1); the text is empty without a tokenizer
+                if event.get("choices"):
+                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    tokens += 1
             latency = time.perf_counter() - t0
             if error is not None or not done:
                 return Outcome("lost", True, 200, error or "stream cut", latency_s=latency)

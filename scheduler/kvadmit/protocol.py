@@ -168,11 +168,6 @@ class Refusal:
         return cls(reason, str(message), None if retry is None else float(retry), status)
 
 
-def invalid(message: str) -> Refusal:
-    """A request this server refuses as malformed (400, never retryable)."""
-    return Refusal("invalid", message, None)
-
-
 def samples_marker(n: int, parent_id: str) -> dict:
     """The extra_args entry that tells the engine a request is one of n samples."""
     return {SAMPLES_KEY: f"{int(n)}/{parent_id}"}

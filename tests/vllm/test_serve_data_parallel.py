@@ -3,14 +3,11 @@ parallel rank's engine core runs its own kvadmit scheduler over its own KV pool
 (vLLM's front end balances requests between them); a burst beyond the ranks' queue
 caps is refused with 503 + Retry-After, the rest is served, and the counters add up.
 (Offline `LLM(data_parallel_size=2)` is not supported by vLLM in one process.)"""
-import os
-import subprocess
-import time
 import urllib.request
 
 import pytest
 
-from serving import free_port, serve_command
+from serving import free_port, running_server, serve_command
 from test_serve import burst
 
 openai = pytest.importorskip("openai")
@@ -24,27 +21,12 @@ def metrics(base):
 
 
 def test_two_data_parallel_ranks_each_run_kvadmit(model_dir, tmp_path):
-    port = free_port()
     prom = tmp_path / "prom"
     prom.mkdir()
-    cmd = serve_command(model_dir, port, {"kvadmit": {"max_queued_requests": 2}}) + \
-        ["--data-parallel-size", "2"]
-    log = tmp_path / "serve.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(prom)))
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.time() < deadline, "no /health in 300 s"
-            try:
-                urllib.request.urlopen(base + "/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(1)
-
+    cmd = serve_command(model_dir, free_port(), {"kvadmit": {"max_queued_requests": 2}},
+                        extra=("--data-parallel-size", "2"))
+    with running_server(cmd, tmp_path / "serve.log",
+                        env={"PROMETHEUS_MULTIPROC_DIR": str(prom)}) as base:
         served, refused = burst(base, model_dir, 20, 64)
         assert served and all(n == 64 for _, n, _ in served), served
         assert refused, served      # 20 at once: more than 2 x (4 running + 2 queued)
@@ -57,9 +39,3 @@ def test_two_data_parallel_ranks_each_run_kvadmit(model_dir, tmp_path):
         assert len(engines) == 2, engines
         assert m.get("kvadmit_admitted_total", 0) == len(served)
         assert m.get('kvadmit_rejected_total{reason="queue_full"}', 0) == len(refused)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
