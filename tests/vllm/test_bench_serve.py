@@ -1,0 +1,124 @@
+"""`vllm serve` of the tiny model with its own tokenizer (text, chat, and vLLM's own
+`vllm bench serve --dataset-name random`), and a small `kvadmit bench serve` sweep
+(two configs, two loads) checked through its JSON. Run under the engine lock."""
+import json
+import pathlib
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from kvadmit.vllm import bench_serve
+
+TRACE = pathlib.Path(__file__).resolve().parents[1] / "data" / "azure2023_conv_head200.csv"
+
+
+def post(base, path, body):
+    req = urllib.request.Request(base + path, data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    return json.loads(urllib.request.urlopen(req, timeout=120).read())
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    """kvadmit's launcher with its scheduler, no --skip-tokenizer-init."""
+    log = tmp_path_factory.mktemp("log") / "serve.log"
+    s = bench_serve.Server(bench_serve.parse_config("kvadmit-default", 1, 1.0), model_dir,
+                           bench_serve.Engine(num_blocks=25, max_model_len=512, max_num_seqs=8),
+                           log)
+    s.start()
+    try:
+        s.wait_ready(300)
+        yield s
+    finally:
+        s.stop()
+
+
+def test_text_and_chat_requests(server):
+    r = post(server.base, "/v1/completions", {"model": server.model, "prompt": "w10 w11 hello",
+                                               "max_tokens": 6, "ignore_eos": True})
+    assert r["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10,
+                          "prompt_tokens_details": None, "completion_tokens_details": None}
+    words = r["choices"][0]["text"].split()
+    assert len(words) <= 6 and all(w.startswith("w") or w.startswith("<") for w in words), words
+    r = post(server.base, "/v1/chat/completions", {
+        "model": server.model, "max_tokens": 5, "ignore_eos": True,
+        "messages": [{"role": "system", "content": "w7"}, {"role": "user", "content": "w8 w9"}]})
+    # <s><|system|> w7 <|user|> w8 w9 <|assistant|>
+    assert r["usage"]["prompt_tokens"] == 7 and r["usage"]["completion_tokens"] == 5
+    assert r["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_the_stop_at_length_rides_on_vllm_xargs(server):
+    r = post(server.base, "/v1/completions", {
+        "model": server.model, "prompt": "w10 w11", "max_tokens": 40, "min_tokens": 6,
+        "vllm_xargs": {"kvadmit_stop_at": 7}})
+    assert r["usage"]["completion_tokens"] == 7 and r["choices"][0]["finish_reason"] == "stop"
+
+
+def test_vllm_bench_serve_random_runs_unchanged(server):
+    """vLLM's own client, its random dataset, as its docs give it: TTFT/TPOT percentiles."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvadmit.cli", "bench", "serve", "client", "--base-url",
+         server.base, "--model", server.model, "--dataset-name", "random",
+         "--random-input-len", "48", "--random-output-len", "8", "--ignore-eos",
+         "--num-prompts", "12", "--request-rate", "20", "--goodput", "ttft:5000", "tpot:500",
+         "--percentile-metrics", "ttft,tpot", "--metric-percentiles", "50,99"],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    for words in ("Successful requests:                     12", "Total input tokens:                      576",
+                  "Total generated tokens:                  96", "P99 TTFT (ms):",
+                  "P50 TPOT (ms):", "P99 TPOT (ms):", "Request goodput (req/s):"):
+        assert words in text, text[-2000:]
+
+
+def test_kvadmit_bench_serve_small_sweep(model_dir, tmp_path):
+    """Two configs, two loads, 24 trace requests each: the JSON's counts add up, every
+    served request stopped at its real length, refusals are counted by reason and status."""
+    out = tmp_path / "serve.json"
+    capped = 'kvadmit-cap2={"max_queued_requests": 2}'
+    cmd = [sys.executable, "-m", "kvadmit.cli", "bench", "serve", "--trace", str(TRACE),
+           "--requests", "24", "--load", "0.5", "2", "--repeats", "1",
+           "--configs", "vllm-default", capped, "--num-blocks", "49", "--max-model-len", "1024",
+           "--json", str(out), "--plot", str(tmp_path / "serve.png"), "--model-dir", model_dir]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
+    # vLLM's INFO logs go to the log file, not the terminal
+    assert "INFO" not in p.stdout and "INFO" not in p.stderr, p.stdout + p.stderr[-2000:]
+    assert "[4/4] vllm-default" in p.stderr or "[4/4] kvadmit-cap2" in p.stderr, p.stderr
+    res = json.loads(out.read_text())
+    log = pathlib.Path(res["log"])
+    assert "Starting vLLM" in log.read_text() or "vLLM API server" in log.read_text()
+    assert res["command"].startswith("kvadmit bench serve --trace")
+    assert res["machine"]["cpus"] >= 1 and res["machine"]["vllm"]
+    (sec,) = res["sections"]
+    assert sec["configs"] == ["vllm-default", "kvadmit-cap2"]
+    cap = res["capacity_run"]
+    assert cap["completed"] == 24 and cap["wrong_length"] == 0
+    assert cap["output_tokens"] == sec["real_output_tokens"] > 24
+    assert sec["capacity_rps"] == cap["request_throughput"] > 0
+    rows = sec["rows"]
+    assert sorted((r["config"], r["load"]) for r in rows) == [
+        ("kvadmit-cap2", 0.5), ("kvadmit-cap2", 2.0), ("vllm-default", 0.5), ("vllm-default", 2.0)]
+    for r in rows:
+        assert r["rate_rps"] == pytest.approx(r["load"] * sec["capacity_rps"])
+        assert r["completed"] + r["failed"] == r["requests"] == 24
+        assert 0 <= r["good"] <= r["completed"] and r["goodput"] == r["good"] / 24
+        assert r["wrong_length"] == 0, r          # every served request stopped at its length
+        assert sum(r["failed_by_status"].values()) == r["failed"]
+        assert r["preemptions"] >= 0
+        if r["failed"] == 0:
+            assert r["output_tokens"] == sec["real_output_tokens"]
+        if r["config"] == "vllm-default":
+            assert r["failed"] == 0 and r["refused_by_reason"] == {}
+        else:
+            # every kvadmit refusal is a failed request, 503 before the stream or an
+            # error inside a 200 stream
+            assert r["refused_by_reason"].get("queue_full", 0) == r["failed"], r
+            assert set(r["failed_by_status"]) <= {"503", "200"}, r
+    burst = next(r for r in rows if r["config"] == "kvadmit-cap2" and r["load"] == 2.0)
+    assert burst["refused_by_reason"].get("queue_full", 0) > 0, burst   # 24 at once, cap 2
+    assert len(sec["summary"]) == 4 and all(s["repeats"] == 1 for s in sec["summary"])
+    assert (tmp_path / "serve.png").stat().st_size > 10_000
