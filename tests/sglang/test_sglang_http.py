@@ -89,3 +89,15 @@ def test_other_errors_are_left_to_sglang():
     assert refusal_in_event(f"data: {other}\n\n") is None
     plain, _ = hooked(SERVING.create_error_response("The engine is busy (retry after 3 s)", "503", 503))
     assert "retry-after" not in plain.headers
+
+
+def test_the_hook_is_left_out_where_the_openai_server_does_not_import(monkeypatch):
+    """A process without the server's dependencies (here: the module made unimportable)
+    keeps the flag's hooks and starts; the HTTP hook is there where the server imports."""
+    import sys
+
+    from kvadmit.sglang import http, plugin
+    assert http.T_HANDLE_REQUEST in plugin.cli_hooks()
+    monkeypatch.setitem(sys.modules, http.SERVING_MODULE, None)
+    hooks = plugin.cli_hooks()
+    assert http.T_HANDLE_REQUEST not in hooks and len(hooks) == 2

@@ -12,7 +12,9 @@ and every kvadmit error response with a retry hint gets `Retry-After`. Everythin
 else passes through, the first event of an admitted stream is put back in front.
 
 It runs in SGLang's HTTP server process, installed with the command-line hooks in
-every process (it acts only on kvadmit's messages).
+every process where SGLang's OpenAI server imports (it acts only on kvadmit's
+messages); where it does not (a process without the server's dependencies,
+torchvision among them), no OpenAI server can run either, and the hook is left out.
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from typing import Optional
 
 from kvadmit.protocol import OVERLOAD_STATUSES, PREFIX, RETRY_HINT_RE
 
-T_HANDLE_REQUEST = "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request"
+SERVING_MODULE = "sglang.srt.entrypoints.openai.serving_base"
+T_HANDLE_REQUEST = SERVING_MODULE + ".OpenAIServingBase.handle_request"
 _RETRYABLE = frozenset(int(s) for s in OVERLOAD_STATUSES)
 _EVENT = re.compile(rb"^data: (.*?)\s*$", re.S)
 

@@ -19,6 +19,7 @@ kvadmit's messages): SGLang behaves exactly as without kvadmit.
 from __future__ import annotations
 
 import argparse
+import importlib
 import inspect
 import logging
 import os
@@ -268,8 +269,20 @@ def cli_hooks() -> dict:
     kvadmit refusal (kvadmit.sglang.http; it acts only on kvadmit's messages)."""
     H = _hook_types()
     return {T_ADD_CLI_ARGS: (after_add_cli_args, H.AFTER),
-            T_FROM_CLI_ARGS: (after_from_cli_args, H.AFTER),
-            _http.T_HANDLE_REQUEST: (_http.around_handle_request, H.AROUND)}
+            T_FROM_CLI_ARGS: (after_from_cli_args, H.AFTER), **http_hooks()}
+
+
+def http_hooks() -> dict:
+    """The OpenAI server's hook, where that server imports: in a process without its
+    dependencies (torchvision, say) no OpenAI server can run, and there is nothing to
+    hook."""
+    try:
+        importlib.import_module(_http.SERVING_MODULE)
+    except ImportError as e:
+        logger.info("kvadmit: SGLang's OpenAI server does not import in this process (%s); "
+                    "its refusal hook is not installed here", e)
+        return {}
+    return {_http.T_HANDLE_REQUEST: (_http.around_handle_request, _hook_types().AROUND)}
 
 
 def engine_hooks() -> dict:
