@@ -56,20 +56,13 @@ import urllib.request
 from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from haproxy_pair import HAPROXY_CFG  # noqa: E402  (the same HAProxy recipe)
+from haproxy_pair import HAPROXY_CFG, free_port  # noqa: E402  (the same HAProxy recipe)
 
 POOL_BLOCKS = 96           # --num-gpu-blocks-override: 3,072 tokens, ~8 requests
 TRACE_CONTEXT = 2048       # lengths scaled by MAX_MODEL_LEN / this: prompts ~290, outputs ~53
 MAX_MODEL_LEN = 512
 MAX_NUM_SEQS = 8
 RECIPE_FLAGS = ("--policy", "power_of_two", "--worker-startup-check-interval", "1")
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -407,9 +400,9 @@ def markdown(out: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None and sys.argv[1:2] == ["--show"] or argv and argv[:1] == ["--show"]:
-        path = (argv or sys.argv[1:])[1]
-        with open(path) as f:
+    given = sys.argv[1:] if argv is None else argv
+    if given[:1] == ["--show"] and len(given) == 2:
+        with open(given[1]) as f:
             print(markdown(json.load(f)))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

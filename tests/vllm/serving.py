@@ -2,13 +2,15 @@
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
 import pytest
+
+# one /metrics reader and port picker for the tests and `kvadmit bench serve`
+from kvadmit.vllm.bench_serve import free_port, scrape_metrics as metrics  # noqa: F401
 
 
 def serve_command(model_dir, port, additional_config, scheduler_cls=None, extra=(),
@@ -26,12 +28,6 @@ def serve_command(model_dir, port, additional_config, scheduler_cls=None, extra=
             "--gpu-memory-utilization", "0.3",
             *(["--scheduler-cls", scheduler_cls] if scheduler_cls else []),
             "--additional-config", json.dumps(additional_config), *extra]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -62,18 +58,3 @@ def running_server(cmd, log, env=None, timeout=300):
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
-
-
-def metrics(base) -> dict:
-    """/metrics as {series: value}, summed over label sets that differ only in labels
-    not named here (vLLM's engine and model labels)."""
-    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
-    out = {}
-    for ln in text.splitlines():
-        if ln.startswith("#") or " " not in ln:
-            continue
-        name, value = ln.rsplit(" ", 1)
-        if name.startswith("vllm:") and "{" in name:
-            name = name.split("{")[0]
-        out[name] = out.get(name, 0.0) + float(value)
-    return out

@@ -270,6 +270,23 @@ class Engine:
                 "--no-enable-prefix-caching", "--logits-processors", STOP_AT_PROCESSOR]
 
 
+def scrape_metrics(base: str, timeout: float = 30) -> dict[str, float]:
+    """A server's /metrics: vLLM's series summed over their labels, kvadmit's by full name."""
+    text = urllib.request.urlopen(base + "/metrics", timeout=timeout).read().decode()
+    out: dict[str, float] = {}
+    for ln in text.splitlines():
+        if ln.startswith("#") or " " not in ln:
+            continue
+        name, value = ln.rsplit(" ", 1)
+        if name.startswith("vllm:") and "{" in name:
+            name = name.split("{")[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            pass
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -319,20 +336,7 @@ class Server:
                            f"see {self.log}")
 
     def metrics(self) -> dict[str, float]:
-        """/metrics: vLLM's series summed over their labels, kvadmit's by full name."""
-        text = urllib.request.urlopen(self.base + "/metrics", timeout=30).read().decode()
-        out: dict[str, float] = {}
-        for ln in text.splitlines():
-            if ln.startswith("#") or " " not in ln:
-                continue
-            name, value = ln.rsplit(" ", 1)
-            if name.startswith("vllm:") and "{" in name:
-                name = name.split("{")[0]
-            try:
-                out[name] = out.get(name, 0.0) + float(value)
-            except ValueError:
-                pass
-        return out
+        return scrape_metrics(self.base)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
