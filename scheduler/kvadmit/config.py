@@ -181,12 +181,8 @@ class AdmissionConfig:
         unknown = sorted(set(values) - set(known), key=repr)
         if unknown:
             key = unknown[0]
-            # Error path only: the vLLM adapter's own keys (kvadmit.vllm.settings, no vLLM import).
-            from kvadmit.vllm.settings import VLLM_ONLY_KEYS
-            if key in VLLM_ONLY_KEYS:
-                raise ConfigError(f"kvadmit config: {key!r} is a vLLM-only setting (kvadmit's vLLM "
-                                  f"scheduler reads it from --additional-config); this engine "
-                                  f"does not take it")
+            if key in _ADAPTER_KEYS:       # an engine adapter's own key (register_adapter_keys)
+                raise ConfigError(f"kvadmit config: {key!r} {_ADAPTER_KEYS[key]}")
             if key == SECTION:
                 hint = (f"this is already kvadmit's object: give its keys without the "
                         f"{SECTION!r} wrapper")
@@ -266,6 +262,23 @@ def key_table(cls) -> str:
 
 
 SECTION = "kvadmit"    # kvadmit's key in an engine's shared plug-in settings
+
+# Keys an engine adapter reads itself from the same "kvadmit" object (its own settings,
+# the vLLM adapter's settings module), each with why the core's config refuses it. The adapters
+# register them (register_adapter_keys); this module knows none of them. The package's
+# __init__ imports every adapter's settings module, so each engine names them.
+_ADAPTER_KEYS: dict[str, str] = {}
+
+
+def register_adapter_keys(keys, why: str) -> None:
+    """Keys an engine adapter takes from kvadmit's object itself: AdmissionConfig.from_dict
+    refuses each with "kvadmit config: '<key>' <why>" (not "unknown key"). A key of the
+    core's config cannot be an adapter's."""
+    core = {f.name for f in dataclasses.fields(AdmissionConfig)}
+    for key in keys:
+        if key in core:
+            raise ValueError(f"{key!r} is a key of the core's AdmissionConfig, not an adapter's")
+        _ADAPTER_KEYS[key] = why
 
 
 def _did_you_mean(name: str, options) -> str | None:
