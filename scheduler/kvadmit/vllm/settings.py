@@ -6,8 +6,8 @@ sets up vLLM's own objects, not an admission decision: the core's config does no
 carry them, and other engines (SGLang's plug-in, the simulator) refuse them with a
 ConfigError that names them as vLLM-only (this module registers them with
 `kvadmit.config.register_adapter_keys`; the core's config knows no adapter's keys, and
-the package imports this module, so every engine knows them). Imports nothing from vLLM, so that error
-and `kvadmit config` work without it.
+the package imports this module, so every engine knows them). Imports nothing from
+vLLM, so that error and `kvadmit config` work without it.
 """
 from __future__ import annotations
 
