@@ -39,8 +39,8 @@ _EXPORTS = {
     "configs": ("CONFIGS", "CONFIG_DOCS", "DEFAULT_CONFIG", "BenchConfig", "BenchEngine",
                 "default_configs", "parse_config", "split_configs"),
     "run": ("run_configs", "run_one", "run_order", "warm_up"),
-    "output": ("PLOT_COLOURS", "PLOT_MARKS", "best_watermark", "plot_marks", "print_table",
-               "ratios"),
+    "output": ("PLOT_COLOURS", "PLOT_MARKS", "best_watermark", "plot", "plot_marks",
+               "print_table", "ratios", "save_json"),
     "suite": ("SUITE", "SUITE_CONFIGS", "SuiteCase", "run_suite"),
     "cli": ("main",),
 }

@@ -15,7 +15,7 @@ import torch
 from kvadmit.vllm.bench import run
 from kvadmit.vllm.bench.configs import (CONFIG_DOCS, QUEUED_DOC, BenchConfig, BenchEngine,
                                         default_configs, parse_config, split_configs)
-from kvadmit.vllm.bench.output import _plot, _save, print_table
+from kvadmit.vllm.bench.output import plot, print_table, save_json
 from kvadmit.vllm.bench.run import run_configs, warm_up
 from kvadmit.vllm.bench.suite import SUITE, SUITE_CONFIGS, run_suite
 from kvadmit.vllm.bench.workload import DEFAULT_TRACE, build_workload
@@ -152,7 +152,7 @@ def _run(args, argv: list[str], configs: list[BenchConfig]) -> int:
     if args.suite:
         out = run_suite(args, model_dir, configs)
         if args.json:
-            _save(args.json, out, args)
+            save_json(args.json, out, args)
         return 0
 
     stop_early = not args.ignore_eos
@@ -169,10 +169,10 @@ def _run(args, argv: list[str], configs: list[BenchConfig]) -> int:
         for r in rows:
             r.pop("tokens")
     if args.json:
-        _save(args.json, {"command": " ".join(["kvadmit", "bench", "vllm", *argv]),
+        save_json(args.json, {"command": " ".join(["kvadmit", "bench", "vllm", *argv]),
                           "workload": source, "configs": {c.label: c.doc for c in configs},
                           "rows": rows}, args)
     if args.plot:
-        _plot(rows, args.plot, source)
+        plot(rows, args.plot, source)
         say(f"saved {args.plot}")
     return 0

@@ -70,7 +70,8 @@ def print_table(rows: list[dict], sims: dict[str, dict] | None = None) -> None:
         f"wall times from this one run, in the order {order}", flush=True)
 
 
-def _save(path: str, out: dict, args) -> None:
+def save_json(path: str, out: dict, args) -> None:
+    """Writes a run's JSON at `path`, with the command line's arguments."""
     out["args"] = {k: v for k, v in vars(args).items() if k != "argv"}
     pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(path).write_text(json.dumps(out, indent=2))
@@ -97,7 +98,7 @@ def plot_marks(rows: list[dict]) -> dict[str, str]:
     return marks
 
 
-def _plot(rows: list[dict], path: str, title: str):
+def plot(rows: list[dict], path: str, title: str):
     """Horizontal bars, one row per config (labels read level), coloured by family,
     the three reference rows hatched and named in the legend; saves a PNG at `path`
     and returns the (closed) figure."""
