@@ -159,6 +159,14 @@ class ServeConfig:
     kind: str                    # "vllm" (vLLM's own scheduler) or "kvadmit"
 
 
+def queue_delay_for(ttft_s: float) -> float:
+    """max_queue_delay_s for a TTFT target: half of it. A request queues only if
+    its predicted wait is within the cap, and once it has waited the cap no later
+    request passes it; it then waits for its KV to free, so its whole wait runs to
+    about twice the cap."""
+    return ttft_s / 2
+
+
 def parse_config(text: str, queued_reqs: int, delay_s: float) -> ServeConfig:
     """vllm-default, vllm-queued[=N], vllm-watermark=F, kvadmit-default,
     kvadmit-delay[=S], or NAME=JSON (kvadmit's AdmissionConfig keys)."""
@@ -629,7 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
                "--max-num-queued-reqs; without N: vLLM's documented rule, max_num_seqs plus "
                "the queue depth drained within the TTFT target, capacity x --ttft-ms); "
                "vllm-watermark=F (vLLM's --watermark); kvadmit-default (the empty config); "
-               "kvadmit-delay[=S] (max_queue_delay_s, default the TTFT target); NAME=JSON "
+               "kvadmit-delay[=S] (max_queue_delay_s, default half the TTFT target); NAME=JSON "
                "(kvadmit's keys).\n\n`kvadmit bench serve client [vllm bench serve flags]` runs "
                "vLLM's own client (the CPU build's `vllm` command does not start).")
     from kvadmit.traces import BUNDLED_HELP
@@ -754,7 +762,7 @@ def main(argv: list[str] | None = None) -> int:
         how = "given" if args.capacity else "measured: all requests at once on vllm-default"
         print(f"capacity: {capacity:.2f} req/s ({how})", flush=True)
         cap_n = documented_queue_cap(args.max_num_seqs, capacity, slo[0])
-        configs = [parse_config(c, cap_n, slo[0]) for c in args.configs]
+        configs = [parse_config(c, cap_n, queue_delay_for(slo[0])) for c in args.configs]
         by_label = {"vllm-default": base}
         for c in configs:
             if c.label not in by_label:
@@ -790,7 +798,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fixed-length capacity: {fcap['request_throughput']:.2f} req/s", flush=True)
             for c in FIXED_CONFIGS:
                 if c not in by_label:
-                    by_label[c] = Server(parse_config(c, cap_n, slo[0]), model, engine, log)
+                    by_label[c] = Server(parse_config(c, cap_n, queue_delay_for(slo[0])), model, engine, log)
                     servers.append(by_label[c])
                     by_label[c].start()
                     by_label[c].wait_ready(args.startup_timeout)
