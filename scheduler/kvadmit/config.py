@@ -57,8 +57,8 @@ class AdmissionConfig:
         QUEUE_ORDERS, "waiting order: arrival; priority (lower value first) then arrival; or "
         "deadline (arrival + TTFT target, earliest first)"))
     head_of_line: str = field(default="auto", metadata=choice_rule(
-        HEAD_OF_LINE, "strict: stop at the first held request; bypass: later ones may pass it; "
-        "auto: bypass under policy auto, else strict"))
+        HEAD_OF_LINE, "strict: stop at the first held request; bypass: later ones may pass it "
+        "(not one that has waited max_queue_delay_s); auto: bypass under policy auto, else strict"))
     max_bypass: int = field(default=4, metadata=int_rule(
         0, 1_000_000, "bypass: how often a held request may be passed before it blocks the queue"))
     bypass_lookahead: int = field(default=32, metadata=int_rule(
