@@ -57,8 +57,8 @@ class AdmissionConfig:
         QUEUE_ORDERS, "waiting order: arrival; priority (lower value first) then arrival; or "
         "deadline (arrival + TTFT target, earliest first)"))
     head_of_line: str = field(default="auto", metadata=choice_rule(
-        HEAD_OF_LINE, "strict: stop at the first held request; bypass: later ones may pass it; "
-        "auto: bypass under policy auto, else strict"))
+        HEAD_OF_LINE, "strict: stop at the first held request; bypass: later ones may pass it "
+        "(not one that has waited max_queue_delay_s); auto: bypass under policy auto, else strict"))
     max_bypass: int = field(default=4, metadata=int_rule(
         0, 1_000_000, "bypass: how often a held request may be passed before it blocks the queue"))
     bypass_lookahead: int = field(default=32, metadata=int_rule(
@@ -69,7 +69,8 @@ class AdmissionConfig:
         0, 10**15, "refuse arrivals beyond this many prompt tokens waiting for prefill (0: no cap)"))
     max_queue_delay_s: float = field(default=0.0, metadata=float_rule(
         0.0, 86400.0, "refuse arrivals whose predicted queueing delay (requests and prompt tokens "
-        "waiting, at the admission rate of the last drain_window_s) exceeds this (0: no cap)"))
+        "waiting, at the admission rate of the last drain_window_s) exceeds this; a request that "
+        "has waited this long is passed by no later one (0: no cap; for a TTFT target, half of it)"))
     shed_lower_priority: bool = field(default=False, metadata=bool_rule(
         "when a cap is hit, evict strictly lower-priority waiting requests instead of refusing"))
     prefill_chunk_tokens: int = field(default=0, metadata=int_rule(
