@@ -74,3 +74,19 @@ def test_the_ledgers_fields_change_only_through_its_transitions():
     assert [n for n in names if not n.startswith("_")] == []
     for name in ("enqueue", "dequeue", "start", "preempt", "cancel_start", "finish", "release"):
         assert re.search(rf"cdef \w+ {name}\(self, int32_t s", pxd), name
+
+
+def test_setup_builds_every_part_after_the_parts_it_cimports():
+    # The cimport graph of native/kvadmit/ has no cycle, and setup.py lists the
+    # modules leaves first: each after every module its .pyx or .pxd cimports.
+    setup = (NATIVE.parents[1] / "setup.py").read_text()
+    listed = re.findall(r'"(_\w+)"', re.search(r"NATIVE_MODULES = \[(.*?)\]", setup, re.S).group(1))
+    assert sorted(listed) == sorted(p.stem for p in NATIVE.glob("*.pyx"))
+    assert {"_ledger", "_waiting_queue", "_shortfall", "_decision", "_core_view", "_core"} <= set(listed)
+    for name in listed:
+        uses = set()
+        for path in NATIVE.glob(f"{name}.p[xy][dx]"):
+            uses |= set(re.findall(r"^from kvadmit\.(_\w+) cimport", path.read_text(), re.M))
+        uses.discard(name)
+        later = [u for u in uses if listed.index(u) > listed.index(name)]
+        assert later == [], f"{name} cimports {later}, listed after it"
