@@ -21,7 +21,7 @@ from libcpp.vector cimport vector
 
 from kvadmit._agent_window cimport AgentWindow
 from kvadmit._arrival_gate cimport ArrivalGate, ArrivalResult, Rejection, R_INVALID, R_QUEUE_FULL
-from kvadmit._core_view cimport check_now
+from kvadmit._core_view cimport CoreView, check_now
 from kvadmit._decision cimport Decision
 from kvadmit._ledger cimport Ledger, ST_RUNNING, ST_WAITING
 from kvadmit._policies cimport make_policy
