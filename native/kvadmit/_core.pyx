@@ -34,6 +34,24 @@ from kvadmit._victims import VICTIMS
 from kvadmit._waiting_queue import DECISIONS
 
 
+cdef int _check_arrival(int64_t prompt_tokens, int64_t max_new_tokens, int64_t cached_tokens,
+                        double now, double ttft_slo_s, double tpot_slo_s, double arrival_time,
+                        double arrival_tie) except -1:
+    """An arrival's numbers, or ValueError naming the field."""
+    if prompt_tokens < 1:
+        raise ValueError(f"prompt_tokens={prompt_tokens}: must be >= 1")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+    if cached_tokens < 0 or cached_tokens > prompt_tokens:
+        raise ValueError(f"cached_tokens={cached_tokens}: must be in [0, prompt_tokens={prompt_tokens}]")
+    check_now(now)
+    if not isfinite(ttft_slo_s) or not isfinite(tpot_slo_s):
+        raise ValueError(f"ttft_slo_s={ttft_slo_s}, tpot_slo_s={tpot_slo_s}: must be finite")
+    if not isfinite(arrival_time) or not isfinite(arrival_tie):
+        raise ValueError(f"arrival_time={arrival_time}, arrival_tie={arrival_tie}: must be finite")
+    return 0
+
+
 cdef class AdmissionCore(CoreView):
     """Decides which waiting request takes KV memory, which waits, which is
     refused and which running request gives memory back.
@@ -139,30 +157,19 @@ cdef class AdmissionCore(CoreView):
         are served by them, then in the order they arrived here.
         Bad numbers raise ValueError naming the field; limits of this server
         (context, KV pool, queue caps, SLO feasibility) give a Rejection."""
-        if prompt_tokens < 1:
-            raise ValueError(f"prompt_tokens={prompt_tokens}: must be >= 1")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1")
-        if cached_tokens < 0 or cached_tokens > prompt_tokens:
-            raise ValueError(f"cached_tokens={cached_tokens}: must be in [0, prompt_tokens={prompt_tokens}]")
-        check_now(now)
-        if not isfinite(ttft_slo_s) or not isfinite(tpot_slo_s):
-            raise ValueError(f"ttft_slo_s={ttft_slo_s}, tpot_slo_s={tpot_slo_s}: must be finite")
-        if not isfinite(arrival_time) or not isfinite(arrival_tie):
-            raise ValueError(f"arrival_time={arrival_time}, arrival_tie={arrival_tie}: must be finite")
+        _check_arrival(prompt_tokens, max_new_tokens, cached_tokens, now, ttft_slo_s, tpot_slo_s,
+                       arrival_time, arrival_tie)
         self._tick(now)
         self._n_arrived += 1
         cdef Rejection refused = self.gate.c_refuse_context(prompt_tokens, max_new_tokens,
                                                             self.max_model_len, not self.queue.c_empty())
         if refused is not None:
             return ArrivalResult(False, -1, refused, [])
-        if not self.agent_window.enabled:
-            session = -1
         cdef int32_t s = self.ledger.add(
             prompt_tokens, cached_tokens, max_new_tokens, priority,
             self.slo_guard.c_ttft_target(ttft_slo_s), self.slo_guard.c_tpot_target(tpot_slo_s),
-            now, arrival_time, arrival_tie, session)
-        self.agent_window.c_track(session, now)
+            now, arrival_time, arrival_tie, session if self.agent_window.enabled else -1)
+        self.agent_window.c_track(self.ledger.session(s), now)
         cdef list shed = []
         self._judging(s)
         refused = self.decision.c_refusal(s, now)
