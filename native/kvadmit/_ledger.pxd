@@ -1,5 +1,7 @@
 # The request ledger's C-level API (see _ledger.pyx). Its per-request arrays are
-# public: the core writes them, the policies read them.
+# private: other modules read them through the inline getters below and change
+# them only through the ledger's transitions (add, enqueue, dequeue, start,
+# preempt, cancel_start, finish, release, ...), which keep the sums in step.
 from libc.stdint cimport int32_t, int64_t
 from libcpp.vector cimport vector
 
@@ -14,74 +16,174 @@ cdef enum:  # indexes into STATES
 cdef class Ledger:
     cdef readonly int64_t block_size
     cdef readonly int64_t prefill_chunk      # chunked-prefill tokens a step (0: unchunked)
-    cdef int64_t step                        # engine steps so far (on_step)
+    cdef int64_t _step                       # engine steps so far (next_step)
+    cdef int64_t _seq                        # arrivals and admissions so far (one sequence)
     # per slot
-    cdef vector[int64_t] prompt, cached, computed, generated, max_new
-    cdef vector[int64_t] priority, arrival, admit_seq, admit_step, blocks, pred_total
-    cdef vector[int64_t] shared      # prompt tokens in blocks other running requests hold (auto)
-    cdef vector[int64_t] held_step   # the step its last hold was counted in
-    cdef vector[int64_t] session     # its agent session (-1: none)
-    cdef vector[int32_t] bypassed, preempts
-    cdef vector[char] state, sheddable
-    cdef vector[char] activated_by   # its admission activated its session
-    cdef vector[double] ttft, tpot, arrive_t
-    cdef vector[double] engine_t, engine_tie   # the engine's arrival time and tie-break
+    cdef vector[int64_t] _prompt, _cached, _computed, _generated, _max_new
+    cdef vector[int64_t] _priority, _arrival, _admit_seq, _admit_step, _blocks, _pred_total
+    cdef vector[int64_t] _shared     # prompt tokens in blocks other running requests hold (auto)
+    cdef vector[int64_t] _held_step  # the step its last hold was counted in
+    cdef vector[int64_t] _session    # its agent session (-1: none)
+    cdef vector[int32_t] _bypassed, _preempts
+    cdef vector[char] _state, _sheddable
+    cdef vector[char] _activated_by  # its admission activated its session
+    cdef vector[double] _ttft, _tpot, _arrive_t
+    cdef vector[double] _engine_t, _engine_tie   # the engine's arrival time and tie-break
     # the running set, in no particular order, and its sums
-    cdef vector[int32_t] running
+    cdef vector[int32_t] _running
     cdef vector[int32_t] _run_pos    # per slot: its index in running (-1: not running)
-    cdef int64_t reserve_sum         # blocks for prompt + max_new over running (reserve's load)
-    cdef int64_t run_ctx             # tokens over running (the SLO guard's context)
+    cdef int64_t _reserve_sum        # blocks for prompt + max_new over running (reserve's load)
+    cdef int64_t _run_ctx            # tokens over running (the SLO guard's context)
+    cdef int64_t _queued             # prefill tokens still to do over the queued (enqueued) requests
     cdef vector[int32_t] _free_slots
+    cdef vector[int64_t] _rows       # update_many's checked (slot, computed, generated) rows
+    # finished requests' predicted against actual output lengths
+    cdef int64_t _n_len_obs
+    cdef double _len_abs_err, _len_pred_sum, _len_actual_sum
+
+    # --- getters ----------------------------------------------------------
+    cdef inline int64_t step(self) noexcept nogil:
+        return self._step
+    cdef inline int64_t next_seq(self) noexcept nogil:
+        """The arrival number the next request would get."""
+        return self._seq
+    cdef inline int64_t n_slots(self) noexcept nogil:
+        return self._state.size()
+    cdef inline int state(self, int32_t s) noexcept nogil:
+        return self._state[s]
+    cdef inline int64_t prompt(self, int32_t s) noexcept nogil:
+        return self._prompt[s]
+    cdef inline int64_t cached(self, int32_t s) noexcept nogil:
+        return self._cached[s]
+    cdef inline int64_t computed(self, int32_t s) noexcept nogil:
+        return self._computed[s]
+    cdef inline int64_t generated(self, int32_t s) noexcept nogil:
+        return self._generated[s]
+    cdef inline int64_t max_new(self, int32_t s) noexcept nogil:
+        return self._max_new[s]
+    cdef inline int64_t priority(self, int32_t s) noexcept nogil:
+        return self._priority[s]
+    cdef inline int64_t arrival(self, int32_t s) noexcept nogil:
+        return self._arrival[s]
+    cdef inline int64_t admit_seq(self, int32_t s) noexcept nogil:
+        return self._admit_seq[s]
+    cdef inline int64_t admit_step(self, int32_t s) noexcept nogil:
+        return self._admit_step[s]
+    cdef inline int64_t pred_total(self, int32_t s) noexcept nogil:
+        return self._pred_total[s]
+    cdef inline int64_t shared(self, int32_t s) noexcept nogil:
+        return self._shared[s]
+    cdef inline int64_t session(self, int32_t s) noexcept nogil:
+        return self._session[s]
+    cdef inline int32_t bypassed(self, int32_t s) noexcept nogil:
+        return self._bypassed[s]
+    cdef inline bint sheddable(self, int32_t s) noexcept nogil:
+        return self._sheddable[s]
+    cdef inline bint activated_by(self, int32_t s) noexcept nogil:
+        return self._activated_by[s]
+    cdef inline double ttft(self, int32_t s) noexcept nogil:
+        return self._ttft[s]
+    cdef inline double tpot(self, int32_t s) noexcept nogil:
+        return self._tpot[s]
+    cdef inline double arrive_t(self, int32_t s) noexcept nogil:
+        return self._arrive_t[s]
+    cdef inline double engine_t(self, int32_t s) noexcept nogil:
+        return self._engine_t[s]
+    cdef inline double engine_tie(self, int32_t s) noexcept nogil:
+        return self._engine_tie[s]
+    cdef inline int64_t n_running(self) noexcept nogil:
+        return self._running.size()
+    cdef inline int32_t running_at(self, size_t i) noexcept nogil:
+        return self._running[i]
+    cdef inline int64_t reserve_load(self) noexcept nogil:
+        return self._reserve_sum
+    cdef inline int64_t running_context(self) noexcept nogil:
+        return self._run_ctx
+    cdef inline int64_t queued_tokens(self) noexcept nogil:
+        return self._queued
 
     cdef inline int64_t tokens(self, int32_t s) noexcept nogil:
         """KV tokens a request needs to run its next step: prompt plus output so far."""
-        return self.prompt[s] + self.generated[s]
+        return self._prompt[s] + self._generated[s]
 
     cdef inline int64_t worst_steps(self, int32_t s) noexcept nogil:
         """Decode steps left if it runs to its max_tokens (at least 1)."""
-        cdef int64_t r = self.max_new[s] - self.generated[s]
+        cdef int64_t r = self._max_new[s] - self._generated[s]
         return r if r > 1 else 1
 
     cdef inline int64_t prefill_extra_steps(self, int32_t s) noexcept nogil:
         """Steps a chunked prefill adds before decoding starts (0 when unchunked)."""
         if self.prefill_chunk <= 0:
             return 0
-        cdef int64_t todo = self.tokens(s) - self.computed[s]
+        cdef int64_t todo = self.tokens(s) - self._computed[s]
         if todo <= self.prefill_chunk:
             return 0
         return cdiv(todo, self.prefill_chunk) - 1
 
     cdef inline int64_t reserve_blocks(self, int32_t s) noexcept nogil:
-        return cdiv(self.prompt[s] + self.max_new[s], self.block_size)
+        return cdiv(self._prompt[s] + self._max_new[s], self.block_size)
 
     cdef inline int64_t queued_of(self, int32_t s) noexcept nogil:
         """Tokens a waiting request still has to prefill."""
-        cdef int64_t q = self.tokens(s) - self.cached[s]
+        cdef int64_t q = self.tokens(s) - self._cached[s]
         return q if q > 0 else 0
 
     cdef inline int check_live(self, int64_t s) except -1:
         """A slot that holds a request (waiting or running)."""
-        if s < 0 or s >= <int64_t>self.state.size() or self.state[s] == ST_FREE:
+        if s < 0 or s >= <int64_t>self._state.size() or self._state[s] == ST_FREE:
             raise KeyError(f"slot {s} is not a live request")
         return 0
 
-    cdef inline int64_t set_counts(self, int32_t s, int64_t computed, int64_t generated) noexcept nogil:
-        """The engine's counts for s: tokens with KV computed, tokens generated.
-        Returns the change in s's prefill still to do (waiting) or 0 (running: the
-        running context changes)."""
-        cdef int64_t before
-        if self.state[s] == ST_WAITING:
-            before = self.queued_of(s)
-            self.computed[s] = computed
-            self.generated[s] = generated
-            return self.queued_of(s) - before
-        self.computed[s] = computed
-        self.run_ctx += generated - self.generated[s]
-        self.generated[s] = generated
-        return 0
+    # --- transitions ------------------------------------------------------
+    cdef inline void set_counts(self, int32_t s, int64_t computed, int64_t generated) noexcept nogil:
+        """The engine's counts for s: tokens with KV computed, tokens generated (the
+        queued sum follows a waiting request's, the running context a running one's)."""
+        if self._state[s] == ST_WAITING:
+            self._queued -= self.queued_of(s)
+            self._computed[s] = computed
+            self._generated[s] = generated
+            self._queued += self.queued_of(s)
+            return
+        self._computed[s] = computed
+        self._run_ctx += generated - self._generated[s]
+        self._generated[s] = generated
 
-    cdef int32_t new_slot(self)
+    cdef inline void next_step(self) noexcept nogil:
+        self._step += 1
+
+    cdef inline bint note_held(self, int32_t s) noexcept nogil:
+        """Whether s's hold is the first counted in this step (and marks it counted)."""
+        if self._held_step[s] == self._step:
+            return False
+        self._held_step[s] = self._step
+        return True
+
+    cdef inline void bypass(self, int32_t s) noexcept nogil:
+        """A later request was admitted ahead of the waiting s."""
+        self._bypassed[s] += 1
+
+    cdef inline void set_shared(self, int32_t s, int64_t shared_tokens) noexcept nogil:
+        self._shared[s] = shared_tokens
+
+    cdef inline void set_blocks(self, int32_t s, int64_t blocks) noexcept nogil:
+        self._blocks[s] = blocks
+
+    cdef inline void set_prediction(self, int32_t s, int64_t total) noexcept nogil:
+        """Its predicted output length, for the length-error stats."""
+        self._pred_total[s] = total
+
+    cdef int32_t add(self, int64_t prompt, int64_t cached, int64_t max_new, int64_t priority,
+                     double ttft, double tpot, double arrive_t, double engine_t,
+                     double engine_tie, int64_t session)
+    cdef void enqueue(self, int32_t s, bint sheddable) noexcept nogil
+    cdef void dequeue(self, int32_t s) noexcept nogil
+    cdef void start(self, int32_t s, bint activated) noexcept nogil
+    cdef void stop(self, int32_t s) noexcept nogil
+    cdef void preempt(self, int32_t s) noexcept nogil
+    cdef bint cancel_start(self, int32_t s) noexcept nogil
+    cdef void finish(self, int32_t s) noexcept nogil
     cdef void release(self, int32_t s) noexcept nogil
-    cdef void run_add(self, int32_t s) noexcept nogil
-    cdef void run_remove(self, int32_t s) noexcept nogil
+    cdef void set_cached(self, int32_t s, int64_t cached_tokens) noexcept nogil
     cdef int check_state(self, int64_t s, int want) except -1
+    cdef int check_counts(self, int64_t s, int64_t computed, int64_t generated) except -1
+    cdef bint update_many(self, slots, computed_tokens, generated_tokens) except -1

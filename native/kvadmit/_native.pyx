@@ -2,8 +2,12 @@
 """kvadmit's compiled core, in one import. Each part is its own module with a
 .pxd declaring its C-level API (native/kvadmit/):
 
-- _core: AdmissionCore, the queue and a request's path through the parts below;
-- _ledger: every request's numbers, by slot;
+- _core: AdmissionCore, the sequencer: a request's path through the parts below;
+- _core_view: its base, the parts it holds and every read and stat over them;
+- _ledger: every request's numbers, by slot, and every state transition;
+- _waiting_queue: the queue's order, the bypass scan, shedding's order;
+- _decision: may a waiting request start, may an arrival be queued;
+- _shortfall: the pause planner (shortfall "pause");
 - _policies: may a waiting request start? (one Policy subclass per policy);
 - _curves: KV curves and their exact peak (the peak rule's arithmetic);
 - _length_model: recent output lengths and the adaptive quantile controller;

@@ -98,8 +98,8 @@ cdef class Policy:
     cdef int64_t _held_blocks(self) noexcept nogil:
         cdef int64_t held = 0
         cdef size_t i
-        for i in range(self.ledger.running.size()):
-            held += cdiv(self.ledger.computed[self.ledger.running[i]], self.block_size)
+        for i in range(self.ledger.n_running()):
+            held += cdiv(self.ledger.computed(self.ledger.running_at(i)), self.block_size)
         return held
 
     # --- curves ----------------------------------------------------------
@@ -115,8 +115,8 @@ cdef class Policy:
             return
         self._profile.clear()
         cdef size_t i
-        for i in range(self.ledger.running.size()):
-            self._profile.push_back(self._curve(self.ledger.running[i]))
+        for i in range(self.ledger.n_running()):
+            self._profile.push_back(self._curve(self.ledger.running_at(i)))
         sort(self._profile.begin(), self._profile.end(), curve_longer)
         self._profile_dirty = False
 
@@ -137,7 +137,7 @@ cdef class Policy:
 
     cdef int64_t c_expected_output(self, int32_t s) noexcept nogil:
         """Output tokens s is expected to add (its max_tokens; adaptive predicts)."""
-        return self.ledger.max_new[s] - self.ledger.generated[s]
+        return self.ledger.max_new(s) - self.ledger.generated(s)
 
     # --- what the core reports -------------------------------------------
     cdef void c_on_admit(self, int32_t s) noexcept nogil:
@@ -158,10 +158,10 @@ cdef class Policy:
         self._preempted_this_step = True
         cdef double gen = 0.0, mx = 0.0
         cdef size_t i
-        for i in range(self.ledger.running.size()):
-            gen += self.ledger.generated[self.ledger.running[i]]
-            mx += self.ledger.max_new[self.ledger.running[i]]
-        self.ratio = min(1.0, (gen + self._retract_steps * <double>self.ledger.running.size()) / (mx + 1.0))
+        for i in range(self.ledger.n_running()):
+            gen += self.ledger.generated(self.ledger.running_at(i))
+            mx += self.ledger.max_new(self.ledger.running_at(i))
+        self.ratio = min(1.0, (gen + self._retract_steps * <double>self.ledger.n_running()) / (mx + 1.0))
 
     cdef void c_on_step(self, bint idle) noexcept nogil:
         """An engine step ended (`idle`: nothing runs or waits): the ratio decays
@@ -175,7 +175,7 @@ cdef class Policy:
 
     cdef void c_on_finish(self, int32_t s) noexcept nogil:
         """s finished (it has left the running set): its length feeds the model."""
-        self.lengths.c_observe(self.ledger.generated[s])
+        self.lengths.c_observe(self.ledger.generated(s))
 
     cdef void c_observe_used_blocks(self, int64_t used_blocks) noexcept nogil:
         pass
@@ -192,13 +192,13 @@ cdef class ReservePolicy(Policy):
     """Every running request may reach its max_tokens: reserve it all up front."""
 
     cdef bint c_fits(self, int32_t s, int64_t free_blocks) noexcept nogil:
-        return self.ledger.reserve_sum + self.ledger.reserve_blocks(s) <= self.num_blocks
+        return self.ledger.reserve_load() + self.ledger.reserve_blocks(s) <= self.num_blocks
 
     cdef bint c_fits_alone(self, int32_t s) noexcept nogil:
         return self.ledger.reserve_blocks(s) <= self.num_blocks
 
     cdef int64_t c_forecast_blocks(self) noexcept nogil:
-        return self.ledger.reserve_sum
+        return self.ledger.reserve_load()
 
 
 cdef class PeakPolicy(Policy):
@@ -227,11 +227,11 @@ cdef class PredictPolicy(Policy):
     """SGLang's rule: admit while prompt + clipped max_new < free tokens - running offsets."""
 
     cdef bint c_fits(self, int32_t s, int64_t free_blocks) noexcept nogil:
-        return <double>(self.ledger.queued_of(s) + min(self.ledger.max_new[s] - self.ledger.generated[s], self._clip_tokens)) \
+        return <double>(self.ledger.queued_of(s) + min(self.ledger.max_new(s) - self.ledger.generated(s), self._clip_tokens)) \
             < free_blocks * self.block_size - self._offsets()
 
     cdef bint c_fits_alone(self, int32_t s) noexcept nogil:
-        if self.ledger.queued_of(s) + min(self.ledger.max_new[s], self._clip_tokens) >= self.num_blocks * self.block_size:
+        if self.ledger.queued_of(s) + min(self.ledger.max_new(s), self._clip_tokens) >= self.num_blocks * self.block_size:
             return False  # its own rule would hold it even on an empty pool
         return Policy.c_fits_alone(self, s)
 
@@ -242,19 +242,19 @@ cdef class PredictPolicy(Policy):
         cdef size_t i
         if self._offsets_dirty:
             self._offsets_sum = 0.0
-            for i in range(self.ledger.running.size()):
-                self._offsets_sum += self._offset(self.ledger.running[i])
+            for i in range(self.ledger.n_running()):
+                self._offsets_sum += self._offset(self.ledger.running_at(i))
             self._offsets_dirty = False
         return self._offsets_sum
 
     cdef inline double _offset(self, int32_t s) noexcept nogil:
-        cdef int64_t rem = self.ledger.max_new[s] - self.ledger.generated[s]
+        cdef int64_t rem = self.ledger.max_new(s) - self.ledger.generated(s)
         if rem < 0:
             rem = 0
         if rem > self._clip_tokens:
             rem = self._clip_tokens
         # Admitted this step: charged in full, as SGLang's PrefillAdder does.
-        return <double>rem if self.ledger.admit_step[s] == self.ledger.step else rem * self.ratio
+        return <double>rem if self.ledger.admit_step(s) == self.ledger.step() else rem * self.ratio
 
 
 cdef class AdaptivePolicy(PeakPolicy):
@@ -279,7 +279,7 @@ cdef class AdaptivePolicy(PeakPolicy):
 
     cdef int64_t _predict_remaining(self, int32_t s) noexcept nogil:
         """Output tokens still to come, as the length model predicts them."""
-        return self.lengths.c_predict_remaining(self.ledger.generated[s], self.ledger.max_new[s],
+        return self.lengths.c_predict_remaining(self.ledger.generated(s), self.ledger.max_new(s),
                                                 self.quantile)
 
     cdef int64_t c_expected_output(self, int32_t s) noexcept nogil:
@@ -321,7 +321,7 @@ cdef class AutoPolicy(AdaptivePolicy):
 
     cdef Curve _curve(self, int32_t s) noexcept nogil:
         cdef Curve c
-        c.tokens = self.ledger.tokens(s) - self.ledger.shared[s]   # counted once, in _unowned_blocks
+        c.tokens = self.ledger.tokens(s) - self.ledger.shared(s)   # counted once, in _unowned_blocks
         c.steps = self._predict_remaining(s) + self.ledger.prefill_extra_steps(s)
         return c
 
@@ -337,12 +337,12 @@ cdef class AutoPolicy(AdaptivePolicy):
             if h > 0.0:
                 # Still running after g tokens: it runs to its cap with probability
                 # h / (h + (1 - h) S(g)), S(g) the share of early stoppers longer than g.
-                survive = self.lengths.c_survival(self.ledger.generated[s])
+                survive = self.lengths.c_survival(self.ledger.generated(s))
                 h = h / (h + (1.0 - h) * survive) if survive >= 0.0 else 1.0
             if h >= 1.0 - q:
                 return self.ledger.worst_steps(s)
             q = q / (1.0 - h)
-        return self.lengths.c_predict_remaining(self.ledger.generated[s], self.ledger.max_new[s], q)
+        return self.lengths.c_predict_remaining(self.ledger.generated(s), self.ledger.max_new(s), q)
 
     cdef int64_t _shared_term(self) noexcept nogil:
         """Blocks auto adds to the own curves: those in use that no running request
@@ -355,14 +355,14 @@ cdef class AutoPolicy(AdaptivePolicy):
             else self._max_shared_blocks
 
     cdef void c_on_finish(self, int32_t s) noexcept nogil:
-        cdef bint capped = self.ledger.generated[s] >= self.ledger.max_new[s]
+        cdef bint capped = self.ledger.generated(s) >= self.ledger.max_new(s)
         self._capped_window.push_back(capped)
         self._n_capped += capped
         if <int64_t>self._capped_window.size() > self.lengths.c_window():   # the same window
             self._n_capped -= self._capped_window.front()
             self._capped_window.pop_front()
         if not capped:
-            self.lengths.c_observe(self.ledger.generated[s])
+            self.lengths.c_observe(self.ledger.generated(s))
 
     cdef void c_observe_used_blocks(self, int64_t used_blocks) noexcept nogil:
         """Blocks in use beyond the running requests' own parts (their context less the
@@ -374,10 +374,10 @@ cdef class AutoPolicy(AdaptivePolicy):
         cdef size_t i
         cdef int32_t r
         self._max_shared_blocks = 0
-        for i in range(self.ledger.running.size()):
-            r = self.ledger.running[i]
-            shared = self.ledger.shared[r] // self.block_size
-            own += cdiv(self.ledger.computed[r], self.block_size) - shared
+        for i in range(self.ledger.n_running()):
+            r = self.ledger.running_at(i)
+            shared = self.ledger.shared(r) // self.block_size
+            own += cdiv(self.ledger.computed(r), self.block_size) - shared
             if shared > self._max_shared_blocks:
                 self._max_shared_blocks = shared
         self._unowned_blocks = used_blocks - own if used_blocks > own else 0
@@ -385,9 +385,9 @@ cdef class AutoPolicy(AdaptivePolicy):
     cdef void c_set_shared(self, int32_t s, int64_t shared_tokens) noexcept nogil:
         """s's prompt tokens in blocks other running requests hold (only auto keeps
         them: the ledger's `shared`, which its curves discount)."""
-        if self.ledger.shared[s] == shared_tokens:
+        if self.ledger.shared(s) == shared_tokens:
             return
-        self.ledger.shared[s] = shared_tokens
+        self.ledger.set_shared(s, shared_tokens)
         if shared_tokens // self.block_size > self._max_shared_blocks:
             self._max_shared_blocks = shared_tokens // self.block_size
         self._profile_dirty = True

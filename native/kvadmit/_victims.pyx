@@ -38,25 +38,25 @@ cdef inline VictimKey victim_key(Ledger L, int order, int32_t s) noexcept nogil:
     cdef VictimKey k
     k.slot = s
     if order == V_LIFO:
-        k.k1 = L.admit_seq[s]; k.k2 = L.arrival[s]; k.k3 = 0
+        k.k1 = L.admit_seq(s); k.k2 = L.arrival(s); k.k3 = 0
     elif order == V_PRIORITY:
-        k.k1 = L.priority[s]; k.k2 = -L.computed[s]; k.k3 = L.arrival[s]
+        k.k1 = L.priority(s); k.k2 = -L.computed(s); k.k3 = L.arrival(s)
     elif order == V_LCF:
-        k.k1 = -L.computed[s]; k.k2 = L.arrival[s]; k.k3 = 0
+        k.k1 = -L.computed(s); k.k2 = L.arrival(s); k.k3 = 0
     else:  # length: fewest generated, then longest prompt
-        k.k1 = -L.generated[s]; k.k2 = L.prompt[s]; k.k3 = L.arrival[s]
+        k.k1 = -L.generated(s); k.k2 = L.prompt(s); k.k3 = L.arrival(s)
     return k
 
 
 cdef int32_t victim_slot(Ledger L, int order) noexcept nogil:
     """The running request to preempt first, or -1."""
-    if L.running.empty():
+    if L.n_running() == 0:
         return -1
-    cdef VictimKey best = victim_key(L, order, L.running[0])
+    cdef VictimKey best = victim_key(L, order, L.running_at(0))
     cdef VictimKey k
     cdef size_t i
-    for i in range(1, L.running.size()):
-        k = victim_key(L, order, L.running[i])
+    for i in range(1, L.n_running()):
+        k = victim_key(L, order, L.running_at(i))
         if victim_key_less(best, k):
             best = k
     return best.slot
@@ -66,7 +66,7 @@ cdef list victim_order(Ledger L, int order):
     """Running slots from most protected to first victim (the last one goes first)."""
     cdef vector[VictimKey] keys
     cdef size_t i
-    for i in range(L.running.size()):
-        keys.push_back(victim_key(L, order, L.running[i]))
+    for i in range(L.n_running()):
+        keys.push_back(victim_key(L, order, L.running_at(i)))
     sort(keys.begin(), keys.end(), victim_key_less)
     return [k.slot for k in keys]

@@ -1,0 +1,43 @@
+# What the admission core holds and reports (see _core_view.pyx): its parts and
+# counters, and the reads and stats over them. AdmissionCore (kvadmit._core)
+# extends it with everything that changes state.
+from libc.math cimport isfinite
+from libc.stdint cimport int64_t
+
+from kvadmit._agent_window cimport AgentWindow
+from kvadmit._arrival_gate cimport ArrivalGate
+from kvadmit._decision cimport Decision
+from kvadmit._ledger cimport Ledger
+from kvadmit._policies cimport Policy
+from kvadmit._shortfall cimport ShortfallPlanner
+from kvadmit._slo_guard cimport SloGuard
+from kvadmit._waiting_queue cimport WaitingQueue
+
+
+cdef inline int check_now(double now) except -1:
+    """Every entry point's clock: a non-finite `now` would stop the core's clocks
+    (nothing is later than inf) and with them the drain rate and idle expiry."""
+    if not isfinite(now):
+        raise ValueError(f"now={now}: must be a finite number of seconds")
+    return 0
+
+
+cdef class CoreView:
+    # engine shape
+    cdef readonly int64_t num_blocks
+    cdef readonly int64_t block_size
+    cdef readonly int64_t max_model_len
+    cdef readonly object config
+    # the parts
+    cdef readonly Ledger ledger            # the requests, by slot, and the running set
+    cdef readonly WaitingQueue queue       # the waiting requests' order and the scan
+    cdef readonly Policy policy            # the admission rule (one Policy subclass per policy)
+    cdef readonly Decision decision        # may a waiting request start, may an arrival queue
+    cdef readonly ShortfallPlanner shortfall   # shortfall "pause": who sits out a step
+    cdef readonly ArrivalGate gate         # caps, refusals, drain rate and Retry-After
+    cdef readonly SloGuard slo_guard       # TPOT hold, TTFT prediction, the step-time fit
+    cdef readonly AgentWindow agent_window # sessions, W, idle expiry, the pause log
+    cdef int _victim                       # victim order (an index into VICTIMS)
+    # counters and the latest time seen
+    cdef int64_t _n_arrived, _n_admitted, _n_preempted, _n_finished, _n_aborted
+    cdef double _last_now

@@ -1,0 +1,28 @@
+# The core's two rules' C-level API (see _decision.pyx): may a waiting request
+# start now (the queue's scan asks c_decide), may a new arrival be queued (c_refusal).
+from libc.stdint cimport int32_t, int64_t
+
+from kvadmit._agent_window cimport AgentWindow
+from kvadmit._arrival_gate cimport ArrivalGate, Rejection
+from kvadmit._ledger cimport Ledger
+from kvadmit._policies cimport Policy
+from kvadmit._slo_guard cimport SloGuard
+from kvadmit._waiting_queue cimport Judge, WaitingQueue
+
+
+cdef class Decision(Judge):
+    cdef Ledger ledger
+    cdef Policy policy
+    cdef SloGuard slo_guard
+    cdef AgentWindow agent_window
+    cdef WaitingQueue queue
+    cdef ArrivalGate gate
+    cdef int64_t block_size, num_blocks
+
+    cdef inline double c_predicted_delay(self, int64_t ahead, int64_t ahead_tokens, int64_t queued,
+                                         double now) noexcept nogil:
+        """The arrival gate's predicted queueing delay behind `ahead` requests."""
+        return self.gate.c_predicted_delay(ahead, ahead_tokens, queued, now, not self.queue.c_empty())
+
+    cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil
+    cdef Rejection c_refusal(self, int32_t s, double now)

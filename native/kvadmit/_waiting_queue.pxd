@@ -1,0 +1,104 @@
+# The waiting queue's C-level API (see _waiting_queue.pyx): its order, the
+# bounded-bypass scan, and the order in which priority shedding evicts.
+from libc.stdint cimport int32_t, int64_t
+from libcpp.map cimport map as cmap
+from libcpp.vector cimport vector
+
+from kvadmit._agent_window cimport AgentWindow
+from kvadmit._ledger cimport Ledger
+
+cdef enum:  # indexes into DECISIONS
+    D_ADMIT = 0
+    D_HOLD_BLOCKS = 1
+    D_HOLD_CAPACITY = 2
+    D_HOLD_SLO = 3        # the TPOT guard: the step would be too slow for a running request
+    D_HOLD_AGENT = 4      # its session is outside the active-agent window
+    D_HOLD_PAUSED = 5     # running requests are paused this step (shortfall: pause)
+    N_DECISIONS = 6
+
+cdef enum:
+    AUTO_MAX_BYPASS = 1000   # head_of_line auto: times a held request may be passed
+    AUTO_LOOKAHEAD = 256     # head_of_line auto: requests examined behind a held head
+
+cdef extern from *:
+    """
+    // The waiting queue's key, smallest served first: (order key, the engine's arrival
+    // time, its tie-break, arrival seq). The engine's arrival time and tie-break order
+    // requests of equal priority under queue_order "priority" (vLLM: arrival_time, then
+    // request id); elsewhere they are 0 and the arrival seq decides.
+    struct kvadmit_QKey {
+        int64_t first; double time; double tie; int64_t second;
+        bool operator<(const kvadmit_QKey& o) const {
+            if (first != o.first) return first < o.first;
+            if (time != o.time) return time < o.time;
+            if (tie != o.tie) return tie < o.tie;
+            return second < o.second;
+        }
+    };
+    """
+    cdef cppclass QKey "kvadmit_QKey":
+        int64_t first
+        double time
+        double tie
+        int64_t second
+        bint operator<(const QKey&)
+
+
+cdef class Judge:
+    """What a scan asks of each waiting request it reaches: one of D_* (the core's
+    decision: the agent window, the blocks, the policy, the SLO guard)."""
+    cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil
+
+
+cdef class WaitingQueue:
+    cdef Ledger ledger
+    cdef AgentWindow agent_window
+    cdef bint _priority_order, _deadline_order, _bypass
+    cdef int64_t _max_bypass, _lookahead
+    cdef cmap[QKey, int32_t] _waiting
+    cdef cmap[QKey, int32_t] _shed_order   # never-admitted waiting, by (priority, arrival)
+    cdef int64_t _held[N_DECISIONS]        # (request, step) pairs held at the queue head
+
+    cdef inline int64_t c_size(self) noexcept nogil:
+        return self._waiting.size()
+
+    cdef inline bint c_empty(self) noexcept nogil:
+        return self._waiting.empty()
+
+    cdef inline bint _agent_held(self, int32_t s) noexcept nogil:
+        return self.agent_window.c_holds(self.ledger.session(s))
+
+    cdef inline QKey c_order_key(self, int64_t priority, double arrive_t, double ttft,
+                                 double engine_t, double engine_tie, int64_t arrival) noexcept nogil:
+        """The queue's key of a request with these numbers (see QKey)."""
+        cdef QKey k
+        k.first = priority if self._priority_order else 0
+        if self._deadline_order:   # microseconds; no target: an hour after arrival
+            k.first = <int64_t>((arrive_t + (ttft if ttft > 0 else 3600.0)) * 1e6)
+        k.time = engine_t if self._priority_order else 0.0
+        k.tie = engine_tie if self._priority_order else 0.0
+        k.second = arrival
+        return k
+
+    cdef inline QKey c_key(self, int32_t s) noexcept nogil:
+        return self.c_order_key(self.ledger.priority(s), self.ledger.arrive_t(s), self.ledger.ttft(s),
+                                self.ledger.engine_t(s), self.ledger.engine_tie(s), self.ledger.arrival(s))
+
+    cdef inline QKey _shed_key(self, int32_t s) noexcept nogil:
+        """Shedding's order: the least important (largest) evicted first."""
+        cdef QKey k
+        k.first = self.ledger.priority(s)
+        k.time = self.ledger.engine_t(s) if self._priority_order else 0.0
+        k.tie = self.ledger.engine_tie(s) if self._priority_order else 0.0
+        k.second = self.ledger.arrival(s)
+        return k
+
+    cdef void c_add(self, int32_t s) noexcept nogil
+    cdef void c_remove(self, int32_t s) noexcept nogil
+    cdef void c_ahead_of(self, QKey key, int64_t* reqs, int64_t* tokens) noexcept nogil
+    cdef void c_count_passed(self, int32_t s) noexcept nogil
+    cdef int32_t c_scan(self, Judge judge, int64_t free_blocks, bint check_blocks,
+                        bint paused, double unpassable_from) noexcept nogil
+    cdef void _count_hold(self, int32_t s, int d) noexcept nogil
+    cdef bint c_pick_shed(self, int64_t priority, int64_t over_reqs, int64_t over_tokens,
+                          vector[int32_t]* picked) noexcept nogil

@@ -1,0 +1,161 @@
+# The waiting queue: the queued slots in service order (arrival, priority or
+# deadline; see QKey), the scan that finds the next one to admit (strict FIFO or
+# bounded bypass), the holds it counts at the head, and the order in which
+# priority shedding evicts never-admitted requests. It orders slots the ledger
+# holds; the ledger's enqueue/dequeue keep their state and the queued sum, the
+# core calls both.
+
+from cython.operator cimport dereference as deref, preincrement as inc
+from libc.stdint cimport int32_t, int64_t
+from libcpp.map cimport map as cmap
+from libcpp.vector cimport vector
+
+from kvadmit._agent_window cimport AgentWindow
+from kvadmit._ledger cimport Ledger
+
+DECISIONS = ("admit", "hold_blocks", "hold_capacity", "hold_slo", "hold_agent", "hold_paused")
+
+
+cdef class Judge:
+    """The decision a scan asks for (a subclass gives it: the core's)."""
+    cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil:
+        return D_ADMIT
+
+
+cdef class WaitingQueue:
+    """Queued slots in service order, over a ledger (the agent window's held
+    sessions never block the queue)."""
+
+    def __init__(self, config, Ledger ledger, AgentWindow agent_window):
+        self.ledger = ledger
+        self.agent_window = agent_window
+        self._priority_order = config.queue_order == "priority"
+        self._deadline_order = config.queue_order == "deadline"
+        self._bypass = config.bypass_head_of_line
+        self._max_bypass = config.max_bypass
+        self._lookahead = config.bypass_lookahead
+        if config.head_of_line == "auto" and self._bypass:
+            self._max_bypass, self._lookahead = AUTO_MAX_BYPASS, AUTO_LOOKAHEAD
+        cdef int i
+        for i in range(N_DECISIONS):
+            self._held[i] = 0
+
+    cdef void c_add(self, int32_t s) noexcept nogil:
+        """The ledger-enqueued s takes its place (and in shedding's order if sheddable)."""
+        self._waiting[self.c_key(s)] = s
+        if self.ledger.sheddable(s):
+            self._shed_order[self._shed_key(s)] = s
+
+    cdef void c_remove(self, int32_t s) noexcept nogil:
+        """s leaves the queue (before the ledger's dequeue clears its sheddable mark)."""
+        self._waiting.erase(self.c_key(s))
+        if self.ledger.sheddable(s):
+            self._shed_order.erase(self._shed_key(s))
+
+    cdef void c_ahead_of(self, QKey key, int64_t* reqs, int64_t* tokens) noexcept nogil:
+        """Waiting requests (and their prefill tokens) that the queue order serves
+        before a request with this key: all of them in arrival order (a new arrival
+        is last), else a walk to its position (skipping requests held outside the
+        agent window: they do not block it)."""
+        if not self._priority_order and not self._deadline_order and not self.agent_window.enabled:
+            reqs[0] = self._waiting.size()
+            tokens[0] = self.ledger.queued_tokens()
+            return
+        cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
+        reqs[0] = tokens[0] = 0
+        while it != self._waiting.end() and deref(it).first < key:
+            if not self._agent_held(deref(it).second):   # held ones do not block it
+                reqs[0] += 1
+                tokens[0] += self.ledger.queued_of(deref(it).second)
+            inc(it)
+
+    cdef void c_count_passed(self, int32_t s) noexcept nogil:
+        """s is admitted: each request ahead of it (not held outside the agent
+        window) counts a bypass."""
+        cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
+        cdef int32_t passed
+        while deref(it).second != s:
+            passed = deref(it).second
+            if not self._agent_held(passed):
+                self.ledger.bypass(passed)
+            inc(it)
+
+    cdef int32_t c_scan(self, Judge judge, int64_t free_blocks, bint check_blocks,
+                        bint paused, double unpassable_from) noexcept nogil:
+        """The first waiting request that may start now, in queue order with bypass
+        (-1: none); counts the head's hold. `paused`: running requests are paused
+        this step, and they have the first claim on blocks as they free up. A held
+        request that arrived at or before `unpassable_from` is passed by no later
+        one (the core: it has waited max_queue_delay_s; bypass alone lets a large
+        request be passed for as long as small ones fit)."""
+        if self._waiting.empty():
+            return -1
+        if paused:
+            self._count_hold(deref(self._waiting.begin()).second, D_HOLD_PAUSED)
+            return -1
+        cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
+        cdef int32_t s
+        cdef int d
+        cdef bint head = True
+        cdef int64_t scanned = 0
+        while it != self._waiting.end():
+            s = deref(it).second
+            d = judge.c_decide(s, free_blocks, check_blocks)
+            if d == D_ADMIT:
+                return s
+            if head:
+                self._count_hold(s, d)
+            # A request outside the agent window never blocks the queue; any other
+            # held request does, unless bypass lets later ones pass it.
+            if d != D_HOLD_AGENT:
+                if not self._bypass or self.ledger.bypassed(s) >= self._max_bypass \
+                        or self.ledger.arrive_t(s) <= unpassable_from:
+                    return -1
+                if not head:
+                    scanned += 1
+                    if scanned >= self._lookahead:
+                        return -1
+            head = False
+            inc(it)
+        return -1
+
+    cdef void _count_hold(self, int32_t s, int d) noexcept nogil:
+        """Counts a hold once per request and step: held_total means (request, step)
+        pairs in which the request at the head of the queue could not start."""
+        if self.ledger.note_held(s):
+            self._held[d] += 1
+
+    cdef bint c_pick_shed(self, int64_t priority, int64_t over_reqs, int64_t over_tokens,
+                          vector[int32_t]* picked) noexcept nogil:
+        """The strictly less important never-admitted waiting requests whose eviction
+        makes room for an arrival of `priority` (least important first, into
+        `picked`); False, picking none, if evicting them all is not enough."""
+        cdef cmap[QKey, int32_t].reverse_iterator it = self._shed_order.rbegin()
+        cdef int64_t reqs = over_reqs, toks = over_tokens
+        cdef int32_t v
+        picked.clear()
+        while (reqs > 0 or toks > 0) and it != self._shed_order.rend():
+            v = deref(it).second
+            if self.ledger.priority(v) <= priority:
+                break
+            picked.push_back(v)
+            reqs -= 1
+            toks -= self.ledger.queued_of(v)
+            inc(it)
+        if reqs > 0 or toks > 0:
+            picked.clear()
+            return False
+        return True
+
+    def slots(self):
+        """Waiting slots in service order."""
+        cdef list out = []
+        cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
+        while it != self._waiting.end():
+            out.append(deref(it).second)
+            inc(it)
+        return out
+
+    def held(self):
+        """(request, step) pairs held at the head, by reason."""
+        return {DECISIONS[i]: self._held[i] for i in range(1, N_DECISIONS)}
