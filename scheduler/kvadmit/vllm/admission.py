@@ -13,7 +13,8 @@ only its queue verbs:
 - `leave(request_id)`: a waiting request leaves vLLM's queue (and the core);
 - `order()`: the waiting slots in the core's order.
 
-Around `schedule()`, `before_step` and `after_step` run the per-step sequence; "what vLLM would schedule" for the pause plan is
+Around `schedule()`, `before_step` and `after_step` run the per-step sequence
+through the engine bridge's step entry (`EngineBridge.step`, `step_done`); "what vLLM would schedule" for the pause plan is
 `kvadmit.vllm.compat.running_step_tokens`. Refusals reach the client as engine
 outputs (`pending_refusals`, sent by the next `update_from_output`); a replay reads
 them through `watch_refusals` / `take_refused`.
@@ -27,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvadmit._native import AdmissionCore
-from kvadmit.bridge import EngineBridge
+from kvadmit.bridge import EngineBridge, StepReport
 from kvadmit.config import AdmissionConfig
 from kvadmit.protocol import Refusal, sample_group
 from kvadmit.request_fields import (
@@ -98,8 +99,7 @@ class VllmAdmission:
                                   sched.vllm_config.model_config.max_model_len)
         # The SLO guard predicts prefill time from the engine's token budget a step.
         self.core.set_step_budget(sched.vllm_config.scheduler_config.max_num_batched_tokens)
-        # Request ids <-> core slots, arrivals, leaving, the step sequence.
-        self.bridge = EngineBridge(self.core)
+
         # The core's clock (drain rate, queue delay, step times, sessions): injectable,
         # so the simulator can run it on virtual time.
         self.clock: Callable[[], float] = time.monotonic
@@ -117,10 +117,13 @@ class VllmAdmission:
         # One full-attention group's blocks by request id: the pause plan's and the
         # shared-prefix count's (None where neither runs).
         self.count_shared_prefix = cfg.policy == "auto" and caching and single_full_attention_group
+        # Request ids <-> core slots, arrivals, leaving, the step sequence.
+        self.bridge = EngineBridge(self.core, counts_shared_prefix=self.count_shared_prefix)
         self._req_to_blocks = (kvm.coordinator.single_type_managers[0].req_to_blocks
                                if cfg.pause_on_shortfall or self.count_shared_prefix else None)
         self.pause_plan_blocks = self._req_to_blocks if cfg.pause_on_shortfall else None
-        self.step_rules = compat.step_rules(sched=sched)    # "what vLLM would schedule", this release's
+        self.step_rules = compat.step_rules(sched=sched)
+        self._step_now = 0.0                     # the time of the step being scheduled    # "what vLLM would schedule", this release's
         self.metrics: Any | None = process_metrics()   # Prometheus counters, if any
         # Refused: (client index, output), sent by the next update_from_output.
         self.pending_refusals: list[tuple[int, Any]] = []
@@ -283,17 +286,14 @@ class VllmAdmission:
 
     # -- every step ---------------------------------------------------------------
     def before_step(self, throttle_prefills: bool = False) -> None:
-        """Before vLLM's schedule(): the previous step's time, the KV pool and the
-        running requests' progress to the core; `running` put in the core's victim
-        order (vLLM preempts running[-1] first); the pause plan applied through
-        vLLM's own decode deferral."""
-        sched, core, bridge = self._sched, self.core, self.bridge
-        now = self.clock()
+        """Before vLLM's schedule(): the step's report to the bridge (its time, the KV
+        blocks in use, the running requests' progress) and the plan back: `running`
+        put in the core's victim order (vLLM preempts running[-1] first); then the
+        pause plan, applied through vLLM's own decode deferral."""
+        sched, bridge = self._sched, self.bridge
         # From the previous schedule() to this one: that step's scheduling, forward
         # pass and output processing (with async scheduling, the pipeline's period).
-        bridge.begin_step(now)
-        if self.config.agent_window:   # KV usage and prefix hits go to the core
-            bridge.observe_cache(self.usable_blocks - self._pool.get_num_free_blocks(), now)
+        self._step_now = now = self.clock()
         slots, computed, generated, by_slot = [], [], [], {}
         for req in sched.running:
             slot = bridge.slot(req.request_id)
@@ -305,14 +305,10 @@ class VllmAdmission:
             generated.append(gen)
             computed.append(min(req.num_computed_tokens, prompt + gen))
             by_slot[slot] = req
-        if core.num_running < len(slots):   # started outside the gate (KV-holding queue)
-            for slot in slots:
-                if core.state(slot) == "waiting":
-                    core.admit(slot, now)
-        core.update_many(slots, computed, generated)
-        if self.count_shared_prefix:
-            core.observe_used_blocks(self.usable_blocks - self._pool.get_num_free_blocks())
-        order = [by_slot[s] for s in core.victim_order() if s in by_slot]
+        plan = bridge.step(StepReport(
+            now=now, used_blocks=self.usable_blocks - self._pool.get_num_free_blocks(),
+            slots=slots, computed=computed, generated=generated))
+        order = [by_slot[s] for s in plan.victim_order if s in by_slot]
         if len(order) == len(sched.running):
             sched.running = order
         if self.pause_plan_blocks is not None:
@@ -336,30 +332,29 @@ class VllmAdmission:
             req.next_decode_eligible_step = max(req.next_decode_eligible_step, step + 1)
 
     def after_step(self, out) -> None:
-        """After vLLM's schedule() returned ``out``: the step's tokens and context,
-        and the prefix hits of the requests the gate started, to the bridge."""
-        bridge = self.bridge
+        """After vLLM's schedule() returned ``out``: what the step runs (its tokens and
+        context, the prefix hits of the requests the gate started) to the bridge,
+        which steps the core at the step's time."""
         tokens = out.total_num_scheduled_tokens
         started = self.started_this_step
+        context = hits = queries = 0
         if tokens:
             reqs = self._sched.requests
             scheduled = out.num_scheduled_tokens
             # schedule() has advanced num_computed_tokens by the step's tokens.
-            bridge.end_step(tokens, sum([reqs[r].num_computed_tokens for r in scheduled]))
+            context = sum([reqs[r].num_computed_tokens for r in scheduled])
             if started:
                 # Started this step: the tokens computed before it are prefix-cache hits
                 # (local, or a KV connector's), out of its num_tokens (vLLM's query).
                 lookup = self._sched.kv_cache_manager.prefix_cache_lookup_enabled
-                hits = queries = 0
                 for req in started:
                     n = scheduled.get(req.request_id)
                     if n is not None and lookup(req):
                         hits += req.num_computed_tokens - n
                         queries += req.num_tokens
-                bridge.note_prefix_hits(hits, queries)
         if started:
             started.clear()
-        self.core.on_step(self.clock())
+        self.bridge.step_done(tokens, context, self._step_now, hits, queries)
 
     def _shared_tokens(self, request) -> int:
         """Tokens of a just-allocated request in blocks other requests also hold
