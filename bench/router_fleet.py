@@ -8,7 +8,7 @@ a small KV pool) behind one front:
   documented rule (max_num_seqs + the queue depth wanted: here what one instance
   serves within the TTFT target at the measured capacity);
 - `kvadmit/*`: kvadmit's default plus the one setting a user states, the TTFT
-  target as `max_queue_delay_s`;
+  target, as `max_queue_delay_s` = half of it (`kvadmit.vllm.bench_serve.queue_delay_for`);
 - `*/router-defaults`: `vllm-router` with nothing but its worker list (policy
   cache_aware, breaker on, 5 attempts 50 ms apart x1.5);
 - `*/recipe`: the documented recipe (docs/router.md): `--policy power_of_two
@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from haproxy_pair import HAPROXY_CFG, free_port  # noqa: E402  (the same HAProxy recipe)
+from kvadmit.vllm.bench_serve import queue_delay_for  # noqa: E402
 
 POOL_BLOCKS = 96           # --num-gpu-blocks-override: 3,072 tokens, ~8 requests
 TRACE_CONTEXT = 2048       # lengths scaled by MAX_MODEL_LEN / this: prompts ~290, outputs ~53
@@ -78,7 +79,7 @@ class Setup:
 
 
 def setups(ttft_s: float, names: list[str] | None = None) -> list[Setup]:
-    kv = {"max_queue_delay_s": ttft_s}
+    kv = {"max_queue_delay_s": queue_delay_for(ttft_s)}
     all_setups = [
         Setup("vllm-cap/router-defaults", "vllm-cap", "vllm-router"),
         Setup("vllm-cap/recipe", "vllm-cap", "vllm-router", RECIPE_FLAGS),

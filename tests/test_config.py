@@ -121,3 +121,22 @@ def test_kvadmit_config_prints_both_tables():
     out = subprocess.run([sys.executable, "-m", "kvadmit.cli", "config"], capture_output=True,
                          text=True, timeout=60, check=True).stdout
     assert AdmissionConfig.markdown_table() in out and VllmSettings.markdown_table() in out
+
+
+def test_the_core_config_knows_no_adapter_key_yet_every_engine_names_them():
+    """kvadmit.config names no adapter's key (kvadmit.vllm.settings registers its own);
+    a process that imports only the core's config (SGLang's plug-in, the simulator)
+    still refuses a vLLM-only key by name, not as "unknown"."""
+    import subprocess
+    import sys
+    from kvadmit import config
+    source = pathlib.Path(config.__file__).read_text()
+    assert "native_allocator" not in source and "kvadmit.vllm" not in source
+    script = ("from kvadmit.config import AdmissionConfig, ConfigError\n"
+              "try:\n    AdmissionConfig.from_dict({'native_allocator': True})\n"
+              "except ConfigError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert "'native_allocator' is a vLLM-only setting" in out and "unknown key" not in out
+    with pytest.raises(ValueError, match="'policy' is a key of the core's AdmissionConfig"):
+        config.register_adapter_keys(["policy"], "is taken")

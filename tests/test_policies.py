@@ -110,6 +110,30 @@ def test_bypass_lets_smaller_requests_pass_at_most_k_times():
     assert core.next_admissible(15) == -1      # big has been passed twice: it blocks now
 
 
+@pytest.mark.parametrize("policy", ["reserve", "auto"])
+def test_a_request_that_waited_the_delay_cap_is_not_passed_any_more(policy):
+    """Under max_queue_delay_s, bypass passes a held request only until it has
+    waited the cap; from then on it blocks the queue (gets the next free KV), so a
+    large request is not starved while small ones keep fitting."""
+    cfg = {"head_of_line": "bypass", "max_bypass": 1000} if policy == "reserve" else {}
+    core = make_core(policy, max_queue_delay_s=100.0, **cfg)
+    add_running(core, 20, 20)
+    big = add_waiting(core, 30, 30, now=0.0)
+    smalls = [add_waiting(core, 2, 2, now=0.0) for _ in range(4)]
+    for s, t in zip(smalls, (10.0, 50.0, 99.0)):
+        core.on_step(t)
+        assert core.next_admissible(15) == s        # passes big: it has waited < 100 s
+        core.admit(s, t)
+    assert core.info(big)["bypassed"] == 3
+    core.on_step(100.0)                             # big has now waited 100 s
+    assert core.next_admissible(15) == -1
+    nocap = make_core(policy, **cfg)                # without the cap bypass goes on
+    add_running(nocap, 20, 20)
+    add_waiting(nocap, 30, 30, now=0.0)
+    late = add_waiting(nocap, 2, 2, now=500.0)
+    assert nocap.next_admissible(15) == late
+
+
 def test_priority_order():
     core = make_core("overcommit", queue_order="priority")
     slots = [add_waiting(core, 4, 4, priority=p) for p in (5, 1, 3, 1)]

@@ -12,6 +12,18 @@ def test_the_reasons_are_the_cores():
     assert set(REASONS) == set(REJECT_REASONS)
 
 
+def test_the_reasons_come_from_the_native_gate_alone():
+    """One list of reasons, the arrival gate's: the protocol takes it (same object, same
+    order), the package re-exports it, and the core's per-reason counters (its C enum,
+    N_REJECT_REASONS) count exactly those."""
+    from kvadmit import AdmissionConfig, AdmissionCore, _arrival_gate, protocol
+    assert protocol.REJECT_REASONS is _arrival_gate.REJECT_REASONS is REJECT_REASONS
+    assert tuple(REASONS) == REJECT_REASONS and len(set(REJECT_REASONS)) == len(REJECT_REASONS)
+    core = AdmissionCore(AdmissionConfig(), 64, 16, 0)
+    assert tuple(core.stats()["rejected"]) == REJECT_REASONS
+    assert all(isinstance(REASONS[r].message, str) and REASONS[r].message for r in REJECT_REASONS)
+
+
 @pytest.mark.parametrize("retry_after_s, overload_status, status, header", [
     (2.2, 503, 503, 3), (0.2, 429, 429, 1), (None, 503, 400, None), (None, 429, 400, None)])
 def test_status_and_retry_after(retry_after_s, overload_status, status, header):

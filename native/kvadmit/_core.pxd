@@ -123,6 +123,7 @@ cdef class AdmissionCore:
     cdef int32_t c_next_admissible(self, int64_t free_blocks, bint check_blocks) noexcept nogil
     cdef int32_t _scan_queue(self, int64_t free_blocks, bint check_blocks) noexcept nogil
     cdef inline void _count_hold(self, int32_t s, int d) noexcept nogil
+    cdef inline bint _waited_out(self, int32_t s) noexcept nogil
     cdef void c_admit(self, int32_t s, double now) noexcept nogil
     cdef vector[int64_t] _batch   # update_many's checked (slot, computed, generated) rows
     cdef int _update(self, int64_t slot, int64_t computed_tokens, int64_t generated_tokens) except -1

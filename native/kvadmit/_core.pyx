@@ -515,7 +515,8 @@ cdef class AdmissionCore:
             # A request outside the agent window never blocks the queue; any other
             # held request does, unless bypass lets later ones pass it.
             if d != D_HOLD_AGENT:
-                if not self._bypass or self.ledger.bypassed[s] >= self._max_bypass:
+                if not self._bypass or self.ledger.bypassed[s] >= self._max_bypass \
+                        or self._waited_out(s):
                     return -1
                 if not head:
                     scanned += 1
@@ -524,6 +525,13 @@ cdef class AdmissionCore:
             head = False
             inc(it)
         return -1
+
+    cdef inline bint _waited_out(self, int32_t s) noexcept nogil:
+        """s has waited max_queue_delay_s (as of the latest time seen): no later
+        request passes it any more. Bypass alone lets a large request be passed for
+        as long as small ones fit, far past the delay the gate let it queue for."""
+        return self.gate.max_queue_delay_s > 0 and \
+            self._last_now - self.ledger.arrive_t[s] >= self.gate.max_queue_delay_s
 
     cdef inline void _count_hold(self, int32_t s, int d) noexcept nogil:
         """Counts a hold once per request and step: held_total means (request, step)

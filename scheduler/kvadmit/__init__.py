@@ -31,6 +31,10 @@ from kvadmit._native import (
 )
 from kvadmit.config import AdmissionConfig, ConfigError
 
+# The engine adapters' own settings register their keys with kvadmit.config (which knows
+# none of them), so every engine's config error names a vLLM-only key as one. No engine import.
+from kvadmit.vllm import settings as _vllm_settings  # noqa: E402,F401
+
 __version__ = "0.1.0"
 
 __all__ = [

@@ -57,8 +57,8 @@ class AdmissionConfig:
         QUEUE_ORDERS, "waiting order: arrival; priority (lower value first) then arrival; or "
         "deadline (arrival + TTFT target, earliest first)"))
     head_of_line: str = field(default="auto", metadata=choice_rule(
-        HEAD_OF_LINE, "strict: stop at the first held request; bypass: later ones may pass it; "
-        "auto: bypass under policy auto, else strict"))
+        HEAD_OF_LINE, "strict: stop at the first held request; bypass: later ones may pass it "
+        "(not one that has waited max_queue_delay_s); auto: bypass under policy auto, else strict"))
     max_bypass: int = field(default=4, metadata=int_rule(
         0, 1_000_000, "bypass: how often a held request may be passed before it blocks the queue"))
     bypass_lookahead: int = field(default=32, metadata=int_rule(
@@ -69,7 +69,8 @@ class AdmissionConfig:
         0, 10**15, "refuse arrivals beyond this many prompt tokens waiting for prefill (0: no cap)"))
     max_queue_delay_s: float = field(default=0.0, metadata=float_rule(
         0.0, 86400.0, "refuse arrivals whose predicted queueing delay (requests and prompt tokens "
-        "waiting, at the admission rate of the last drain_window_s) exceeds this (0: no cap)"))
+        "waiting, at the admission rate of the last drain_window_s) exceeds this; a request that "
+        "has waited this long is passed by no later one (0: no cap; for a TTFT target, half of it)"))
     shed_lower_priority: bool = field(default=False, metadata=bool_rule(
         "when a cap is hit, evict strictly lower-priority waiting requests instead of refusing"))
     prefill_chunk_tokens: int = field(default=0, metadata=int_rule(
@@ -181,12 +182,8 @@ class AdmissionConfig:
         unknown = sorted(set(values) - set(known), key=repr)
         if unknown:
             key = unknown[0]
-            # Error path only: the vLLM adapter's own keys (kvadmit.vllm.settings, no vLLM import).
-            from kvadmit.vllm.settings import VLLM_ONLY_KEYS
-            if key in VLLM_ONLY_KEYS:
-                raise ConfigError(f"kvadmit config: {key!r} is a vLLM-only setting (kvadmit's vLLM "
-                                  f"scheduler reads it from --additional-config); this engine "
-                                  f"does not take it")
+            if key in _ADAPTER_KEYS:       # an engine adapter's own key (register_adapter_keys)
+                raise ConfigError(f"kvadmit config: {key!r} {_ADAPTER_KEYS[key]}")
             if key == SECTION:
                 hint = (f"this is already kvadmit's object: give its keys without the "
                         f"{SECTION!r} wrapper")
@@ -266,6 +263,23 @@ def key_table(cls) -> str:
 
 
 SECTION = "kvadmit"    # kvadmit's key in an engine's shared plug-in settings
+
+# Keys an engine adapter reads itself from the same "kvadmit" object (its own settings,
+# the vLLM adapter's settings module), each with why the core's config refuses it. The adapters
+# register them (register_adapter_keys); this module knows none of them. The package's
+# __init__ imports every adapter's settings module, so each engine names them.
+_ADAPTER_KEYS: dict[str, str] = {}
+
+
+def register_adapter_keys(keys, why: str) -> None:
+    """Keys an engine adapter takes from kvadmit's object itself: AdmissionConfig.from_dict
+    refuses each with "kvadmit config: '<key>' <why>" (not "unknown key"). A key of the
+    core's config cannot be an adapter's."""
+    core = {f.name for f in dataclasses.fields(AdmissionConfig)}
+    for key in keys:
+        if key in core:
+            raise ValueError(f"{key!r} is a key of the core's AdmissionConfig, not an adapter's")
+        _ADAPTER_KEYS[key] = why
 
 
 def _did_you_mean(name: str, options) -> str | None:

@@ -23,7 +23,8 @@ vLLM's engine core cannot raise to the client: it finishes a refused request wit
 ``kv_transfer_params`` (`Refusal.to_params`), and the API-server patch
 (kvadmit_patches/vllm_http_status.py) rebuilds it there (`Refusal.from_output`).
 
-Pure Python, no engine import: the patches and both adapters import it.
+No engine import (only the core's list of reasons): the patches and both adapters
+import it.
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ import re
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Mapping, Optional
+
+from kvadmit._arrival_gate import REJECT_REASONS
 
 # A refused vLLM output's stop_reason, and the start of every client message.
 PREFIX = "kvadmit:"
@@ -67,8 +70,10 @@ class ReasonInfo:
     message: str
 
 
-# Every reason kvadmit refuses with; the core's REJECT_REASONS plus none other.
-REASONS: dict[str, ReasonInfo] = {
+# What a client is told for each reason. The reasons themselves are the core's
+# (kvadmit._arrival_gate.REJECT_REASONS, their one list): REASONS has exactly those, in
+# the core's order, and this module does not import if a reason lacks its entry here.
+_INFO: dict[str, ReasonInfo] = {
     "queue_full": ReasonInfo(None, "the engine's waiting queue is full, or the request's samples "
                                    "exceed it (kvadmit max_queued_requests)"),
     "queued_tokens_full": ReasonInfo(
@@ -83,6 +88,12 @@ REASONS: dict[str, ReasonInfo] = {
     "kv_capacity": ReasonInfo(False, "the request needs more KV cache than this server's whole pool holds"),
     "invalid": ReasonInfo(False, "the request's token counts or kvadmit fields are invalid"),
 }
+if set(_INFO) != set(REJECT_REASONS):
+    raise ImportError(f"kvadmit.protocol: refusal reasons {sorted(set(_INFO) ^ set(REJECT_REASONS))} "
+                      f"are not both the core's (kvadmit._arrival_gate.REJECT_REASONS) and "
+                      f"described here")
+# Every reason kvadmit refuses with: the core's REJECT_REASONS, none other, in its order.
+REASONS: dict[str, ReasonInfo] = {reason: _INFO[reason] for reason in REJECT_REASONS}
 
 RETRY_TAIL = "(retry after {} s)"
 FINAL_TAIL = "(retrying will not help)"

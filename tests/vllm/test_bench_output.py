@@ -5,7 +5,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-from kvadmit.vllm import bench  # noqa: E402
+from kvadmit.vllm.bench import output as bench  # noqa: E402  (the table, JSON and chart)
 
 
 def row(config, steps, preemptions):
@@ -27,7 +27,7 @@ def test_the_reference_rows_are_marked():
 
 def test_the_chart_draws_level_labels_and_family_colours(tmp_path):
     from matplotlib.colors import to_hex
-    fig = bench._plot(ROWS, str(tmp_path / "x.png"), "title")
+    fig = bench.plot(ROWS, str(tmp_path / "x.png"), "title")
     assert (tmp_path / "x.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     ax = fig.axes[0]
     labels = [t.get_text() for t in ax.get_yticklabels()]

@@ -148,138 +148,156 @@ def _last_scrape_tick(t0: float, tick: float, t: float, k_from: int) -> int:
 def run_fleet(workload: Workload, setup: FleetSetup, shape: EngineShape, step: StepTimeModel,
               base: AdmissionConfig, slo: Slo, progress=None) -> FleetRun:
     check_open_loop(workload)
-    n_inst, n = len(setup.policies), len(workload)
     t_wall = time.perf_counter()
-    engines = [native_engine(workload, p.config(base), p.shape(shape), step) for p in setup.policies]
-    oracle = [p.oracle for p in setup.policies]
-    prefix = [p.shape(shape).prefix_caching and workload.hash_ids is not None for p in setup.policies]
-    router = make_router(setup.router, n_inst, shape.block_size,
-                         [p.shape(shape).num_blocks for p in setup.policies], seed=setup.seed,
-                         busy_threshold=setup.busy_threshold,
-                         scrape_interval_s=setup.scrape_interval_s)
-    ttft = workload.ttft_slo_s or [slo.ttft_s] * n
-    tpot = workload.tpot_slo_s or [slo.tpot_s] * n
-    hashed = workload.hashed_tokens
+    fleet = _Fleet(workload, setup, shape, step, base, slo)
+    fleet.run(progress)
+    return _assemble(workload, fleet.engines, fleet.owner, fleet.final_reason, fleet.counts,
+                     fleet.attempts, fleet.placed, fleet.t0, time.perf_counter() - t_wall)
 
-    attempts = [0] * n
-    placed = [-1] * n                              # the instance of the last attempt (-1: router)
-    exclude: list = [None] * n
-    final_reason: list = [None] * n
-    owner = [[] for _ in range(n_inst)]            # engine-local index -> request
-    outbox = [_Outbox(prefix[e]) for e in range(n_inst)]
-    retries: list = []                             # heap of (time, seq, request)
-    counts = {"retries": 0, "router_refusals": 0, "engine_refusals": 0, "gave_up": 0}
-    finished_seen = [0] * n_inst
-    req_view = Request(0, 0, 0.0, 0.0)
 
-    t0 = workload.arrival_s[0] if n else 0.0
-    for eng in engines:
-        eng.start(t0)
-    tick = setup.scrape_interval_s / SYNC_PER_SCRAPE
-    k_sync = 0                                    # the next tick is t0 + k_sync * tick
-    nxt = 0                                       # the next first arrival
-    seq = 0
-    last_report = 0.0
+class _Fleet:
+    """One fleet run's state: the engines, the router, and each request's attempts.
+    `run` is the event loop: arrivals and retries in time order, routed at once,
+    between sync ticks at which every engine runs to the tick and answers."""
 
-    def refused(i: int, reason: str, retry_at: float | None, at_instance: int | None) -> None:
+    def __init__(self, workload: Workload, setup: FleetSetup, shape: EngineShape,
+                 step: StepTimeModel, base: AdmissionConfig, slo: Slo):
+        n_inst, n = len(setup.policies), len(workload)
+        self.workload, self.setup, self.n = workload, setup, n
+        self.engines = [native_engine(workload, p.config(base), p.shape(shape), step)
+                        for p in setup.policies]
+        self.oracle = [p.oracle for p in setup.policies]
+        prefix = [p.shape(shape).prefix_caching and workload.hash_ids is not None
+                  for p in setup.policies]
+        self.router = make_router(setup.router, n_inst, shape.block_size,
+                                  [p.shape(shape).num_blocks for p in setup.policies],
+                                  seed=setup.seed, busy_threshold=setup.busy_threshold,
+                                  scrape_interval_s=setup.scrape_interval_s)
+        self.ttft = workload.ttft_slo_s or [slo.ttft_s] * n
+        self.tpot = workload.tpot_slo_s or [slo.tpot_s] * n
+        self.hashed = workload.hashed_tokens
+        self.attempts = [0] * n
+        self.placed = [-1] * n                     # the instance of the last attempt (-1: router)
+        self.exclude: list = [None] * n
+        self.final_reason: list = [None] * n
+        self.owner = [[] for _ in range(n_inst)]   # engine-local index -> request
+        self.outbox = [_Outbox(prefix[e]) for e in range(n_inst)]
+        self.retries: list = []                    # heap of (time, seq, request)
+        self.counts = {"retries": 0, "router_refusals": 0, "engine_refusals": 0, "gave_up": 0}
+        self.finished_seen = [0] * n_inst
+        self.req_view = Request(0, 0, 0.0, 0.0)
+        self.seq = 0
+        self.t0 = workload.arrival_s[0] if n else 0.0
+        self.tick = setup.scrape_interval_s / SYNC_PER_SCRAPE
+
+    def run(self, progress) -> None:
+        """Every request routed (and retried) in time order, the engines synced at each
+        tick, until nothing is left anywhere; then the engines drain."""
+        workload, n, t0, tick = self.workload, self.n, self.t0, self.tick
+        for eng in self.engines:
+            eng.start(t0)
+        k_sync = 0                                # the next tick is t0 + k_sync * tick
+        nxt = 0                                   # the next first arrival
+        last_report = 0.0
+        idle = False
+        while True:
+            t_arr = workload.arrival_s[nxt] if nxt < n else math.inf
+            t_ret = self.retries[0][0] if self.retries else math.inf
+            t_ev = min(t_arr, t_ret)
+            t_sync = t0 + k_sync * tick
+            if t_sync <= t_ev:
+                if t_ev == math.inf and idle and not any(ob.arr for ob in self.outbox):
+                    break
+                if idle and t_ev < math.inf and t_ev > t_sync + tick:
+                    # nothing runs anywhere until t_ev: skip the empty ticks
+                    k_sync = max(k_sync, _last_scrape_tick(t0, tick, t_ev, k_sync))
+                    t_sync = t0 + k_sync * tick
+                idle = self.sync(t_sync, k_sync % SYNC_PER_SCRAPE == 0)
+                k_sync += 1
+                if progress is not None and time.perf_counter() - last_report > 0.5:
+                    last_report = time.perf_counter()
+                    progress(nxt, n)
+                continue
+            idle = False
+            if t_arr <= t_ret:
+                self.route(nxt, t_arr)
+                nxt += 1
+            else:
+                t, _, i = heapq.heappop(self.retries)
+                self.route(i, t)
+        for eng in self.engines:
+            eng.drain()
+        if progress is not None:
+            progress(n, n)
+
+    def refused(self, i: int, reason: str, retry_at: float | None, at_instance: int | None) -> None:
         """The client of request i was refused: it comes back at `retry_at` (None:
         never, the refusal is final) unless its retries are spent."""
-        nonlocal seq
-        if retry_at is None or attempts[i] > setup.max_retries:
-            final_reason[i] = reason
+        if retry_at is None or self.attempts[i] > self.setup.max_retries:
+            self.final_reason[i] = reason
             if retry_at is not None:
-                counts["gave_up"] += 1
+                self.counts["gave_up"] += 1
             return
         if at_instance is not None:
-            if exclude[i] is None:
-                exclude[i] = set()
-            exclude[i].add(at_instance)
-        counts["retries"] += 1
-        seq += 1
-        heapq.heappush(retries, (retry_at, seq, i))
+            if self.exclude[i] is None:
+                self.exclude[i] = set()
+            self.exclude[i].add(at_instance)
+        self.counts["retries"] += 1
+        self.seq += 1
+        heapq.heappush(self.retries, (retry_at, self.seq, i))
 
-    def sync(t: float, scrape: bool) -> bool:
+    def sync(self, t: float, scrape: bool) -> bool:
         """Every engine runs to t; their answers are collected. True if all are idle."""
         all_idle = True
         sigs = []
-        for e, eng in enumerate(engines):
-            outbox[e].flush(eng)
+        for e, eng in enumerate(self.engines):
+            self.outbox[e].flush(eng)
             all_idle &= eng.advance(t)
             for local, reason, t_rej, ra in eng.take_rejections():
-                i = owner[e][local]
-                counts["engine_refusals"] += 1
-                router.answered(e, 1)
+                i = self.owner[e][local]
+                self.counts["engine_refusals"] += 1
+                self.router.answered(e, 1)
                 # the client hears of it at this tick at the latest
-                refused(i, reason, None if ra is None else max(t_rej + ra, t), e)
+                self.refused(i, reason, None if ra is None else max(t_rej + ra, t), e)
             sig = eng.signals()
-            if sig["finished"] != finished_seen[e]:
-                router.answered(e, sig["finished"] - finished_seen[e])
-                finished_seen[e] = sig["finished"]
+            if sig["finished"] != self.finished_seen[e]:
+                self.router.answered(e, sig["finished"] - self.finished_seen[e])
+                self.finished_seen[e] = sig["finished"]
             sigs.append(sig)
         if scrape:
-            router.observe(sigs)
+            self.router.observe(sigs)
         return all_idle
 
-    def route(i: int, t: float) -> None:
-        attempts[i] += 1
+    def route(self, i: int, t: float) -> None:
+        """Request i's attempt at t: the router places it (in its engine's outbox until
+        the next tick) or refuses it (the client retries after the hint or the backoff)."""
+        workload, req_view = self.workload, self.req_view
+        self.attempts[i] += 1
         req_view.prompt_tokens = workload.prompt_tokens[i]
         req_view.max_tokens = workload.max_tokens[i]
-        req_view.ttft_slo_s = ttft[i]
-        req_view.tpot_slo_s = tpot[i]
+        req_view.ttft_slo_s = self.ttft[i]
+        req_view.tpot_slo_s = self.tpot[i]
         req_view.hash_ids = workload.hash_ids_of(i) if workload.hash_ids is not None else None
-        choice = router.choose(req_view, t, exclude[i] or ())
+        choice = self.router.choose(req_view, t, self.exclude[i] or ())
         if isinstance(choice, Refusal):
-            placed[i] = -1
-            counts["router_refusals"] += 1
+            self.placed[i] = -1
+            self.counts["router_refusals"] += 1
             # a router's refusal is an overload answer: without a hint, the client backs off
-            ra = choice.retry_after_s if choice.retry_after_s is not None else setup.retry_backoff_s
-            refused(i, choice.reason, t + ra, None)
+            ra = (choice.retry_after_s if choice.retry_after_s is not None
+                  else self.setup.retry_backoff_s)
+            self.refused(i, choice.reason, t + ra, None)
             return
         e = choice
-        placed[i] = e
-        router.sent(e, req_view)
-        outbox[e].push(t, workload.prompt_tokens[i], workload.output_tokens[i],
-                       workload.output_tokens[i] if oracle[e] else workload.max_tokens[i],
-                       workload.priority[i] if workload.priority is not None else 0,
-                       ttft[i], tpot[i],
-                       hashed[i] if hashed is not None else workload.prompt_tokens[i],
-                       req_view.hash_ids)
-        owner[e].append(i)
-
-    idle = False
-    while True:
-        t_arr = workload.arrival_s[nxt] if nxt < n else math.inf
-        t_ret = retries[0][0] if retries else math.inf
-        t_ev = min(t_arr, t_ret)
-        t_sync = t0 + k_sync * tick
-        if t_sync <= t_ev:
-            if t_ev == math.inf and idle and not any(ob.arr for ob in outbox):
-                break
-            if idle and t_ev < math.inf and t_ev > t_sync + tick:
-                # nothing runs anywhere until t_ev: skip the empty ticks
-                k_skip = _last_scrape_tick(t0, tick, t_ev, k_sync)
-                if k_skip > k_sync:
-                    k_sync = k_skip
-                    t_sync = t0 + k_sync * tick
-            idle = sync(t_sync, k_sync % SYNC_PER_SCRAPE == 0)
-            k_sync += 1
-            if progress is not None and time.perf_counter() - last_report > 0.5:
-                last_report = time.perf_counter()
-                progress(nxt, n)
-            continue
-        idle = False
-        if t_arr <= t_ret:
-            route(nxt, t_arr)
-            nxt += 1
-        else:
-            t, _, i = heapq.heappop(retries)
-            route(i, t)
-    for eng in engines:
-        eng.drain()
-    if progress is not None:
-        progress(n, n)
-    return _assemble(workload, engines, owner, final_reason, counts, attempts, placed, t0,
-                     time.perf_counter() - t_wall)
+        self.placed[i] = e
+        self.router.sent(e, req_view)
+        prompt = workload.prompt_tokens[i]
+        self.outbox[e].push(t, prompt, workload.output_tokens[i],
+                            workload.output_tokens[i] if self.oracle[e] else workload.max_tokens[i],
+                            workload.priority[i] if workload.priority is not None else 0,
+                            self.ttft[i], self.tpot[i],
+                            self.hashed[i] if self.hashed is not None else prompt,
+                            req_view.hash_ids)
+        self.owner[e].append(i)
 
 
 def _assemble(workload: Workload, engines, owner, final_reason, counts, attempts, placed,

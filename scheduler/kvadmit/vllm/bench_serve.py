@@ -159,6 +159,14 @@ class ServeConfig:
     kind: str                    # "vllm" (vLLM's own scheduler) or "kvadmit"
 
 
+def queue_delay_for(ttft_s: float) -> float:
+    """max_queue_delay_s for a TTFT target: half of it. A request queues only if
+    its predicted wait is within the cap, and once it has waited the cap no later
+    request passes it; it then waits for its KV to free, so its whole wait runs to
+    about twice the cap."""
+    return ttft_s / 2
+
+
 def parse_config(text: str, queued_reqs: int, delay_s: float) -> ServeConfig:
     """vllm-default, vllm-queued[=N], vllm-watermark=F, kvadmit-default,
     kvadmit-delay[=S], or NAME=JSON (kvadmit's AdmissionConfig keys)."""
@@ -629,7 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
                "--max-num-queued-reqs; without N: vLLM's documented rule, max_num_seqs plus "
                "the queue depth drained within the TTFT target, capacity x --ttft-ms); "
                "vllm-watermark=F (vLLM's --watermark); kvadmit-default (the empty config); "
-               "kvadmit-delay[=S] (max_queue_delay_s, default the TTFT target); NAME=JSON "
+               "kvadmit-delay[=S] (max_queue_delay_s, default half the TTFT target); NAME=JSON "
                "(kvadmit's keys).\n\n`kvadmit bench serve client [vllm bench serve flags]` runs "
                "vLLM's own client (the CPU build's `vllm` command does not start).")
     from kvadmit.traces import BUNDLED_HELP
@@ -692,138 +700,178 @@ def _check(args) -> None:
         raise ValueError(f"--fixed-length={args.fixed_length}: must be >= 1")
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["client"]:
-        return client_main(argv[1:])
+def _parse_args(argv: list[str]) -> argparse.Namespace:
+    """The flags, checked (config names and the trace too) before any server starts."""
     ap = build_parser()
     args = ap.parse_args(argv)
     try:
         _check(args)
-        for c in args.configs:                       # names checked before any server starts
+        for c in args.configs:
             parse_config(c, 1, 1.0)
         from kvadmit.traces import trace_path
         if not trace_path(args.trace).exists():
             raise FileNotFoundError(f"--trace {args.trace}: not found")
     except (ValueError, FileNotFoundError) as e:
         ap.error(str(e))
+    return args
 
-    from kvadmit.vllm.tiny_model import DEFAULT_DIR, build_tiny_llama
-    model = str(build_tiny_llama(args.model_dir or DEFAULT_DIR))
-    engine = Engine(args.num_blocks, args.block_size, args.max_model_len, args.max_num_seqs,
-                    args.max_num_batched_tokens)
-    slo = (args.ttft_ms / 1e3, args.tpot_ms / 1e3)
-    json_path = args.json or None
-    log = pathlib.Path(args.log or (pathlib.Path(json_path).with_suffix(".log") if json_path
+
+def _log_path(args) -> pathlib.Path:
+    """vLLM's output: --log, else beside --json, else in the temp folder (emptied)."""
+    log = pathlib.Path(args.log or (pathlib.Path(args.json).with_suffix(".log") if args.json
                                     else pathlib.Path(tempfile.gettempdir()) / "kvadmit-serve.log"))
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
-    work = pathlib.Path(tempfile.mkdtemp(prefix="kvadmit-bench-serve-"))
-    rows = trace_rows(args.trace, args.requests, args.max_model_len, args.max_tokens, args.seed)
-    real = [r["output_tokens"] for r in rows]
-    data = work / "trace.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    trace_set = ["--dataset-name", "custom", "--dataset-path", str(data), "--custom-output-len",
-                 "-1", "--skip-chat-template", "--disable-shuffle"]
-    t0 = time.perf_counter()
-    print(f"kvadmit bench serve: {args.requests} requests from {args.trace} (lengths x"
-          f"{args.max_model_len / 8192:g}, real stops), pool {args.num_blocks} blocks x "
-          f"{args.block_size}; vLLM's output goes to {log}", flush=True)
-    out = {"command": " ".join(["kvadmit", "bench", "serve", *argv]), "machine": _machine(),
-           "engine": engine.__dict__, "slo_ms": {"ttft": args.ttft_ms, "tpot": args.tpot_ms},
-           "burstiness": args.burstiness, "trace": args.trace, "requests": args.requests,
-           "log": str(log), "sections": []}
-    servers: list[Server] = []
-    # a SIGTERM (timeout, CI) still stops the servers: they run in their own sessions
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
-        # capacity first, on vLLM's default (a lone server), then every config's server
-        base_cfg = parse_config("vllm-default", 1, 1.0)
-        base = Server(base_cfg, model, engine, log)
-        servers.append(base)
-        base.start()
-        base.wait_ready(args.startup_timeout)
-        print(f"vllm-default server up ({time.perf_counter() - t0:.0f} s)", file=sys.stderr,
-              flush=True)
-        capacity = args.capacity
+    return log
+
+
+class ServeBench:
+    """One `kvadmit bench serve` run: its servers, the sections it measures, its output."""
+
+    def __init__(self, args: argparse.Namespace, argv: list[str]):
+        from kvadmit.vllm.tiny_model import DEFAULT_DIR, build_tiny_llama
+        self.args = args
+        self.model = str(build_tiny_llama(args.model_dir or DEFAULT_DIR))
+        self.engine = Engine(args.num_blocks, args.block_size, args.max_model_len,
+                             args.max_num_seqs, args.max_num_batched_tokens)
+        self.slo = (args.ttft_ms / 1e3, args.tpot_ms / 1e3)
+        self.log = _log_path(args)
+        self.work = pathlib.Path(tempfile.mkdtemp(prefix="kvadmit-bench-serve-"))
+        rows = trace_rows(args.trace, args.requests, args.max_model_len, args.max_tokens,
+                          args.seed)
+        self.real = [r["output_tokens"] for r in rows]
+        data = self.work / "trace.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        self.trace_set = ["--dataset-name", "custom", "--dataset-path", str(data),
+                          "--custom-output-len", "-1", "--skip-chat-template", "--disable-shuffle"]
+        self.t0 = time.perf_counter()
+        self.servers: list[Server] = []
+        self.by_label: dict[str, Server] = {}
+        self.cap_n = 1
+        self.out = {"command": " ".join(["kvadmit", "bench", "serve", *argv]),
+                    "machine": _machine(), "engine": self.engine.__dict__,
+                    "slo_ms": {"ttft": args.ttft_ms, "tpot": args.tpot_ms},
+                    "burstiness": args.burstiness, "trace": args.trace,
+                    "requests": args.requests, "log": str(self.log), "sections": []}
+
+    def _progress(self, what: str) -> None:
+        print(f"{what} ({time.perf_counter() - self.t0:.0f} s)", file=sys.stderr, flush=True)
+
+    def _server(self, label: str, config: ServeConfig, wait: bool) -> Server:
+        if label not in self.by_label:
+            self.by_label[label] = Server(config, self.model, self.engine, self.log)
+            self.servers.append(self.by_label[label])
+            self.by_label[label].start()
+            if wait:
+                self.by_label[label].wait_ready(self.args.startup_timeout)
+        return self.by_label[label]
+
+    def capacity(self) -> float:
+        """vLLM's default first, alone: the capacity every load is a multiple of."""
+        base = self._server("vllm-default", parse_config("vllm-default", 1, 1.0), wait=True)
+        self._progress("vllm-default server up")
+        capacity = self.args.capacity
         if capacity is None:
-            row = run_point(base, trace_set, float("inf"), 1.0, args.seed, args.requests, slo,
-                            work, "capacity", real)
+            row = run_point(base, self.trace_set, float("inf"), 1.0, self.args.seed,
+                            self.args.requests, self.slo, self.work, "capacity", self.real)
             capacity = row["request_throughput"]
-            out["capacity_run"] = row
-        how = "given" if args.capacity else "measured: all requests at once on vllm-default"
+            self.out["capacity_run"] = row
+        how = "given" if self.args.capacity else "measured: all requests at once on vllm-default"
         print(f"capacity: {capacity:.2f} req/s ({how})", flush=True)
-        cap_n = documented_queue_cap(args.max_num_seqs, capacity, slo[0])
-        configs = [parse_config(c, cap_n, slo[0]) for c in args.configs]
-        by_label = {"vllm-default": base}
+        return capacity
+
+    def trace_section(self, capacity: float) -> None:
+        """Every config on the trace, at every load."""
+        args = self.args
+        self.cap_n = documented_queue_cap(args.max_num_seqs, capacity, self.slo[0])
+        configs = [parse_config(c, self.cap_n, queue_delay_for(self.slo[0])) for c in args.configs]
         for c in configs:
-            if c.label not in by_label:
-                by_label[c.label] = Server(c, model, engine, log)
-                servers.append(by_label[c.label])
-                by_label[c.label].start()
-        for s in servers[1:]:
+            self._server(c.label, c, wait=False)
+        for s in self.servers:
             s.wait_ready(args.startup_timeout)
-        print(f"{len(servers)} servers up ({time.perf_counter() - t0:.0f} s)", file=sys.stderr,
-              flush=True)
+        self._progress(f"{len(self.servers)} servers up")
         labels = [c.label for c in configs]
-        trace_rows_out = sweep([by_label[x] for x in labels], trace_set, args.requests, capacity,
-                               args.load, args.repeats, args.burstiness, slo, args.seed, work,
-                               "trace", real)
-        summary = summarize(trace_rows_out)
+        rows = sweep([self.by_label[x] for x in labels], self.trace_set, args.requests, capacity,
+                     args.load, args.repeats, args.burstiness, self.slo, args.seed, self.work,
+                     "trace", self.real)
+        summary = summarize(rows)
         title = (f"Azure conversation trace, {args.requests} requests, real stops "
                  f"(max_tokens {args.max_tokens} scaled); capacity {capacity:.2f} req/s; "
                  f"SLO TTFT <= {args.ttft_ms:g} ms, TPOT <= {args.tpot_ms:g} ms")
         print_table(summary, title, labels)
         goals = goal_figures(summary)
         print(f"goal figures (ratios of medians, per load): {json.dumps(goals)}", flush=True)
-        out["sections"].append({"name": "trace", "title": title, "capacity_rps": capacity,
-                                "configs": labels, "real_output_tokens": sum(real),
-                                "config_docs": {c.label: c.doc for c in configs},
-                                "queue_cap_rule": f"max_num_seqs {args.max_num_seqs} + "
-                                f"capacity x TTFT target = {cap_n}",
-                                "rows": trace_rows_out, "summary": summary, "goals": goals})
-        if args.fixed_length:
-            fixed = ["--dataset-name", "random", "--random-input-len", str(args.fixed_input_len),
-                     "--random-output-len", str(args.fixed_length), "--ignore-eos"]
-            fcap = run_point(base, fixed, float("inf"), 1.0, args.seed, args.requests, slo, work,
-                             "fixed-capacity", args.fixed_length)
-            print(f"fixed-length capacity: {fcap['request_throughput']:.2f} req/s", flush=True)
-            for c in FIXED_CONFIGS:
-                if c not in by_label:
-                    by_label[c] = Server(parse_config(c, cap_n, slo[0]), model, engine, log)
-                    servers.append(by_label[c])
-                    by_label[c].start()
-                    by_label[c].wait_ready(args.startup_timeout)
-            frows = sweep([by_label[x] for x in FIXED_CONFIGS], fixed, args.requests,
-                          fcap["request_throughput"], args.load, args.repeats, args.burstiness,
-                          slo, args.seed, work, "fixed", args.fixed_length)
-            fsum = summarize(frows)
-            ftitle = (f"vLLM's random dataset, input {args.fixed_input_len}, output "
-                      f"{args.fixed_length} --ignore-eos; capacity "
-                      f"{fcap['request_throughput']:.2f} req/s")
-            print_table(fsum, ftitle, list(FIXED_CONFIGS))
-            fgoals = goal_figures(fsum)
-            print(f"goal figures: {json.dumps(fgoals)}", flush=True)
-            out["sections"].append({"name": "fixed-length", "title": ftitle,
-                                    "capacity_rps": fcap["request_throughput"],
-                                    "capacity_run": fcap, "configs": list(FIXED_CONFIGS),
-                                    "real_output_tokens": args.fixed_length * args.requests,
-                                    "rows": frows, "summary": fsum, "goals": fgoals})
-    finally:
-        for s in servers:
+        self.out["sections"].append({
+            "name": "trace", "title": title, "capacity_rps": capacity, "configs": labels,
+            "real_output_tokens": sum(self.real), "config_docs": {c.label: c.doc for c in configs},
+            "queue_cap_rule": f"max_num_seqs {args.max_num_seqs} + capacity x TTFT target = "
+                              f"{self.cap_n}",
+            "rows": rows, "summary": summary, "goals": goals})
+
+    def fixed_section(self) -> None:
+        """vLLM's random dataset at a fixed output length (--ignore-eos), default vs default."""
+        args = self.args
+        fixed = ["--dataset-name", "random", "--random-input-len", str(args.fixed_input_len),
+                 "--random-output-len", str(args.fixed_length), "--ignore-eos"]
+        fcap = run_point(self.by_label["vllm-default"], fixed, float("inf"), 1.0, args.seed,
+                         args.requests, self.slo, self.work, "fixed-capacity", args.fixed_length)
+        capacity = fcap["request_throughput"]
+        print(f"fixed-length capacity: {capacity:.2f} req/s", flush=True)
+        for c in FIXED_CONFIGS:
+            self._server(c, parse_config(c, self.cap_n, queue_delay_for(self.slo[0])), wait=True)
+        rows = sweep([self.by_label[x] for x in FIXED_CONFIGS], fixed, args.requests, capacity,
+                     args.load, args.repeats, args.burstiness, self.slo, args.seed, self.work,
+                     "fixed", args.fixed_length)
+        summary = summarize(rows)
+        title = (f"vLLM's random dataset, input {args.fixed_input_len}, output "
+                 f"{args.fixed_length} --ignore-eos; capacity {capacity:.2f} req/s")
+        print_table(summary, title, list(FIXED_CONFIGS))
+        goals = goal_figures(summary)
+        print(f"goal figures: {json.dumps(goals)}", flush=True)
+        self.out["sections"].append({
+            "name": "fixed-length", "title": title, "capacity_rps": capacity,
+            "capacity_run": fcap, "configs": list(FIXED_CONFIGS),
+            "real_output_tokens": args.fixed_length * args.requests,
+            "rows": rows, "summary": summary, "goals": goals})
+
+    def stop(self) -> None:
+        for s in self.servers:
             s.stop()
+
+    def save(self) -> None:
+        out, args = self.out, self.args
+        out["wall_s"] = time.perf_counter() - self.t0
+        print(f"\n{sum(len(s['rows']) for s in out['sections'])} runs on {len(self.servers)} "
+              f"servers in {out['wall_s']:.0f} s; vLLM's logs: {self.log}", flush=True)
+        if args.json:
+            pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            pathlib.Path(args.json).write_text(json.dumps(out, indent=2))
+            print(f"saved {args.json}")
+        if args.plot:
+            plot(out["sections"], args.plot, f"kvadmit bench serve on {_machine()['cpus']} CPUs: "
+                 f"{out['command']}")
+            print(f"saved {args.plot}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["client"]:
+        return client_main(argv[1:])
+    args = _parse_args(argv)
+    bench = ServeBench(args, argv)
+    print(f"kvadmit bench serve: {args.requests} requests from {args.trace} (lengths x"
+          f"{args.max_model_len / 8192:g}, real stops), pool {args.num_blocks} blocks x "
+          f"{args.block_size}; vLLM's output goes to {bench.log}", flush=True)
+    # a SIGTERM (timeout, CI) still stops the servers: they run in their own sessions
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        bench.trace_section(bench.capacity())
+        if args.fixed_length:
+            bench.fixed_section()
+    finally:
+        bench.stop()
         signal.signal(signal.SIGTERM, previous)
-    out["wall_s"] = time.perf_counter() - t0
-    print(f"\n{sum(len(s['rows']) for s in out['sections'])} runs on {len(servers)} servers in "
-          f"{out['wall_s']:.0f} s; vLLM's logs: {log}", flush=True)
-    if json_path:
-        pathlib.Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(json_path).write_text(json.dumps(out, indent=2))
-        print(f"saved {json_path}")
-    if args.plot:
-        plot(out["sections"], args.plot, f"kvadmit bench serve on {_machine()['cpus']} CPUs: "
-             f"{out['command']}")
-        print(f"saved {args.plot}")
+    bench.save()
     return 0
 
 

@@ -4,8 +4,10 @@ They go in the same `"kvadmit"` object of vLLM's `--additional-config` as the
 core's keys (`kvadmit.config.AdmissionConfig`), but they change how the adapter
 sets up vLLM's own objects, not an admission decision: the core's config does not
 carry them, and other engines (SGLang's plug-in, the simulator) refuse them with a
-ConfigError that names them as vLLM-only. Imports nothing from vLLM, so that error
-and `kvadmit config` work without it.
+ConfigError that names them as vLLM-only (this module registers them with
+`kvadmit.config.register_adapter_keys`; the core's config knows no adapter's keys, and
+the package imports this module, so every engine knows them). Imports nothing from
+vLLM, so that error and `kvadmit config` work without it.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from kvadmit.config import ConfigError, bool_rule, check_fields, key_table
+from kvadmit.config import ConfigError, bool_rule, check_fields, key_table, register_adapter_keys
 
 
 @dataclass(frozen=True)
@@ -41,3 +43,6 @@ class VllmSettings:
 
 
 VLLM_ONLY_KEYS = frozenset(f.name for f in dataclasses.fields(VllmSettings))
+# Other engines (SGLang's plug-in, the simulator) refuse these by name.
+register_adapter_keys(VLLM_ONLY_KEYS, "is a vLLM-only setting (kvadmit's vLLM scheduler reads it "
+                                      "from --additional-config); this engine does not take it")

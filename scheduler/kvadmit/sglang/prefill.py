@@ -1,0 +1,154 @@
+"""kvadmit's PrefillAdder and PrefillBudget: SGLang's own classes with the admission
+asked of the kvadmit core and SGLang's future-reservation terms taken out.
+
+Imports SGLang: `kvadmit.sglang.adapter` imports this module only when it builds an
+adapter for a live server, so `import kvadmit.sglang` works without SGLang.
+"""
+from __future__ import annotations
+
+from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+from sglang.srt.mem_cache.prefill_budget import PrefillBudget
+
+
+class _NoReqStates(list):
+    """Stands in for PrefillAdder.req_states: SGLang's ignore_eos look-ahead
+    (a future-memory rule) is replaced by the core's, so nothing is recorded."""
+
+    def append(self, item):  # noqa: D401 - list API
+        pass
+
+    def insert(self, index, item):
+        pass
+
+
+class KvadmitPrefillBudget(PrefillBudget):
+    """SGLang's token budget with the future-reservation terms taken out.
+
+    SGLang's own rule (remaining = available + evictable - sum of running
+    ``min(max_new - generated, clip) * new_token_ratio``, and a new request
+    charged its clipped max_new) is replaced by the kvadmit core's policy,
+    which has already said 'admit' when this is reached. What stays is the
+    physical check: the prefill itself (plus SGLang's page overhead) must
+    fit in the free + evictable tokens now, and a prompt chunked over several
+    steps must find its later chunks' room then (`hold_for_chunked`; with
+    mixed chunked prefill, also the running requests' decodes meanwhile)."""
+
+    mixed_decode_tokens = 0   # running requests decoding in each prefill step (mixed mode)
+    chunk_size = None         # SGLang's chunked prefill size (None: no chunking)
+    joining = 0               # requests of this batch that finish their prefill in it
+
+    def mixed_decode_room(self, rest) -> int:
+        """Mixed chunked prefill: `rest` prompt tokens left for later steps are
+        prefilled over further steps, and in each of them every running request
+        (those running now and those joining from this batch) decodes a token
+        (SGLang's mixed step, which never retracts). Its last chunk must still find
+        room then: SGLang continues a chunked request even when the pool is empty,
+        so room the decodes took would be an out-of-memory error in the scheduler."""
+        if not self.mixed_decode_tokens or not self.chunk_size or rest <= 0:
+            return 0
+        decoders = self.mixed_decode_tokens + self.joining
+        later_steps = -(-rest // max(self.chunk_size - decoders, 1))
+        return decoders * later_steps
+
+    def check_prefill(self, *, extend_input_len, total_tokens, max_new_tokens, input_tokens,
+                      swa_host_hit_length, chunk_limit, auxiliary_swa_host_hit_length=0):
+        # Prompt tokens left for later steps when this one is chunked now.
+        rest = extend_input_len - max(chunk_limit, 0) if chunk_limit is not None else 0
+        return super().check_prefill(
+            extend_input_len=extend_input_len,
+            total_tokens=total_tokens - max_new_tokens + self.mixed_decode_room(rest),
+            max_new_tokens=0,
+            input_tokens=input_tokens,
+            swa_host_hit_length=swa_host_hit_length,
+            chunk_limit=chunk_limit,
+            auxiliary_swa_host_hit_length=auxiliary_swa_host_hit_length,
+        )
+
+    def reserve(self, extend_input_len, max_new_tokens, **kwargs):
+        super().reserve(extend_input_len, 0, **kwargs)
+
+    def hold_for_chunked(self, req) -> None:
+        """A request stays chunked after this step: what its later chunks take, and
+        what the running requests' mixed decodes take meanwhile, is kept out of
+        this step's other admissions."""
+        rest = len(req.full_untruncated_fill_ids) - req.extend_end
+        if rest <= 0:
+            return
+        held = rest + self.mixed_decode_room(rest)
+        self.total_offset += held
+        self.current_offset += held
+
+class KvadmitPrefillAdder(PrefillAdder):
+    """SGLang's PrefillAdder whose admission asks the kvadmit core.
+
+    For each waiting request SGLang offers (in the core's order, see
+    `SGLangAdmission.order_waiting`) the core answers with
+    ``next_admissible(free_blocks)``: this request (SGLang then does the
+    mechanics: prefix lock, chunking, token budgets, and the core commits
+    with ``admit``), nothing (NO_TOKEN: the batch is full for now), or a
+    later request (head_of_line='bypass': this one is skipped)."""
+
+    kvadmit: "SGLangAdmission" = None  # kvadmit.sglang.adapter's: set on the per-scheduler subclass
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        old = self.memory_budget
+        if type(old) is not PrefillBudget:
+            raise RuntimeError(
+                f"kvadmit supports SGLang's full-attention token budget (PrefillBudget); "
+                f"this server uses {type(old).__name__}")
+        self.memory_budget = KvadmitPrefillBudget(
+            self.token_to_kv_pool_allocator, self.tree_cache,
+            num_mixed_decode_tokens=old.current_offset)
+        self.memory_budget.mixed_decode_tokens = old.current_offset
+        if self.rem_chunk_tokens is not None:
+            self.memory_budget.chunk_size = self.rem_chunk_tokens + old.current_offset
+        self.req_states = _NoReqStates()
+
+    def add_one_req(self, req, has_chunked_req, truncation_align_size):
+        adapter = self.kvadmit
+        slot = adapter.slot_for(req)
+        if slot is None:  # not tracked (cannot happen via SGLang's queue): SGLang decides
+            return super().add_one_req(req, has_chunked_req, truncation_align_size)
+        with self._lock_node(req.last_node):
+            free_tokens = int(self.memory_budget.remaining_current)
+        adapter.prepare_decision(slot, req)
+        free_blocks = max(free_tokens, 0) // adapter.page_size
+        nxt = adapter.core.next_admissible(free_blocks)
+        if nxt != slot:
+            if nxt >= 0:
+                # bypass, or this one's session is outside the agent window:
+                # a later request goes first
+                return AddReqResult.CONTINUE
+            if adapter.core.decide(slot, free_blocks) in ("hold_blocks", "hold_capacity"):
+                return AddReqResult.NO_TOKEN  # memory: the batch is full for now
+            # Held by the TPOT guard or the agent window: stop this step without
+            # marking the batch full (a finishing request is not the only thing
+            # that lifts these holds: the step-time fit and the window move too).
+            return AddReqResult.OTHER
+        before = len(self.can_run_list)
+        prefix = int(req.prefix_len)
+        # Those admitted before it in this batch decode from the next step on.
+        self.memory_budget.joining = before - (self.new_chunked_req is not None)
+        res = super().add_one_req(req, has_chunked_req, truncation_align_size)
+        if len(self.can_run_list) > before and self.can_run_list[-1] is req:
+            adapter.on_admitted(slot, req, prefix)
+            if self.new_chunked_req is req:
+                self.memory_budget.hold_for_chunked(req)
+        return res
+
+    def add_chunked_req(self, req):
+        still_chunked = super().add_chunked_req(req)
+        if still_chunked is not None and req in self.can_run_list:
+            self.memory_budget.joining = 0
+            self.memory_budget.hold_for_chunked(req)
+        return still_chunked
+
+    def add_one_req_ignore_eos(self, req):
+        self.req_states = _NoReqStates()
+        return super().add_one_req_ignore_eos(req)
+
+    def preempt_to_schedule(self, req):
+        # SGLang's priority preemption reserves with its own ratio rule; with
+        # kvadmit, memory victims are the core's and only come from retraction.
+        return False

@@ -1,0 +1,169 @@
+"""What `kvadmit bench vllm` adds inside vLLM's engine: the schedulers that hold a
+burst and count scheduled tokens (and time steps), and the logits processor that stops
+a request at its real length. vLLM loads them by name (`kvadmit.vllm.bench.CountingScheduler`,
+`kvadmit.vllm.bench:StopAtLength`; the package re-exports them)."""
+from __future__ import annotations
+
+import os
+import pathlib
+import time
+
+import torch
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
+from vllm.v1.core.sched.interface import PauseState
+from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+
+from kvadmit.vllm.scheduler import KvadmitAsyncScheduler, KvadmitScheduler
+from kvadmit.vllm.tiny_model import EOS_TOKEN_ID
+
+COUNTS_ENV = "KVADMIT_BENCH_COUNTS"
+EXPECT_ENV = "KVADMIT_BENCH_EXPECT"
+STEP_TIMES_ENV = "KVADMIT_BENCH_STEP_TIMES"
+
+
+class _CountsScheduledTokens:
+    """Bench-only scheduler additions:
+
+    - adds up the tokens each step schedules (prompts, recomputation after
+      preemption, decodes) and writes the total to $KVADMIT_BENCH_COUNTS, since
+      vLLM's own metrics do not count recomputed tokens;
+    - holds the first step until $KVADMIT_BENCH_EXPECT requests have arrived, so
+      the whole workload is queued before anything runs (a burst) and two runs of
+      the same workload schedule identically, whatever the timing of arrivals.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._bench_expect = int(os.environ.get(EXPECT_ENV, "0"))
+        self._bench_seen = 0
+        if self._bench_expect:
+            self.set_pause_state(PauseState.PAUSED_ALL)
+
+    def add_request(self, request):
+        out = super().add_request(request)
+        self._bench_seen += 1
+        if self._bench_expect and self._bench_seen == self._bench_expect:
+            self.set_pause_state(PauseState.UNPAUSED)
+        return out
+
+    def schedule(self, *args, **kwargs):
+        out = super().schedule(*args, **kwargs)
+        self._bench_tokens = getattr(self, "_bench_tokens", 0) + out.total_num_scheduled_tokens
+        path = os.environ.get(COUNTS_ENV)
+        if path and out.total_num_scheduled_tokens:
+            state = getattr(self, "kvadmit", None)       # None: vLLM's own scheduler
+            paused = state.core.paused if state is not None else 0
+            pathlib.Path(path).write_text(f"{self._bench_tokens} {paused}")
+        return out
+
+
+class CountingVllmScheduler(_CountsScheduledTokens, VllmScheduler):
+    """vLLM's own Scheduler, counting scheduled tokens."""
+
+
+class CountingVllmAsyncScheduler(_CountsScheduledTokens, VllmAsyncScheduler):
+    """vLLM's own AsyncScheduler, counting scheduled tokens."""
+
+
+class CountingKvadmitScheduler(_CountsScheduledTokens, KvadmitScheduler):
+    """kvadmit's scheduler, counting scheduled tokens."""
+
+
+class CountingKvadmitAsyncScheduler(_CountsScheduledTokens, KvadmitAsyncScheduler):
+    """kvadmit's async scheduler, counting scheduled tokens."""
+
+
+class _TimesSteps:
+    """Bench-only: times the real engine's steps from inside the scheduler
+    (bench/fit_cpu_step_time.py).
+
+    At the start of each schedule() call, appends one line for the PREVIOUS
+    step (if it scheduled any tokens) to $KVADMIT_BENCH_STEP_TIMES:
+    `interval_s tokens context requests schedule_s start_s`, where interval_s
+    is the wall time from the previous schedule() call's start to this one's
+    (that step's scheduling, model forward and update_from_output, run serially
+    without async scheduling), tokens is its total scheduled tokens, context
+    the sum over its scheduled requests of num_computed_tokens after the step
+    (the KV length attention reads), requests how many it scheduled,
+    schedule_s how long its schedule() took and start_s its start on
+    time.perf_counter()'s clock (CLOCK_MONOTONIC on Linux: comparable with
+    the parent process's).
+    """
+
+    def schedule(self, *args, **kwargs):
+        now = time.perf_counter()
+        prev = getattr(self, "_bench_prev", None)
+        if prev is not None:
+            if not hasattr(self, "_bench_times"):
+                path = os.environ.get(STEP_TIMES_ENV)
+                self._bench_times = open(path, "a", buffering=1) if path else None
+            if self._bench_times is not None:
+                self._bench_times.write(f"{now - prev[0]:.9f} {prev[1]} {prev[2]} {prev[3]} "
+                                        f"{prev[4]:.9f} {prev[0]:.9f}\n")
+        out = super().schedule(*args, **kwargs)
+        if out.total_num_scheduled_tokens:
+            context = sum(self.requests[r].num_computed_tokens for r in out.num_scheduled_tokens)
+            self._bench_prev = (now, out.total_num_scheduled_tokens, context,
+                                len(out.num_scheduled_tokens), time.perf_counter() - now)
+        else:
+            self._bench_prev = None
+        return out
+
+
+class TimingVllmScheduler(_TimesSteps, _CountsScheduledTokens, VllmScheduler):
+    """vLLM's own (sync) Scheduler, counting scheduled tokens and timing steps."""
+
+
+class CountingScheduler:
+    """Picks the counting flavour: vLLM's own or kvadmit's (when additional_config
+    has a "kvadmit" key), sync or async."""
+
+    def __new__(cls, *args, **kwargs):
+        vllm_config = kwargs.get("vllm_config") or args[0]
+        ours = "kvadmit" in (vllm_config.additional_config or {})
+        if vllm_config.scheduler_config.async_scheduling:
+            impl = CountingKvadmitAsyncScheduler if ours else CountingVllmAsyncScheduler
+        else:
+            impl = CountingKvadmitScheduler if ours else CountingVllmScheduler
+        return impl(*args, **kwargs)
+
+STOP_AT_KEY = "kvadmit_stop_at"
+
+
+class StopAtLength(LogitsProcessor):
+    """Forces EOS as output token number `extra_args["kvadmit_stop_at"]`.
+
+    Requests without the key are untouched. Pair with `min_tokens = stop_at - 1`
+    so the random model cannot stop earlier by chance."""
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
+        self.rows: dict[int, tuple[int, list[int]]] = {}   # batch row -> (stop_at, output ids)
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is None:
+            return
+        for index in batch_update.removed:
+            self.rows.pop(index, None)
+        for index, params, _, output_ids in batch_update.added:
+            stop_at = (params.extra_args or {}).get(STOP_AT_KEY) if params else None
+            if stop_at:
+                self.rows[index] = (int(stop_at), output_ids)
+            else:
+                self.rows.pop(index, None)
+        for a, b, direction in batch_update.moved:
+            ra, rb = self.rows.pop(a, None), self.rows.pop(b, None)
+            if ra is not None:
+                self.rows[b] = ra
+            if rb is not None and direction.name == "SWAP":
+                self.rows[a] = rb
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for row, (stop_at, out) in self.rows.items():
+            if len(out) + 1 >= stop_at and row < logits.shape[0]:
+                logits[row].fill_(-float("inf"))
+                logits[row, EOS_TOKEN_ID] = 0.0
+        return logits
