@@ -99,7 +99,6 @@ class VllmAdmission:
                                   sched.vllm_config.model_config.max_model_len)
         # The SLO guard predicts prefill time from the engine's token budget a step.
         self.core.set_step_budget(sched.vllm_config.scheduler_config.max_num_batched_tokens)
-
         # The core's clock (drain rate, queue delay, step times, sessions): injectable,
         # so the simulator can run it on virtual time.
         self.clock: Callable[[], float] = time.monotonic
@@ -114,16 +113,17 @@ class VllmAdmission:
         # and does not. The requests the gate started this step (their prefix-cache
         # hits are reported to the bridge); None without the window or caching.
         self.started_this_step: list | None = [] if cfg.agent_window and caching else None
-        # One full-attention group's blocks by request id: the pause plan's and the
-        # shared-prefix count's (None where neither runs).
+        # auto with prefix caching: a prefix running requests share is counted once.
         self.count_shared_prefix = cfg.policy == "auto" and caching and single_full_attention_group
         # Request ids <-> core slots, arrivals, leaving, the step sequence.
         self.bridge = EngineBridge(self.core, counts_shared_prefix=self.count_shared_prefix)
+        # One full-attention group's blocks by request id: the pause plan's and the
+        # shared-prefix count's (None where neither runs).
         self._req_to_blocks = (kvm.coordinator.single_type_managers[0].req_to_blocks
                                if cfg.pause_on_shortfall or self.count_shared_prefix else None)
         self.pause_plan_blocks = self._req_to_blocks if cfg.pause_on_shortfall else None
-        self.step_rules = compat.step_rules(sched=sched)
-        self._step_now = 0.0                     # the time of the step being scheduled    # "what vLLM would schedule", this release's
+        self.step_rules = compat.step_rules(sched=sched)   # "what vLLM would schedule", this release's
+        self._step_now = 0.0                     # the time of the step being scheduled
         self.metrics: Any | None = process_metrics()   # Prometheus counters, if any
         # Refused: (client index, output), sent by the next update_from_output.
         self.pending_refusals: list[tuple[int, Any]] = []
@@ -136,9 +136,6 @@ class VllmAdmission:
     def slots(self):
         """Request id -> core slot of every request kvadmit tracks (read-only view)."""
         return self.bridge.slots
-
-    def free_blocks(self) -> int:
-        return self._pool.get_num_free_blocks()
 
     # -- the waiting queue's verbs -----------------------------------------------
     def choose(self) -> int | None:
