@@ -13,6 +13,9 @@ every engine:
   (`arrive_group`: all accepted, or the request refused once);
 - leaving: a request that finished on its own reports its final progress and
   finishes; any other (client abort, engine error, shed) is an abort;
+- the step, one sequence for every engine: `step(StepReport)` at the start of an
+  engine step (before it schedules anything) and `step_done(...)` once the engine
+  has scheduled it (see `EngineBridge.step`);
 - step timing: the interval between two step starts is the previous step's time
   for the core's step-time fit, charged to that step's scheduled tokens and
   context (not observed: a step without tokens, or after the engine was idle);
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Hashable, Optional
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 from kvadmit.protocol import Refusal
 
@@ -44,11 +47,41 @@ class Arrival:
         return self.slots[0]
 
 
-class EngineBridge:
-    """One engine's requests in one `AdmissionCore` (see the module docstring)."""
+@dataclass
+class StepReport:
+    """What an engine reports at the start of a step (`EngineBridge.step`)."""
+    now: float                      # the step's time: every call of this step uses it
+    used_blocks: int                # KV blocks in use now
+    # The running requests' progress (the tracked ones, in the engine's order), if the
+    # adapter has not reported it request by request already.
+    slots: Sequence[int] = ()
+    computed: Sequence[int] = ()    # tokens with KV, per slot
+    generated: Sequence[int] = ()   # output tokens, per slot
+    # False: the interval since the previous step start is not one step's time (the
+    # engine skipped an iteration).
+    fresh: bool = True
 
-    def __init__(self, core):
+
+@dataclass
+class StepPlan:
+    """The core's plan for the step (`EngineBridge.step`). Admissions stay the gate's
+    answers to the engine's own loop (`AdmissionCore.next_admissible` per candidate,
+    as allocation goes) and pauses the pause plan's (`AdmissionCore.plan_shortfall`,
+    which needs the engine's per-request token arithmetic)."""
+    # Running slots from most protected to first victim (engines preempt from the end).
+    victim_order: list
+
+
+class EngineBridge:
+    """One engine's requests in one `AdmissionCore` (see the module docstring).
+    ``counts_shared_prefix``: the adapter reports each admitted request's tokens in
+    blocks other running requests hold (`AdmissionCore.set_shared`, policy auto), so
+    every step reports the blocks in use for them (`observe_used_blocks`)."""
+
+    def __init__(self, core, counts_shared_prefix: bool = False):
         self.core = core
+        self.counts_shared_prefix = counts_shared_prefix
+        self._agent_window = bool(core.config.agent_window)
         # the status of a retryable refusal (503 or 429), the config's
         self._overload_status = core.config.overload_status
         self._slot: dict = {}     # engine request id -> slot
@@ -157,6 +190,42 @@ class EngineBridge:
         else:
             core.abort(slot)
         return obj
+
+    # -- the step ------------------------------------------------------------
+    def step(self, report: StepReport) -> StepPlan:
+        """The start of an engine step, before it schedules anything, in this order:
+        the previous step's time to the step-time fit; with the agent window, the KV
+        blocks in use and the prefix hits noted since the previous step; the running
+        requests' progress (one started outside the gate, by a queue that keeps KV,
+        is admitted first); with shared-prefix counting, the blocks in use. Returns
+        the step's plan (`StepPlan`). The engine then schedules, and reports what it
+        scheduled through `step_done`."""
+        core, now = self.core, report.now
+        self.begin_step(now, report.fresh)
+        if self._agent_window:
+            self.observe_cache(report.used_blocks, now)
+        slots = report.slots
+        if slots:
+            if core.num_running < len(slots):   # started outside the gate
+                for slot in slots:
+                    if core.state(slot) == "waiting":
+                        core.admit(slot, now)
+            core.update_many(slots, report.computed, report.generated)
+        if self.counts_shared_prefix:
+            core.observe_used_blocks(report.used_blocks)
+        return StepPlan(victim_order=core.victim_order())
+
+    def step_done(self, tokens: float, context: float, now: float,
+                  hit_tokens: int = 0, query_tokens: int = 0) -> None:
+        """The engine scheduled the step that `step` began at ``now``: ``tokens``
+        tokens over ``context`` KV tokens (0 tokens: nothing runs, the next interval is
+        no step time), and the prefix-cache hits of the requests it admitted (tokens
+        found cached, out of their prompt + output tokens; see `note_prefix_hits`).
+        The core then steps, at the step's time."""
+        self.end_step(tokens, context)
+        if hit_tokens or query_tokens:
+            self.note_prefix_hits(hit_tokens, query_tokens)
+        self.core.on_step(now)
 
     # -- step timing ---------------------------------------------------------
     def begin_step(self, now: float, fresh: bool = True) -> None:

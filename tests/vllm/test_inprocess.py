@@ -649,3 +649,23 @@ def test_held_counts_steps_not_looks(model_dir):
     st = s.kvadmit.core.stats()["held"]
     assert steps_held > 10
     assert st["hold_capacity"] + st["hold_blocks"] == steps_held, (st, steps_held)
+
+
+def test_refusals_are_read_through_the_admission_object(model_dir):
+    """A replay's public call (`watch_refusals` / `take_refused`): each refusal once,
+    arrival refusals and sheds alike, with the reason the client's output carries."""
+    eng = engine(model_dir, {"policy": "reserve", "max_queued_requests": 1,
+                             "shed_lower_priority": True, "queue_order": "priority"})
+    adm = eng.scheduler.kvadmit
+    eng.add([5] * 10, 4)
+    assert adm.take_refused() == []                       # not watching: nothing kept
+    adm.watch_refusals()
+    eng.step()
+    low = eng.add([6] * 20, 20, priority=5)
+    high = eng.add([7] * 10, 10, priority=0)              # the queue is full: low is shed
+    full = eng.add([8] * 10, 10, priority=5)              # and this one refused
+    assert adm.take_refused() == [(low, "shed"), (full, "queue_full")]
+    assert adm.take_refused() == []
+    eng.run()
+    assert eng.log.stop_reasons[low] == "kvadmit:shed"
+    assert eng.log.stop_reasons[full] == "kvadmit:queue_full" and len(eng.log.outputs[high]) == 10

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 from kvadmit import AdmissionConfig, AdmissionCore, ConfigError, request_fields
-from kvadmit.bridge import EngineBridge
+from kvadmit.bridge import EngineBridge, StepReport
 from kvadmit.protocol import Refusal
 
 logger = logging.getLogger("kvadmit.sglang")
@@ -231,6 +231,7 @@ class SGLangAdmission:
                          "untracked": 0, "steps": 0, "ticks": 0}
         self._tick_t: Optional[float] = None   # rank 0's clock, latest tick
         self._step_tick = 0                    # ticks seen at the start of the last step
+        self._step_fresh = True                # start_step's verdict on the interval
         # SGLang's PrefillAdder asking this adapter (kvadmit.sglang.prefill imports SGLang:
         # imported here, on first use, so this module imports without it)
         from kvadmit.sglang.prefill import KvadmitPrefillAdder
@@ -440,16 +441,16 @@ class SGLangAdmission:
     # Step timing: the interval between consecutive scheduler iterations
     def start_step(self) -> float:
         """At the top of every scheduler iteration (get_next_batch_to_run): the
-        time since the previous one is how long the batch it scheduled took;
-        it feeds the core's step-time fit. Returns the step's clock.
+        step's clock. The time since the previous one is how long the batch it
+        scheduled took; it feeds the core's step-time fit (`step`).
 
         Not observed: the first iteration, an iteration after one without a
         batch (idle time is not step time), and on a synced server an interval
         that did not see exactly one tick (an iteration SGLang skipped)."""
         now = self.now()
-        fresh = (not self.synced_clock
-                 or (self._tick_t is not None and self.counters["ticks"] == self._step_tick + 1))
-        self.bridge.begin_step(now, fresh)
+        self._step_fresh = (not self.synced_clock
+                            or (self._tick_t is not None
+                                and self.counters["ticks"] == self._step_tick + 1))
         self._step_tick = self.counters["ticks"]
         return now
 
@@ -503,26 +504,23 @@ class SGLangAdmission:
                    and not isinstance(req.finished_reason, FINISH_ABORT))
         self.bridge.leave(rid, natural, lambda slot: self._progress(slot, req), now)
 
-    def observe_kv(self, free_tokens: int, now: Optional[float] = None) -> None:
-        """Once per step, after `begin_step` and before admission (the agent
-        window): KV in use (the pool less SGLang's free and evictable tokens, in
-        the core's blocks) and the prefix-cache hits of the requests admitted
-        since the last call (tokens SGLang's radix cache matched / their
-        prompt + output tokens)."""
-        now = self.now() if now is None else now
+    def step(self, free_tokens: int, now: float):
+        """Once per step, after `begin_step` and before admission: the step's report
+        to the engine bridge (`EngineBridge.step`: the previous step's time, and KV in
+        use: the pool less SGLang's free and evictable ``free_tokens``, in the core's
+        blocks; the progress `begin_step` has reported request by request) and its
+        plan back (the victim order is applied at retraction, `retraction_order`)."""
         used = self.num_tokens - max(int(free_tokens), 0)
-        self.bridge.observe_cache(used // self.page_size, now)
+        return self.bridge.step(StepReport(now=now, used_blocks=used // self.page_size,
+                                           fresh=self._step_fresh))
 
     def end_step(self, now: Optional[float] = None, batch=None) -> None:
-        """After the scheduler chose ``batch``: remembers its shape (the step
-        timing charges the next interval to it) and steps the core."""
+        """After the scheduler chose ``batch``: its shape to the bridge (the step
+        timing charges the next interval to it), which steps the core at the step's
+        time ``now``."""
         now = self.now() if now is None else now
-        shape = _batch_shape(batch)
-        if shape is None:
-            self.bridge.engine_idle()
-        else:
-            self.bridge.end_step(*shape)
-        self.core.on_step(now)
+        tokens, context = _batch_shape(batch) or (0, 0)
+        self.bridge.step_done(tokens, context, now)
         self.counters["steps"] += 1
         if self.exporter is not None:
             self.exporter.publish(self.stats())

@@ -181,11 +181,12 @@ def send_rejection(scheduler, req, rejection) -> None:
 
 
 def around_get_next_batch_to_run(original, self, *args, **kwargs):
-    """AROUND Scheduler.get_next_batch_to_run (once per scheduler step): the
-    time since the previous call is the previous batch's step time (the
-    core's step-time fit); the ledger is brought up to date and, with the
-    agent window, the core sees the KV pool and recent prefix hits before the
-    step; after it (after its retractions) the core notes the batch and steps."""
+    """AROUND Scheduler.get_next_batch_to_run (once per scheduler step), the step
+    sequence every adapter runs (kvadmit.bridge.EngineBridge.step): the ledger is
+    brought up to date with SGLang's batches, then the step's report (its time,
+    the KV pool in use) goes to the bridge; after SGLang has chosen the batch (and
+    its retractions) the bridge notes what it runs and steps the core, at the
+    step's time."""
     adapter = getattr(self, "_kvadmit", None)
     if adapter is None:
         return original(self, *args, **kwargs)
@@ -193,9 +194,8 @@ def around_get_next_batch_to_run(original, self, *args, **kwargs):
     bound = _bind(original, self, args, kwargs)
     adapter.begin_step(bound.get("running_batch"), bound.get("last_batch"),
                        getattr(self, "chunked_req", None), self.waiting_queue, now=now)
-    if adapter.config.agent_window:
-        adapter.observe_kv(self.token_to_kv_pool_allocator.available_size()
-                           + self.tree_cache.evictable_size(), now)
+    adapter.step(self.token_to_kv_pool_allocator.available_size()
+                 + self.tree_cache.evictable_size(), now)
     plan = original(self, *args, **kwargs)
     adapter.end_step(now, batch=getattr(plan, "batch_to_run", None))
     return plan

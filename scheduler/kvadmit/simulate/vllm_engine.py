@@ -31,6 +31,9 @@ fake model emits the same id-derived tokens as outputs where the ids cover the
 output (agent sessions: the next turn's prompt repeats this turn's output).
 Everything else is pseudo-random per request (seeded, deterministic).
 
+kvadmit's refusals (at arrival, and waiting requests shed) come from the scheduler's
+`VllmAdmission.take_refused()` (kvadmit.vllm.admission), not from the outputs.
+
 kvadmit's core runs on the virtual clock: the scheduler's injectable clock
 (`scheduler.kvadmit.clock`) reads the arrival time (at add_request) or the step's start (at
 schedule), as the native engine passes them. vLLM's own timestamps stay real.
@@ -152,7 +155,6 @@ class VllmReplay:
         self.kvadmit = config is not None
         self.delay = workload.delay_s or [0.0] * n
         self.prio = workload.priority or [0] * n
-        self.stop_prefix = kvadmit_sched.STOP_REASON_PREFIX
 
         engine_args = dict(engine_args or {})
         engine_args.setdefault("scheduler_reserve_full_isl", shape.reserve_full_input)
@@ -178,12 +180,10 @@ class VllmReplay:
         self.vocab = self.eng.vllm_config.model_config.get_vocab_size()
         self.hbt = (workload.hash_block_tokens
                     if shape.prefix_caching and workload.hash_ids is not None else 0)
-        # kvadmit's state on the scheduler (None: vLLM's own scheduler)
+        # kvadmit on the scheduler (kvadmit.vllm.admission.VllmAdmission; None: vLLM's own)
         self.kvadmit_state = getattr(self.sched, "kvadmit", None)
-        # kvadmit's refusals at add_request (the next update_from_output hands them out)
-        self.pending_rejections = (self.kvadmit_state.pending_refusals
-                                   if self.kvadmit_state is not None else None)
-        self.rejections_seen = 0
+        if self.kvadmit_state is not None:
+            self.kvadmit_state.watch_refusals()
         self.heap = [(workload.arrival_s[i], i) for i in range(n) if is_open[i]]
         heapq.heapify(self.heap)
         self.clock = self.heap[0][0] if self.heap else 0.0
@@ -219,13 +219,11 @@ class VllmReplay:
             heapq.heappush(self.heap, (t + self.delay[c], c))
 
     def take_rejections(self) -> None:
-        """kvadmit's refusals (and priority sheds) at add_request, at the arrival clock."""
-        fresh = self.pending_rejections[self.rejections_seen:]
-        self.rejections_seen = len(self.pending_rejections)
-        for _, o in fresh:
-            i = int(o.request_id)
+        """kvadmit's refusals (and priority sheds) since the last look, at the clock."""
+        for rid, reason in self.kvadmit_state.take_refused():
+            i = int(rid)
             if self.rec.state[i] == IN_ENGINE:
-                self.reject(i, str(o.stop_reason)[len(self.stop_prefix):], self.clock)
+                self.reject(i, reason, self.clock)
 
     def arrivals(self) -> None:
         """Every request due by the clock reaches vLLM (or its front end's refusal)."""
@@ -250,7 +248,7 @@ class VllmReplay:
             self.eng.add(prompt_ids, m, priority=self.prio[i], request_id=str(i),
                          output_tokens=w.output_tokens[i], output_token_ids=out_ids,
                          extra_args={"kvadmit": fields} if fields else None)
-            if self.pending_rejections:
+            if self.kvadmit_state is not None:
                 self.take_rejections()
 
     # -- steps ------------------------------------------------------------------
@@ -259,7 +257,8 @@ class VllmReplay:
         rec, eng = self.rec, self.eng
         self.vt.t = self.clock
         out = eng.step()
-        self.rejections_seen = 0
+        if self.kvadmit_state is not None:
+            self.take_rejections()
         tokens = out.total_num_scheduled_tokens
         preempted = out.preempted_req_ids or ()
         for rid in preempted:
@@ -276,16 +275,12 @@ class VllmReplay:
         for o in eng.last_outputs:
             i = int(o.request_id)
             if rec.state[i] != IN_ENGINE:
-                continue          # refused at add_request: already recorded
+                continue          # refused by kvadmit: already recorded
             if o.new_token_ids:
                 rec.emit(i, len(o.new_token_ids), t_end)
             if o.finish_reason is not None:
-                sr = o.stop_reason
-                if isinstance(sr, str) and sr.startswith(self.stop_prefix):
-                    self.reject(i, sr[len(self.stop_prefix):], self.clock)
-                else:
-                    rec.complete(i, t_end)
-                    self.release_children(i, t_end)
+                rec.complete(i, t_end)
+                self.release_children(i, t_end)
         if tokens > 0:
             self.clock = t_end
             if rec.due_sample(self.clock):

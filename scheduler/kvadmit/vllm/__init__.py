@@ -7,10 +7,13 @@ no vLLM (`kvadmit.vllm.settings`: the vLLM-only keys other engines refuse by nam
 import without it."""
 
 __all__ = ["GatedWaitingQueue", "KvadmitAsyncScheduler", "KvadmitScheduler", "Scheduler",
-           "config_from_vllm"]
+           "VllmAdmission", "config_from_vllm"]
 
 
 def __getattr__(name: str):
+    if name == "VllmAdmission":
+        from kvadmit.vllm.admission import VllmAdmission
+        return VllmAdmission
     if name in __all__:
         from kvadmit.vllm import scheduler
         return getattr(scheduler, name)

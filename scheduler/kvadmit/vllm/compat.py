@@ -9,7 +9,9 @@ missing symbol, the installed vLLM version and the supported ones, instead of an
 AttributeError in the middle of a step. The vLLM names kvadmit imports are imported
 here (`import_names`), so a moved module fails the same way at import.
 
-Version differences live here too; vLLM 0.32 and 0.33 need none in the scheduler.
+Version differences live here too: "what vLLM would schedule" (`running_step_tokens`,
+the token arithmetic of `Scheduler.schedule()`'s running loop, which the pause plan
+needs before vLLM runs it) has one entry per release series in `STEP_RULES`.
 """
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ import importlib
 import inspect
 import logging
 import types
+from dataclasses import dataclass
+
+from kvadmit._native import BlockObjectQueue
 
 logger = logging.getLogger("kvadmit.vllm")
 
@@ -97,7 +102,7 @@ SCHEDULER_ATTRS = ("vllm_config", "kv_cache_config", "kv_cache_manager", "schedu
                    "max_num_scheduled_tokens", "num_lookahead_tokens")
 # Read by the pause plan (shortfall: pause) only.
 PAUSE_SCHEDULER_ATTRS = ("current_step", "num_sampled_tokens_per_step",
-                         "adaptive_long_prefill_threshold")
+                         "adaptive_long_prefill_threshold", "prefill_capacity_bound")
 # Request attributes kvadmit reads (properties, or set in Request.__init__).
 REQUEST_ATTRS = ("request_id", "sampling_params", "prompt_token_ids", "mm_features",
                  "num_prompt_tokens", "max_tokens",
@@ -105,7 +110,7 @@ REQUEST_ATTRS = ("request_id", "sampling_params", "prompt_token_ids", "mm_featur
                  "num_tokens", "num_computed_tokens", "num_tokens_with_spec",
                  "num_output_placeholders")
 # vLLM's per-request decode deferral, which the pause plan sets.
-PAUSE_REQUEST_ATTRS = ("next_decode_eligible_step",)
+PAUSE_REQUEST_ATTRS = ("next_decode_eligible_step", "is_prefill_chunk")
 # vLLM's waiting-queue protocol: the methods of its RequestQueue that the scheduler calls
 # and GatedWaitingQueue implements (its abstract methods must all be among them).
 QUEUE_PROTOCOL = ("add_request", "pop_request", "peek_request", "prepend_request",
@@ -122,7 +127,7 @@ PAUSE_MANAGER_PATH = ("coordinator", "single_type_managers")
 PAUSE_MANAGER_ATTRS = ("req_to_blocks",)
 PAUSE_BLOCK_ATTRS = ("ref_cnt",)
 CONFIG_ATTRS = {   # config object -> the fields kvadmit reads
-    "vllm_config": ("additional_config", "scheduler_config", "model_config"),
+    "vllm_config": ("additional_config", "scheduler_config", "model_config", "speculative_config"),
     "scheduler_config": ("enable_chunked_prefill", "max_num_batched_tokens",
                          "long_prefill_token_threshold", "async_scheduling"),
     "model_config": ("max_model_len", "get_vocab_size"),
@@ -185,19 +190,20 @@ def check_classes(vllm_scheduler_cls, request_queue_cls, queue_cls) -> list[str]
     return problems
 
 
-def check_scheduler(sched, *, native_allocator: bool, pause: bool) -> None:
+def check_scheduler(sched, queue_cls, *, native_allocator: bool, pause: bool) -> None:
     """At engine start-up, on the scheduler vLLM has just built (kvadmit's subclass,
-    before kvadmit changes anything): every symbol kvadmit will use, for the features
-    configured. Raises VllmCompatError listing all that are missing; warns when every
-    one is there but the vLLM version is not one kvadmit was tested on."""
-    from kvadmit.vllm.scheduler import GatedWaitingQueue
-
+    before kvadmit changes anything) and the waiting queue kvadmit will install
+    (``queue_cls``): every symbol kvadmit will use, for the features configured.
+    Raises VllmCompatError listing all that are missing; warns when every one is there
+    but the vLLM version is not one kvadmit was tested on."""
     v = import_names(SCHEDULER_IMPORTS)
     base = next(c for c in type(sched).__mro__ if c.__module__.startswith("vllm."))
-    problems = check_classes(base, v.RequestQueue, GatedWaitingQueue)
+    problems = check_classes(base, v.RequestQueue, queue_cls)
     problems += _missing_attrs(sched, SCHEDULER_ATTRS, "Scheduler")
     if pause:
-        problems += _missing_attrs(sched, PAUSE_SCHEDULER_ATTRS, "Scheduler")
+        rules = step_rules(sched=sched)
+        problems += _missing_attrs(sched, PAUSE_SCHEDULER_ATTRS + rules.scheduler_attrs,
+                                   "Scheduler")
         problems += _missing_class_attrs(v.Request, PAUSE_REQUEST_ATTRS, "Request")
         blocks = import_names(("vllm.v1.core.kv_cache_utils:KVCacheBlock",))
         problems += _missing_class_attrs(blocks.KVCacheBlock, PAUSE_BLOCK_ATTRS, "KVCacheBlock")
@@ -227,8 +233,6 @@ def check_scheduler(sched, *, native_allocator: bool, pause: bool) -> None:
 def _free_queue_problems(pool) -> list[str]:
     """native_allocator: vLLM must call nothing on its free-block queue that kvadmit's
     native queue (BlockObjectQueue) lacks."""
-    from kvadmit._native import BlockObjectQueue
-
     queue = getattr(pool, "free_block_queue", None)
     if queue is None:
         return []
@@ -247,3 +251,88 @@ def _pause_manager_problems(kvm) -> list[str]:
         return []
     return [p + " (shortfall: pause)"
             for p in _missing_attrs(obj[0], PAUSE_MANAGER_ATTRS, f"{path}[0]")]
+
+
+# -- what vLLM would schedule --------------------------------------------------------
+@dataclass(frozen=True)
+class StepRules:
+    """How one vLLM release series' `Scheduler.schedule()` picks a running request's
+    tokens, where series differ."""
+    series: str
+    # 0.33: without data parallelism, `prefill_schedule_interval` holds running prefill
+    # chunks locally too (0.32 holds them only on a DP rank's throttled steps).
+    local_prefill_cadence: bool
+    # The scheduler attributes that rule reads (checked at start-up with the pause plan).
+    scheduler_attrs: tuple = ()
+
+
+STEP_RULES = {
+    "0.32": StepRules("0.32", local_prefill_cadence=False),
+    "0.33": StepRules("0.33", local_prefill_cadence=True,
+                      scheduler_attrs=("local_prefill_interval", "num_executed_steps",
+                                       "last_prefill_step")),
+}
+
+
+def step_rules(version: str | None = None, sched=None) -> StepRules:
+    """The installed (or ``version``'s) series' rules. An untested series (start-up
+    warns) gets the newest series' rules whose attributes ``sched`` has (without
+    ``sched``: the newest series')."""
+    found = STEP_RULES.get(series(version or installed_version()))
+    if found is not None:
+        return found
+    for name in reversed(SUPPORTED_SERIES):
+        rules = STEP_RULES[name]
+        if sched is None or all(hasattr(sched, a) for a in rules.scheduler_attrs):
+            return rules
+    return STEP_RULES[SUPPORTED_SERIES[0]]
+
+
+def _defers_prefill_chunks(sched, rules: StepRules, throttle_prefills: bool) -> bool:
+    """schedule()'s `defer_prefills`: running prefill chunks sit this step out."""
+    if sched.prefill_capacity_bound or all(r.is_prefill_chunk for r in sched.running):
+        return False
+    if throttle_prefills:
+        return True
+    return (rules.local_prefill_cadence and sched.local_prefill_interval > 1
+            and (sched.num_executed_steps + 1) - sched.last_prefill_step
+            < sched.local_prefill_interval)
+
+
+def running_step_tokens(sched, rules: StepRules, throttle_prefills: bool = False) -> list[int]:
+    """The tokens `sched.schedule(throttle_prefills)`, called now, would give each
+    request of `sched.running` in its running loop, in order, before the step's token
+    budget runs out and before any allocation fails (the pause plan applies those
+    two): 0 for a request it skips (async scheduling's last step already in flight,
+    decode deferral, a held prefill chunk), else its tokens under the long-prefill
+    cap, the per-request input budget (less the draft slots of speculative decoding)
+    and the model length. Not modelled: the encoder-cache skip of multimodal
+    requests and Mamba's block alignment (the pause plan runs only on one
+    full-attention KV group)."""
+    cfg = sched.scheduler_config
+    input_budget = cfg.max_num_batched_tokens
+    spec = sched.vllm_config.speculative_config
+    draft_slots = spec.max_num_new_slots_for_drafting if spec is not None else 0
+    # vLLM's long-prefill cap, as schedule() derives it.
+    num_running, num_waiting = sched.get_request_counts()
+    eligible = num_running + num_waiting
+    threshold = cfg.long_prefill_token_threshold if eligible > 1 else 0
+    if threshold > 0 and sched.adaptive_long_prefill_threshold:
+        threshold = max(threshold, input_budget // eligible)
+    step = sched.current_step + 1          # the step schedule() is about to run
+    defer = _defers_prefill_chunks(sched, rules, throttle_prefills)
+    cap = input_budget - draft_slots
+    room = sched.max_model_len - sched.num_sampled_tokens_per_step
+    want = []
+    for req in sched.running:
+        c = req.num_computed_tokens
+        placeholders = req.num_output_placeholders
+        if ((placeholders > 0 and c + 2 - placeholders >= req.num_prompt_tokens + req.max_tokens)
+                or step < req.next_decode_eligible_step or (defer and req.is_prefill_chunk)):
+            want.append(0)
+            continue
+        n = req.num_tokens_with_spec + placeholders - c
+        if 0 < threshold < n:
+            n = threshold
+        want.append(max(min(n, cap, room - c), 0))
+    return want

@@ -1,0 +1,365 @@
+"""kvadmit's view of one vLLM scheduler: `VllmAdmission`, the twin of
+`kvadmit.sglang.adapter.SGLangAdmission`.
+
+The scheduler mixin (kvadmit.vllm.scheduler) owns one, as `scheduler.kvadmit`, and
+calls it from vLLM's overridden methods; the waiting queue (`GatedWaitingQueue`) sees
+only its queue verbs:
+
+- `choose()`: the slot the core lets start now (None: none may);
+- `commit(request)`: vLLM takes that request out of the queue to start it;
+- `undo(slot)`: vLLM put a request it took back unstarted: the admission is undone;
+- `adopt(request)`: a request vLLM puts in the queue: its slot, or the core takes it
+  anew (None: refused, vLLM serves it untracked);
+- `leave(request_id)`: a waiting request leaves vLLM's queue (and the core);
+- `order()`: the waiting slots in the core's order.
+
+Around `schedule()`, `before_step` and `after_step` run the per-step sequence
+through the engine bridge's step entry (`EngineBridge.step`, `step_done`); "what vLLM would schedule" for the pause plan is
+`kvadmit.vllm.compat.running_step_tokens`. Refusals reach the client as engine
+outputs (`pending_refusals`, sent by the next `update_from_output`); a replay reads
+them through `watch_refusals` / `take_refused`.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvadmit._native import AdmissionCore
+from kvadmit.bridge import EngineBridge, StepReport
+from kvadmit.config import AdmissionConfig
+from kvadmit.protocol import Refusal, sample_group
+from kvadmit.request_fields import (
+    check_int,
+    check_prompt_tokens,
+    from_extra_args,
+    session_int,
+    ttft_target,
+)
+from kvadmit.vllm import compat
+from kvadmit.vllm.metrics import process_metrics
+from kvadmit.vllm.settings import VllmSettings
+
+_v = compat.import_names(compat.SCHEDULER_IMPORTS)
+EngineCoreOutput, FinishReason = _v.EngineCoreOutput, _v.FinishReason
+RequestStatus, SchedulingPolicy = _v.RequestStatus, _v.SchedulingPolicy
+
+logger = logging.getLogger("kvadmit.vllm")
+
+
+class RequestIdTies:
+    """vLLM's priority queue orders requests of equal (priority, arrival_time) by
+    request id; the core orders them by a number (`arrive(arrival_tie=)`). Each such
+    group's numbers follow its ids: a new id gets one between its neighbours'."""
+
+    def __init__(self):
+        self._groups: dict[tuple, list[tuple[str, float]]] = {}   # key -> [(id, tie)], by id
+        self._key_of: dict[str, tuple] = {}
+
+    def add(self, key: tuple, request_id: str) -> float:
+        self.remove(request_id)
+        group = self._groups.setdefault(key, [])
+        i = bisect.bisect_left(group, (request_id,))
+        lo = group[i - 1][1] if i > 0 else None
+        hi = group[i][1] if i < len(group) else None
+        if lo is None:
+            tie = 0.0 if hi is None else hi - 1.0
+        else:
+            tie = lo + 1.0 if hi is None else (lo + hi) / 2
+        group.insert(i, (request_id, tie))
+        self._key_of[request_id] = key
+        return tie
+
+    def remove(self, request_id: str) -> None:
+        key = self._key_of.pop(request_id, None)
+        if key is not None:
+            group = self._groups[key]
+            del group[bisect.bisect_left(group, (request_id,))]
+            if not group:
+                del self._groups[key]
+
+
+class VllmAdmission:
+    """kvadmit's state and verbs on one vLLM scheduler (see the module docstring): one
+    attribute, `scheduler.kvadmit`, so none of kvadmit's names can collide with vLLM's.
+    ``cfg`` is the configuration as this engine runs it (the mixin's fit)."""
+
+    def __init__(self, sched, cfg: AdmissionConfig, vllm_settings: VllmSettings, *,
+                 single_full_attention_group: bool):
+        self._sched = sched
+        self.config = cfg
+        self.vllm_settings = vllm_settings
+        kvm = sched.kv_cache_manager
+        self._pool = kvm.block_pool
+        # Block 0 is vLLM's null block: never handed to a request.
+        self.usable_blocks = self._pool.num_gpu_blocks - 1
+        self.core = AdmissionCore(cfg, self.usable_blocks, sched.block_size,
+                                  sched.vllm_config.model_config.max_model_len)
+        # The SLO guard predicts prefill time from the engine's token budget a step.
+        self.core.set_step_budget(sched.vllm_config.scheduler_config.max_num_batched_tokens)
+        # The core's clock (drain rate, queue delay, step times, sessions): injectable,
+        # so the simulator can run it on virtual time.
+        self.clock: Callable[[], float] = time.monotonic
+        self.vocab_size = sched.vllm_config.model_config.get_vocab_size()   # prompt ids are checked
+        # vLLM's priority queue: ties of (priority, arrival_time) go by request id (None: FCFS).
+        self.request_id_ties = RequestIdTies() if sched.policy == SchedulingPolicy.PRIORITY else None
+        caching = kvm.enable_caching
+        # Agent window: prefix hits count only with prefix caching (without it the core
+        # sees 0/0: no signal). kvadmit decides which sessions may run; which cached
+        # blocks are evicted stays vLLM's LRU (BlockPool's free-block queue): kvadmit
+        # cannot keep a paused session's prefix warm without patching vLLM's eviction,
+        # and does not. The requests the gate started this step (their prefix-cache
+        # hits are reported to the bridge); None without the window or caching.
+        self.started_this_step: list | None = [] if cfg.agent_window and caching else None
+        # auto with prefix caching: a prefix running requests share is counted once.
+        self.count_shared_prefix = cfg.policy == "auto" and caching and single_full_attention_group
+        # Request ids <-> core slots, arrivals, leaving, the step sequence.
+        self.bridge = EngineBridge(self.core, counts_shared_prefix=self.count_shared_prefix)
+        # One full-attention group's blocks by request id: the pause plan's and the
+        # shared-prefix count's (None where neither runs).
+        self._req_to_blocks = (kvm.coordinator.single_type_managers[0].req_to_blocks
+                               if cfg.pause_on_shortfall or self.count_shared_prefix else None)
+        self.pause_plan_blocks = self._req_to_blocks if cfg.pause_on_shortfall else None
+        self.step_rules = compat.step_rules(sched=sched)   # "what vLLM would schedule", this release's
+        self._step_now = 0.0                     # the time of the step being scheduled
+        self.metrics: Any | None = process_metrics()   # Prometheus counters, if any
+        # Refused: (client index, output), sent by the next update_from_output.
+        self.pending_refusals: list[tuple[int, Any]] = []
+        self._refusal_log: list[tuple[str, str]] | None = None   # watch_refusals
+        # Samples of parallel-sampling requests that arrived before their siblings:
+        # parent id -> [Request]; the request arrives once all n are here.
+        self.samples_awaiting_siblings: dict[str, list] = {}
+
+    @property
+    def slots(self):
+        """Request id -> core slot of every request kvadmit tracks (read-only view)."""
+        return self.bridge.slots
+
+    # -- the waiting queue's verbs -----------------------------------------------
+    def choose(self) -> int | None:
+        """The slot the core lets start now (None: none may)."""
+        slot = self.core.next_admissible(self._pool.get_num_free_blocks(), False)
+        return None if slot < 0 else slot
+
+    def commit(self, request) -> int:
+        """vLLM takes ``request`` (the chosen one) to start it; its slot."""
+        slot = self.bridge.slot(request.request_id)
+        if self.count_shared_prefix:
+            self.core.set_shared(slot, self._shared_tokens(request))
+        self.core.admit(slot, self.clock())
+        if self.started_this_step is not None:
+            self.started_this_step.append(request)
+        return slot
+
+    def undo(self, slot: int) -> None:
+        """A request vLLM took but did not start is back: its admission is undone."""
+        if self.core.state(slot) == "running":
+            self.core.cancel_admit(slot)
+
+    def adopt(self, request) -> int | None:
+        """The slot of a request vLLM puts in the waiting queue. One kvadmit does not
+        track (it left through remove_requests) arrives at the core anew; None if the
+        core refuses it: vLLM holds it already, so it is served untracked."""
+        slot = self.bridge.slot(request.request_id)
+        if slot is not None:
+            return slot
+        arrival = self.bridge.arrive(request.request_id, request,
+                                     lambda: self.numbers(request), self.clock())
+        self.shed(arrival.shed)
+        if not arrival.accepted:
+            self.forget_order(request.request_id)
+            logger.warning("kvadmit: %s came back to the waiting queue and is served untracked "
+                           "(%s)", request.request_id, arrival.refusal.log_line(request.request_id))
+            return None
+        return arrival.slot
+
+    def leave(self, request_id: str, finished: bool = False, progress=None,
+              now: float = 0.0) -> None:
+        """The request leaves kvadmit (finished on its own, or aborted)."""
+        self.forget_order(request_id)
+        self.bridge.leave(request_id, finished, progress, now)
+
+    def order(self):
+        """The waiting slots in the core's order."""
+        return self.core.waiting()
+
+    # -- arrivals ---------------------------------------------------------------
+    def arrive(self, request) -> list:
+        """``request`` arrives: the requests vLLM may now take (it, with the samples of
+        a parallel-sampling request that waited for their siblings), or none (it waits
+        for its siblings, or it was refused: its client gets the refusal)."""
+        sp = request.sampling_params
+        group = sample_group(request.request_id, sp.extra_args if sp is not None else None)
+        if group is None:
+            members = [request]
+        else:
+            # One of n samples (vLLM's parallel sampling): the request arrives as one
+            # unit once all of its samples are here.
+            parent, n = group
+            members = self.samples_awaiting_siblings.setdefault(parent, [])
+            members.append(request)
+            if len(members) < n:
+                return []
+            del self.samples_awaiting_siblings[parent]
+        # arrive_group asks for each member's numbers in turn (its own id and
+        # arrival_time: its place in vLLM's priority order).
+        order = iter(members)
+        arrival = self.bridge.arrive_group(
+            [(r.request_id, r) for r in members], lambda: self.numbers(next(order)), self.clock())
+        self.shed(arrival.shed)
+        if not arrival.accepted:
+            for r in members:
+                self.forget_order(r.request_id)
+                self.refuse(r, arrival.refusal, log=r is request)
+            return []
+        return members
+
+    def numbers(self, request) -> dict:
+        """The core's arrival numbers of a request (FieldError names a malformed field
+        or what would crash the engine)."""
+        self._check_body(request)
+        sp = request.sampling_params
+        fields = from_extra_args(sp.extra_args if sp is not None else None)
+        session = fields.session
+        if session < 0 and request.session_id:   # vLLM's session_id (X-Session-ID)
+            session = session_int(request.session_id, "session_id")
+        numbers = dict(prompt_tokens=request.num_prompt_tokens, max_new_tokens=request.max_tokens,
+                       priority=request.priority,
+                       ttft_slo_s=ttft_target(fields, self.config.default_ttft_slo_s),
+                       tpot_slo_s=fields.tpot_slo_s, session=session)
+        if self.request_id_ties is not None:   # vLLM's priority order: its arrival_time, then id
+            numbers.update(arrival_time=request.arrival_time, arrival_tie=self.request_id_ties.add(
+                (request.priority, request.arrival_time), request.request_id))
+        return numbers
+
+    def _check_body(self, request) -> None:
+        """Refuses (FieldError) what would crash the engine further on: a prompt token
+        id outside the vocabulary (vLLM checks none with --skip-tokenizer-init), and a
+        priority or max_tokens beyond the core's integers (offline `LLM` passes any)."""
+        check_prompt_tokens(request.prompt_token_ids, self.vocab_size,
+                            multimodal=bool(request.mm_features))
+        check_int(request.priority, "priority")
+        check_int(request.max_tokens, "max_tokens", 1)
+
+    def forget_order(self, request_id: str) -> None:
+        if self.request_id_ties is not None:
+            self.request_id_ties.remove(request_id)
+
+    def shed(self, shed) -> None:
+        """Waiting requests the core shed for an arrival: finished, with their refusal."""
+        for victim, refusal in shed:
+            self.forget_order(victim.request_id)
+            self._sched.finish_requests(victim.request_id, RequestStatus.FINISHED_ABORTED)
+            self.refuse(victim, refusal)
+
+    def refuse(self, request, refusal: Refusal, log: bool = True) -> None:
+        """Finishes a request kvadmit refused (it never enters or has left the scheduler):
+        its client gets an output with the refusal (kvadmit.protocol; the API-server
+        patch turns it into the HTTP answer)."""
+        if log:
+            logger.log(logging.WARNING if refusal.reason == "invalid" else logging.INFO,
+                       "%s", refusal.log_line(request.request_id))
+        if self._refusal_log is not None:
+            self._refusal_log.append((request.request_id, refusal.reason))
+        self.pending_refusals.append((request.client_index, EngineCoreOutput(
+            request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
+            stop_reason=refusal.stop_reason, kv_transfer_params=refusal.to_params())))
+
+    def watch_refusals(self) -> None:
+        """From now on every refusal (at arrival, or a waiting request shed) is also
+        noted for `take_refused` (a replay's record; a server does not call this)."""
+        if self._refusal_log is None:
+            self._refusal_log = []
+
+    def take_refused(self) -> list[tuple[str, str]]:
+        """[(request id, reason)] refused since the last call (after `watch_refusals`)."""
+        log = self._refusal_log
+        if not log:
+            return []
+        self._refusal_log = []
+        return log
+
+    # -- every step ---------------------------------------------------------------
+    def before_step(self, throttle_prefills: bool = False) -> None:
+        """Before vLLM's schedule(): the step's report to the bridge (its time, the KV
+        blocks in use, the running requests' progress) and the plan back: `running`
+        put in the core's victim order (vLLM preempts running[-1] first); then the
+        pause plan, applied through vLLM's own decode deferral."""
+        sched, bridge = self._sched, self.bridge
+        # From the previous schedule() to this one: that step's scheduling, forward
+        # pass and output processing (with async scheduling, the pipeline's period).
+        self._step_now = now = self.clock()
+        slots, computed, generated, by_slot = [], [], [], {}
+        for req in sched.running:
+            slot = bridge.slot(req.request_id)
+            if slot is None:
+                continue
+            prompt = req.num_prompt_tokens
+            gen = max(req.num_tokens - prompt, req.num_computed_tokens - prompt, 0)
+            slots.append(slot)
+            generated.append(gen)
+            computed.append(min(req.num_computed_tokens, prompt + gen))
+            by_slot[slot] = req
+        plan = bridge.step(StepReport(
+            now=now, used_blocks=self.usable_blocks - self._pool.get_num_free_blocks(),
+            slots=slots, computed=computed, generated=generated))
+        order = [by_slot[s] for s in plan.victim_order if s in by_slot]
+        if len(order) == len(sched.running):
+            sched.running = order
+        if self.pause_plan_blocks is not None:
+            self._plan_pauses(throttle_prefills)
+
+    def _plan_pauses(self, throttle_prefills: bool) -> None:
+        """shortfall: pause. The core picks which running requests sit this step out
+        (they keep their KV); vLLM skips them through its own per-request deferral,
+        `next_decode_eligible_step`, which schedule() checks after advancing
+        current_step (hence + 2), as vLLM's diffusion scheduler does."""
+        sched, blocks = self._sched, self.pause_plan_blocks
+        running = sched.running
+        want = compat.running_step_tokens(sched, self.step_rules, throttle_prefills)
+        computed = [req.num_computed_tokens for req in running]
+        held = [len(blocks.get(req.request_id, ())) for req in running]
+        paused = self.core.plan_shortfall(want, computed, held, self._pool.get_num_free_blocks(),
+                                          sched.max_num_scheduled_tokens, sched.num_lookahead_tokens)
+        step = sched.current_step + 1          # the step schedule() is about to run
+        for i in paused:
+            req = running[i]
+            req.next_decode_eligible_step = max(req.next_decode_eligible_step, step + 1)
+
+    def after_step(self, out) -> None:
+        """After vLLM's schedule() returned ``out``: what the step runs (its tokens and
+        context, the prefix hits of the requests the gate started) to the bridge,
+        which steps the core at the step's time."""
+        tokens = out.total_num_scheduled_tokens
+        started = self.started_this_step
+        context = hits = queries = 0
+        if tokens:
+            reqs = self._sched.requests
+            scheduled = out.num_scheduled_tokens
+            # schedule() has advanced num_computed_tokens by the step's tokens.
+            context = sum([reqs[r].num_computed_tokens for r in scheduled])
+            if started:
+                # Started this step: the tokens computed before it are prefix-cache hits
+                # (local, or a KV connector's), out of its num_tokens (vLLM's query).
+                lookup = self._sched.kv_cache_manager.prefix_cache_lookup_enabled
+                for req in started:
+                    n = scheduled.get(req.request_id)
+                    if n is not None and lookup(req):
+                        hits += req.num_computed_tokens - n
+                        queries += req.num_tokens
+        if started:
+            started.clear()
+        self.bridge.step_done(tokens, context, self._step_now, hits, queries)
+
+    def _shared_tokens(self, request) -> int:
+        """Tokens of a just-allocated request in blocks other requests also hold
+        (prefix-cache hits on blocks in use: reference count above one)."""
+        blocks = self._req_to_blocks.get(request.request_id, ())
+        return sum(1 for b in blocks if b.ref_cnt > 1) * self._sched.block_size
+
+    def publish(self) -> None:
+        """The core's counters to Prometheus."""
+        if self.metrics is not None:
+            self.metrics.update(self.core.stats())
