@@ -371,7 +371,9 @@ class _KvadmitMixin:
             held.append(len(blocks.get(req.request_id, ())))
         paused = self.kvadmit.core.plan_shortfall(
             want, computed, held, self.kv_cache_manager.block_pool.get_num_free_blocks(),
-            self.max_num_scheduled_tokens, self.num_lookahead_tokens)
+            self.max_num_scheduled_tokens, self.num_lookahead_tokens,
+            # vLLM's priority scheduling: the plan pauses the lowest priorities first
+            [r.priority for r in self.running] if self.kvadmit.request_id_ties is not None else None)
         for i in paused:
             req = self.running[i]
             req.next_decode_eligible_step = max(req.next_decode_eligible_step, step + 1)
@@ -539,10 +541,13 @@ class _KvadmitMixin:
         if self.kvadmit.count_shared_prefix:
             core.observe_used_blocks(
                 self.kvadmit.usable_blocks - self.kv_cache_manager.block_pool.get_num_free_blocks())
-        # vLLM preempts running[-1] first: put the core's victim order in place.
-        order = [by_slot[s] for s in core.victim_order() if s in by_slot]
-        if len(order) == len(self.running):
-            self.running = order
+        # vLLM preempts running[-1] first: put the core's victim order in place. (Under
+        # its priority scheduling vLLM picks its own victim, the lowest priority and
+        # latest arrival, as the core's order does: its running order stays its own.)
+        if self.kvadmit.request_id_ties is None:
+            order = [by_slot[s] for s in core.victim_order() if s in by_slot]
+            if len(order) == len(self.running):
+                self.running = order
         if self.kvadmit.pause_plan_blocks is not None:
             self._kvadmit_plan_pauses()
         out = super().schedule(*args, **kwargs)
