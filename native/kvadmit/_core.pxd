@@ -26,7 +26,8 @@ cdef class AdmissionCore(CoreView):
     cdef Rejection _make_room(self, int32_t s, double now, list shed)
     cdef int64_t c_plan_shortfall(self, const int64_t* want, const int64_t* computed,
                                   const int64_t* held, int64_t n, int64_t free_blocks,
-                                  int64_t budget, int64_t lookahead, char* paused) noexcept nogil
+                                  int64_t budget, int64_t lookahead, char* paused,
+                                  const int64_t* priority=*) noexcept nogil
     cdef int32_t c_next_admissible(self, int64_t free_blocks, bint check_blocks) noexcept nogil
     cdef void c_admit(self, int32_t s, double now) noexcept nogil
     cdef void c_progress(self, int32_t s, int64_t computed_tokens, int64_t generated_tokens) noexcept nogil

@@ -70,15 +70,17 @@ cdef class AdmissionCore(CoreView):
         self.num_blocks, self.block_size, self.max_model_len = num_blocks, block_size, max_model_len
         self.config = config
         self._victim = VICTIMS.index(config.victim)
+        self._victim_by_priority = config.queue_order == "priority"
         self.ledger = Ledger(block_size, config.prefill_chunk_tokens)
         self.policy = make_policy(config, self.ledger, num_blocks, max_model_len)
         self.gate = ArrivalGate(config)
         self.slo_guard = SloGuard(config)
         self.agent_window = AgentWindow(config, num_blocks)
         self.queue = WaitingQueue(config, self.ledger, self.agent_window)
-        self.shortfall = ShortfallPlanner(config.pause_on_shortfall, block_size)
+        self.shortfall = ShortfallPlanner(config.pause_on_shortfall, block_size,
+                                          config.queue_order == "priority")
         self.decision = Decision(self.ledger, self.policy, self.slo_guard, self.agent_window,
-                                 self.queue, self.gate, num_blocks)
+                                 self.queue, self.gate, num_blocks, config.queue_order == "priority")
         self._last_now = 0.0
         self._n_arrived = self._n_admitted = self._n_preempted = 0
         self._n_finished = self._n_aborted = 0
@@ -226,7 +228,7 @@ cdef class AdmissionCore(CoreView):
         return DECISIONS[self.decision.c_decide(<int32_t>slot, free_blocks, check_blocks)]
 
     def plan_shortfall(self, want_tokens, computed_tokens, held_blocks, int64_t free_blocks,
-                       int64_t token_budget, int64_t lookahead_tokens=0):
+                       int64_t token_budget, int64_t lookahead_tokens=0, priorities=None):
         """Which running requests to pause this step, under ``shortfall: "pause"``.
 
         One entry per running request, in the order the engine serves them:
@@ -240,14 +242,21 @@ cdef class AdmissionCore(CoreView):
         not paused: the engine preempts its victims for it as usual (else no request
         would ever free a block). While any request is paused this step, no waiting
         request is admitted (held as "hold_paused").
+
+        ``priorities`` (one per entry; under queue_order "priority"): the plan serves
+        the most important first (equal ones in the engine's order), and one that finds
+        too few blocks while running requests of strictly lower priority hold enough is
+        not paused: the engine's preemption takes their KV for it, lowest first.
         """
         return self.shortfall.plan(want_tokens, computed_tokens, held_blocks, free_blocks,
-                                   token_budget, lookahead_tokens)
+                                   token_budget, lookahead_tokens, priorities)
 
     cdef int64_t c_plan_shortfall(self, const int64_t* want, const int64_t* computed,
                                   const int64_t* held, int64_t n, int64_t free_blocks,
-                                  int64_t budget, int64_t lookahead, char* paused) noexcept nogil:
-        return self.shortfall.c_plan(want, computed, held, n, free_blocks, budget, lookahead, paused)
+                                  int64_t budget, int64_t lookahead, char* paused,
+                                  const int64_t* priority=NULL) noexcept nogil:
+        return self.shortfall.c_plan(want, computed, held, n, free_blocks, budget, lookahead, paused,
+                                     priority)
 
     def next_admissible(self, int64_t free_blocks, bint check_blocks=True):
         """The waiting request to admit next, or -1: the head, or under
@@ -474,5 +483,5 @@ cdef class AdmissionCore(CoreView):
         return self.c_victim()
 
     cdef int32_t c_victim(self) noexcept nogil:
-        return victim_slot(self.ledger, self._victim)
+        return victim_slot(self.ledger, self._victim, self._victim_by_priority)
 

@@ -38,6 +38,7 @@ cdef class CoreView:
     cdef readonly SloGuard slo_guard       # TPOT hold, TTFT prediction, the step-time fit
     cdef readonly AgentWindow agent_window # sessions, W, idle expiry, the pause log
     cdef int _victim                       # victim order (an index into VICTIMS)
+    cdef bint _victim_by_priority          # queue_order "priority": victims within classes, least important first
     # counters and the latest time seen
     cdef int64_t _n_arrived, _n_admitted, _n_preempted, _n_finished, _n_aborted
     cdef double _last_now

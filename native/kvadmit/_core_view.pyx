@@ -64,7 +64,7 @@ cdef class CoreView:
 
     def victim_order(self):
         """Running slots from most protected to first victim (the last one goes first)."""
-        return victim_order(self.ledger, self._victim)
+        return victim_order(self.ledger, self._victim, self._victim_by_priority)
 
     def state(self, int64_t slot):
         if slot < 0 or slot >= self.ledger.n_slots():

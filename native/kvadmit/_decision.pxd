@@ -18,6 +18,7 @@ cdef class Decision(Judge):
     cdef WaitingQueue queue
     cdef ArrivalGate gate
     cdef int64_t block_size, num_blocks
+    cdef bint by_priority                 # queue_order "priority": priority retraction
 
     cdef inline double c_predicted_delay(self, int64_t ahead, int64_t ahead_tokens, int64_t queued,
                                          double now) noexcept nogil:
@@ -25,4 +26,6 @@ cdef class Decision(Judge):
         return self.gate.c_predicted_delay(ahead, ahead_tokens, queued, now, not self.queue.c_empty())
 
     cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil
+    cdef bint c_takes_from_lower(self, int32_t s, int64_t free_blocks) noexcept nogil
+    cdef bint c_lower_priority_runs(self, int64_t priority) noexcept nogil
     cdef Rejection c_refusal(self, int32_t s, double now)

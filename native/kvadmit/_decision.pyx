@@ -1,8 +1,10 @@
 # The core's two rules, over its parts:
 #   c_decide(s)   may the waiting request s start now? The agent window (its session
 #                 outside it: hold_agent), the blocks it needs now (hold_blocks), the
-#                 policy's rule (hold_capacity), the TPOT guard (hold_slo); the
-#                 queue's scan asks it of each request it reaches.
+#                 policy's rule (hold_capacity; under queue_order "priority" with the
+#                 KV of strictly lower-priority running requests counted as free:
+#                 c_takes_from_lower), the TPOT guard (hold_slo); the queue's scan
+#                 asks it of each request it reaches.
 #   c_refusal(s)  why the new arrival s can never be queued here (the KV pool, the
 #                 prefill cap) or cannot now (its predicted queueing delay or TTFT).
 # The queue caps and priority shedding are the core's (`_make_room`): they evict.
@@ -25,11 +27,12 @@ cdef class Decision(Judge):
     """The rules of one core, over its parts (a pool of `num_blocks` blocks)."""
 
     def __init__(self, Ledger ledger, Policy policy, SloGuard slo_guard, AgentWindow agent_window,
-                 WaitingQueue queue, ArrivalGate gate, int64_t num_blocks):
+                 WaitingQueue queue, ArrivalGate gate, int64_t num_blocks, bint by_priority=False):
         self.ledger, self.policy = ledger, policy
         self.slo_guard, self.agent_window = slo_guard, agent_window
         self.queue, self.gate = queue, gate
         self.block_size, self.num_blocks = ledger.block_size, num_blocks
+        self.by_priority = by_priority
 
     cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil:
         if self.agent_window.c_holds(self.ledger.session(s)):
@@ -38,12 +41,31 @@ cdef class Decision(Judge):
             - self.ledger.cached(s) // self.block_size
         if check_blocks and need_now > free_blocks:
             return D_HOLD_BLOCKS
-        if not self.policy.c_fits(s, free_blocks):
+        if not self.policy.c_fits(s, free_blocks) and not self.c_takes_from_lower(s, free_blocks):
             return D_HOLD_CAPACITY
         if not self.slo_guard.c_tpot_ok(self.ledger.tpot(s), self.ledger.n_running(),
                                         <double>self.ledger.running_context() + self.ledger.tokens(s)):
             return D_HOLD_SLO
         return D_ADMIT
+
+    cdef bint c_takes_from_lower(self, int32_t s, int64_t free_blocks) noexcept nogil:
+        """Priority retraction, under queue_order "priority": may s, which the policy
+        holds, start on the KV of running requests of strictly lower priority (a larger
+        priority value)? The policy's rule with their KV, held and still to come,
+        counted as free (Policy.c_fits_taking_lower). The engine then takes that KV back
+        as it needs it: the victim order and the pause plan go lowest priority first.
+        Equal or higher priorities are never displaced."""
+        if not self.by_priority or not self.c_lower_priority_runs(self.ledger.priority(s)):
+            return False
+        return self.policy.c_fits_taking_lower(s, free_blocks)
+
+    cdef bint c_lower_priority_runs(self, int64_t priority) noexcept nogil:
+        """Whether a running request has a strictly lower priority (a larger value)."""
+        cdef size_t i
+        for i in range(self.ledger.n_running()):
+            if self.ledger.priority(self.ledger.running_at(i)) > priority:
+                return True
+        return False
 
     cdef Rejection c_refusal(self, int32_t s, double now):
         """Why the new request s can never be queued here, or cannot now; None: it may queue."""

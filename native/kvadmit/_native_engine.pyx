@@ -111,7 +111,7 @@ cdef class NativeEngine:
     cdef vector[vector[int64_t]] _children
     cdef unordered_map[int64_t, vector[pair[int32_t, uint64_t]]] _sess_blocks
     cdef vector[int32_t] _slot_req, _running, _scheduled
-    cdef vector[int64_t] _plan_cols    # the pause plan's columns: want, computed, held
+    cdef vector[int64_t] _plan_cols    # the pause plan's columns: want, computed, held, priority
     cdef vector[int32_t] _hit_ids      # the admission candidate's prefix-cache hit blocks
     cdef vector[char] _pause           # per running position: paused this step (shortfall: pause)
     cdef vector[int32_t] _paused_reqs  # the requests paused this step
@@ -492,19 +492,22 @@ cdef class NativeEngine:
 
     cdef int64_t _plan_pauses(self) noexcept nogil:
         """The core's pause plan for this step: what each running request would
-        compute (as the loop below takes it), the KV it has and the blocks it holds."""
+        compute (as the loop below takes it), the KV it has, the blocks it holds and its
+        priority (the plan reads it under queue_order "priority")."""
         cdef size_t i, nr = self._running.size()
         cdef int32_t r
-        self._plan_cols.resize(3 * nr)
+        self._plan_cols.resize(4 * nr)
         self._pause.resize(nr)
         for i in range(nr):
             r = self._running[i]
             self._plan_cols[i] = self._prompt[r] + self._gen[r] - self._computed[r]
             self._plan_cols[nr + i] = self._computed[r]
             self._plan_cols[2 * nr + i] = self._blocks[r].size()
+            self._plan_cols[3 * nr + i] = self._prio[r]
         return self.core.c_plan_shortfall(
             self._plan_cols.data(), self._plan_cols.data() + nr, self._plan_cols.data() + 2 * nr,
-            nr, self.allocator.c_num_free(), self._budget, 0, self._pause.data())
+            nr, self.allocator.c_num_free(), self._budget, 0, self._pause.data(),
+            self._plan_cols.data() + 3 * nr)
 
     cdef int _step(self) noexcept nogil:
         """One engine step: STEP_RAN, STEP_PREEMPTED_ONLY (every scheduled request

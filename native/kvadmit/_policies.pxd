@@ -78,6 +78,7 @@ cdef class Policy:
 
     cdef bint c_fits(self, int32_t s, int64_t free_blocks) noexcept nogil
     cdef bint c_fits_alone(self, int32_t s) noexcept nogil
+    cdef bint c_fits_taking_lower(self, int32_t s, int64_t free_blocks) noexcept nogil
     cdef int64_t c_forecast_blocks(self) noexcept nogil
     cdef int64_t c_peak_blocks(self) noexcept nogil
     cdef int64_t c_expected_output(self, int32_t s) noexcept nogil

@@ -15,6 +15,9 @@
 #               of recent output lengths, the quantile raised after preemptions;
 #   auto        adaptive with fixed settings, caps learned to be honest or not, and
 #               prefixes shared by running requests counted once.
+# `c_fits_taking_lower` is `c_fits` with the KV of running requests of strictly
+# lower priority (larger priority value) counted as free: what they hold and their
+# growth (the core's priority retraction, under queue_order "priority").
 # `c_fits_alone` asks whether a request could ever run on this pool (else the core
 # refuses it at arrival); `c_forecast_blocks` is the policy's forecast of the
 # running requests' peak, for router signals.
@@ -79,6 +82,12 @@ cdef class Policy:
     # --- the rule --------------------------------------------------------
     cdef bint c_fits(self, int32_t s, int64_t free_blocks) noexcept nogil:
         """May waiting request s start beside the running ones?"""
+        return True
+
+    cdef bint c_fits_taking_lower(self, int32_t s, int64_t free_blocks) noexcept nogil:
+        """May s start if every running request of strictly lower priority than s
+        (a larger priority value) gave back its KV, the blocks it holds and those it
+        would still take? (overcommit: c_fits admits always.)"""
         return True
 
     cdef bint c_fits_alone(self, int32_t s) noexcept nogil:
@@ -197,6 +206,16 @@ cdef class ReservePolicy(Policy):
     cdef bint c_fits_alone(self, int32_t s) noexcept nogil:
         return self.ledger.reserve_blocks(s) <= self.num_blocks
 
+    cdef bint c_fits_taking_lower(self, int32_t s, int64_t free_blocks) noexcept nogil:
+        cdef int64_t p = self.ledger.priority(s), lower = 0
+        cdef int32_t r
+        cdef size_t i
+        for i in range(self.ledger.n_running()):
+            r = self.ledger.running_at(i)
+            if self.ledger.priority(r) > p:
+                lower += self.ledger.reserve_blocks(r)
+        return self.ledger.reserve_load() - lower + self.ledger.reserve_blocks(s) <= self.num_blocks
+
     cdef int64_t c_forecast_blocks(self) noexcept nogil:
         return self.ledger.reserve_load()
 
@@ -213,6 +232,22 @@ cdef class PeakPolicy(Policy):
         return self._noted(peak_blocks_sorted(self._profile.data(), self._profile.size(), &c,
                                               self.block_size, self.num_blocks, self._fenwick)
                            + self._shared_term() <= self.num_blocks, c)
+
+    cdef bint c_fits_taking_lower(self, int32_t s, int64_t free_blocks) noexcept nogil:
+        """The peak of the curves of s and of the running requests of its priority or
+        higher fits (those of lower priority are left out)."""
+        cdef int64_t p = self.ledger.priority(s)
+        cdef vector[Curve] kept
+        cdef int32_t r
+        cdef size_t i
+        for i in range(self.ledger.n_running()):
+            r = self.ledger.running_at(i)
+            if self.ledger.priority(r) <= p:
+                kept.push_back(self._curve(r))
+        sort(kept.begin(), kept.end(), curve_longer)
+        cdef Curve c = self._curve(s)
+        return peak_blocks_sorted(kept.data(), kept.size(), &c, self.block_size, self.num_blocks,
+                                  self._fenwick) + self._shared_term() <= self.num_blocks
 
     cdef int64_t c_forecast_blocks(self) noexcept nogil:
         return self.c_peak_blocks() + self._shared_term()
@@ -237,6 +272,21 @@ cdef class PredictPolicy(Policy):
 
     cdef int64_t c_forecast_blocks(self) noexcept nogil:
         return self._held_blocks() + <int64_t>ceil(self._offsets() / self.block_size)
+
+    cdef bint c_fits_taking_lower(self, int32_t s, int64_t free_blocks) noexcept nogil:
+        """SGLang's rule with the blocks of running requests of lower priority free and
+        their offsets gone."""
+        cdef int64_t p = self.ledger.priority(s), held = 0
+        cdef double offsets = self._offsets()
+        cdef int32_t r
+        cdef size_t i
+        for i in range(self.ledger.n_running()):
+            r = self.ledger.running_at(i)
+            if self.ledger.priority(r) > p:
+                held += cdiv(self.ledger.computed(r), self.block_size)
+                offsets -= self._offset(r)
+        return <double>(self.ledger.queued_of(s) + min(self.ledger.max_new(s) - self.ledger.generated(s), self._clip_tokens)) \
+            < (free_blocks + held) * self.block_size - offsets
 
     cdef double _offsets(self) noexcept nogil:
         cdef size_t i

@@ -6,6 +6,7 @@ from libc.stdint cimport int64_t
 cdef class ShortfallPlanner:
     cdef readonly bint enabled            # shortfall: "pause"
     cdef int64_t block_size
+    cdef bint by_priority                 # queue_order "priority": the plan reads priorities
     cdef readonly int64_t paused_now      # running requests paused this step
     cdef readonly int64_t paused_total    # request-steps paused in all
 
@@ -14,4 +15,8 @@ cdef class ShortfallPlanner:
 
     cdef int64_t c_plan(self, const int64_t* want, const int64_t* computed, const int64_t* held,
                         int64_t n, int64_t free_blocks, int64_t budget, int64_t lookahead,
-                        char* paused) noexcept nogil
+                        char* paused, const int64_t* priority=*) noexcept nogil
+    cdef int64_t c_plan_by_priority(self, const int64_t* want, const int64_t* computed,
+                                    const int64_t* held, const int64_t* priority, int64_t n,
+                                    int64_t free_blocks, int64_t budget, int64_t lookahead,
+                                    char* paused) noexcept nogil

@@ -9,5 +9,5 @@ cdef enum:  # indexes into VICTIMS
     V_LCF = 2
     V_LENGTH = 3
 
-cdef int32_t victim_slot(Ledger ledger, int order) noexcept nogil
-cdef list victim_order(Ledger ledger, int order)
+cdef int32_t victim_slot(Ledger ledger, int order, bint by_priority=*) noexcept nogil
+cdef list victim_order(Ledger ledger, int order, bint by_priority=*)

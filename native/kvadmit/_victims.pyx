@@ -6,6 +6,9 @@
 #             with the least computed;
 #   lcf       least computed first (the cheapest to recompute);
 #   length    fewest generated tokens first, then the longest prompt.
+# Under queue_order "priority" every order is taken within priority classes: the
+# least important class (largest priority value) gives its KV back first, so a
+# request is never preempted while one of strictly lower priority runs.
 
 from libc.stdint cimport int32_t, int64_t
 from libcpp.algorithm cimport sort
@@ -17,6 +20,7 @@ VICTIMS = ("lifo", "priority", "lcf", "length")
 
 
 cdef struct VictimKey:
+    int64_t k0      # the priority class first (queue_order "priority"), else 0
     int64_t k1
     int64_t k2
     int64_t k3
@@ -25,6 +29,8 @@ cdef struct VictimKey:
 
 cdef bint victim_key_less(const VictimKey& a, const VictimKey& b) noexcept nogil:
     """Orders running requests from most protected to first victim."""
+    if a.k0 != b.k0:
+        return a.k0 < b.k0
     if a.k1 != b.k1:
         return a.k1 < b.k1
     if a.k2 != b.k2:
@@ -34,8 +40,9 @@ cdef bint victim_key_less(const VictimKey& a, const VictimKey& b) noexcept nogil
     return a.slot < b.slot
 
 
-cdef inline VictimKey victim_key(Ledger L, int order, int32_t s) noexcept nogil:
+cdef inline VictimKey victim_key(Ledger L, int order, int32_t s, bint by_priority) noexcept nogil:
     cdef VictimKey k
+    k.k0 = L.priority(s) if by_priority else 0
     k.slot = s
     if order == V_LIFO:
         k.k1 = L.admit_seq(s); k.k2 = L.arrival(s); k.k3 = 0
@@ -48,25 +55,26 @@ cdef inline VictimKey victim_key(Ledger L, int order, int32_t s) noexcept nogil:
     return k
 
 
-cdef int32_t victim_slot(Ledger L, int order) noexcept nogil:
-    """The running request to preempt first, or -1."""
+cdef int32_t victim_slot(Ledger L, int order, bint by_priority=False) noexcept nogil:
+    """The running request to preempt first, or -1 (`by_priority`: within the least
+    important priority class running)."""
     if L.n_running() == 0:
         return -1
-    cdef VictimKey best = victim_key(L, order, L.running_at(0))
+    cdef VictimKey best = victim_key(L, order, L.running_at(0), by_priority)
     cdef VictimKey k
     cdef size_t i
     for i in range(1, L.n_running()):
-        k = victim_key(L, order, L.running_at(i))
+        k = victim_key(L, order, L.running_at(i), by_priority)
         if victim_key_less(best, k):
             best = k
     return best.slot
 
 
-cdef list victim_order(Ledger L, int order):
+cdef list victim_order(Ledger L, int order, bint by_priority=False):
     """Running slots from most protected to first victim (the last one goes first)."""
     cdef vector[VictimKey] keys
     cdef size_t i
     for i in range(L.n_running()):
-        keys.push_back(victim_key(L, order, L.running_at(i)))
+        keys.push_back(victim_key(L, order, L.running_at(i), by_priority))
     sort(keys.begin(), keys.end(), victim_key_less)
     return [k.slot for k in keys]

@@ -305,9 +305,13 @@ class VllmAdmission:
         plan = bridge.step(StepReport(
             now=now, used_blocks=self.usable_blocks - self._pool.get_num_free_blocks(),
             slots=slots, computed=computed, generated=generated))
-        order = [by_slot[s] for s in plan.victim_order if s in by_slot]
-        if len(order) == len(sched.running):
-            sched.running = order
+        # vLLM preempts running[-1] first: put the core's victim order in place. (Under
+        # its priority scheduling vLLM picks its own victim, the lowest priority and
+        # latest arrival, as the core's order does: its running order stays its own.)
+        if self.request_id_ties is None:
+            order = [by_slot[s] for s in plan.victim_order if s in by_slot]
+            if len(order) == len(sched.running):
+                sched.running = order
         if self.pause_plan_blocks is not None:
             self._plan_pauses(throttle_prefills)
 
@@ -321,8 +325,11 @@ class VllmAdmission:
         want = compat.running_step_tokens(sched, self.step_rules, throttle_prefills)
         computed = [req.num_computed_tokens for req in running]
         held = [len(blocks.get(req.request_id, ())) for req in running]
+        # vLLM's priority scheduling: the plan pauses the lowest priorities first
+        priorities = [r.priority for r in running] if self.request_id_ties is not None else None
         paused = self.core.plan_shortfall(want, computed, held, self._pool.get_num_free_blocks(),
-                                          sched.max_num_scheduled_tokens, sched.num_lookahead_tokens)
+                                          sched.max_num_scheduled_tokens, sched.num_lookahead_tokens,
+                                          priorities)
         step = sched.current_step + 1          # the step schedule() is about to run
         for i in paused:
             req = running[i]
