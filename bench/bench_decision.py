@@ -27,20 +27,20 @@ def build(policy: str, n_running: int, seed: int = 0):
     core = AdmissionCore(AdmissionConfig(policy=policy), num_blocks, block_size, 0)
     slots, prompts, gen = [], [], []
     for p, m in reqs:
-        s = core.arrive(p, m).slot
-        core.admit(s)
+        s = core.arrive(p, m, now=0.0).slot
+        core.admit(s, 0.0)
         slots.append(s)
         prompts.append(p)
         gen.append(rng.randint(1, m // 2))
     for _ in range(64):
-        core.arrive(rng.randint(64, 2048), rng.randint(64, 1024))
+        core.arrive(rng.randint(64, 2048), rng.randint(64, 1024), now=0.0)
     if policy == "adaptive":  # give the length model samples so it predicts
         for _ in range(256):
-            s = core.arrive(16, 2048).slot
-            core.admit(s)
+            s = core.arrive(16, 2048, now=0.0).slot
+            core.admit(s, 0.0)
             g = rng.randint(50, 600)
             core.update(s, 16 + g - 1, g)
-            core.finish(s)
+            core.finish(s, 0.0)
     return core, slots, prompts, gen, num_blocks
 
 
@@ -58,7 +58,7 @@ def time_steps(policy: str, n_running: int, steps: int) -> dict:
         t2 = time.perf_counter()
         core.victim()
         t3 = time.perf_counter()
-        core.on_step()
+        core.on_step(0.0)
         t4 = time.perf_counter()
         parts["update_many"] += t1 - t0
         parts["next_admissible"] += t2 - t1

@@ -29,9 +29,9 @@ def filled_core(settings: dict, seed: int = 0) -> AdmissionCore:
     rng = random.Random(seed)
     core = AdmissionCore(AdmissionConfig.from_dict(settings), 26674, 16, 8192)
     for _ in range(3000):
-        core.arrive(rng.randint(64, 1024), rng.randint(64, 1024))
+        core.arrive(rng.randint(64, 1024), rng.randint(64, 1024), now=0.0)
     while (s := core.next_admissible(1 << 40)) >= 0:
-        core.admit(s)
+        core.admit(s, 0.0)
     return core
 
 
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
         core = filled_core(settings)
         t0 = time.perf_counter()
         for _ in range(args.steps):
-            core.on_step()
+            core.on_step(0.0)
             core.next_admissible(1 << 40)
         us = (time.perf_counter() - t0) / args.steps * 1e6
         rows.append({"config": name, "running": core.num_running, "waiting": core.num_waiting,

@@ -30,7 +30,7 @@ def test_exact_window_sequence_with_cooldown():
     # (used blocks of 100, hit tokens, query tokens) per step, one update per step
     for used, hit, query in [(10, 0, 0), (60, 0, 100), (10, 0, 0), (10, 0, 0), (60, 50, 100),
                              (30, 0, 100)]:
-        core.observe_cache(used, hit, query)
+        core.observe_cache(used, hit, query, 0.0)
     # grow; thrash -> halve; cooldown holds one update; grow; hits high -> hold; in band -> hold
     assert core.window_history() == [6, 3, 3, 5, 5, 5]
     assert core.agent_window_size == 5
@@ -38,10 +38,10 @@ def test_exact_window_sequence_with_cooldown():
 
 def test_signals_are_averaged_over_the_interval():
     core = agent_core(agent_interval_steps=2)
-    core.observe_cache(10, 0, 0)
-    core.observe_cache(50, 0, 0)          # mean usage 0.3: hold
-    core.observe_cache(5, 0, 0)
-    core.observe_cache(15, 0, 0)          # mean 0.1: grow
+    core.observe_cache(10, 0, 0, 0.0)
+    core.observe_cache(50, 0, 0, 0.0)          # mean usage 0.3: hold
+    core.observe_cache(5, 0, 0, 0.0)
+    core.observe_cache(15, 0, 0, 0.0)          # mean 0.1: grow
     assert core.window_history() == [4, 6]
 
 
@@ -72,17 +72,17 @@ def test_shrinking_window_pauses_latest_sessions_between_generations():
     core = agent_core(agent_window_init=3, agent_cooldown_intervals=0)
     slots = {}
     for sess in (1, 2, 3):                                   # activated in this order
-        s = core.arrive(10, 5, session=sess).slot
-        core.admit(s)
+        s = core.arrive(10, 5, session=sess, now=0.0).slot
+        core.admit(s, 0.0)
         slots[sess] = s
-    core.finish(slots[1])
-    core.finish(slots[3])                                    # 1 and 3 are between turns
+    core.finish(slots[1], 0.0)
+    core.finish(slots[3], 0.0)                                    # 1 and 3 are between turns
     assert core.active_sessions == 3
-    core.observe_cache(90, 0, 100)                           # thrashing: W 3 -> 1.5
+    core.observe_cache(90, 0, 100, 0.0)                           # thrashing: W 3 -> 1.5
     # Paused latest first, never mid-generation: 3 goes, 2 (running) stays, then 1 goes.
     assert not core.session_active(3) and core.session_active(2) and not core.session_active(1)
     assert core.active_sessions == 1
-    s3 = core.arrive(10, 5, session=3).slot
+    s3 = core.arrive(10, 5, session=3, now=0.0).slot
     assert core.decide(s3, 100) == "hold_agent"
 
 
@@ -93,11 +93,11 @@ def test_the_engine_bridge_empties_the_pause_log_every_step():
     from kvadmit.bridge import EngineBridge
     core = agent_core(agent_window_init=3, agent_cooldown_intervals=0)
     bridge = EngineBridge(core)
-    slots = [core.arrive(10, 5, session=sess).slot for sess in (1, 2, 3)]
+    slots = [core.arrive(10, 5, session=sess, now=0.0).slot for sess in (1, 2, 3)]
     for s in slots:
-        core.admit(s)
-    core.finish(slots[0])
-    core.finish(slots[2])
+        core.admit(s, 0.0)
+    core.finish(slots[0], 0.0)
+    core.finish(slots[2], 0.0)
     bridge.note_prefix_hits(0, 100)
     bridge.observe_cache(90, now=0.0)                        # thrashing: 3 and 1 paused
     assert not core.session_active(3) and not core.session_active(1)
@@ -108,7 +108,7 @@ def test_the_window_history_keeps_the_recent_updates_not_every_one():
     """A server calls observe_cache every step for months: the history is bounded."""
     core = agent_core(agent_window_init=4, agent_window_max=8, agent_cooldown_intervals=0)
     for i in range(20000):
-        core.observe_cache(10 if i % 2 else 90, 0, 100)          # idle / thrashing in turns
+        core.observe_cache(10 if i % 2 else 90, 0, 100, 0.0)          # idle / thrashing in turns
     hist = core.window_history()
     assert 4096 <= len(hist) < 8192
     assert hist[-1] == core.agent_window_size               # the newest is kept
@@ -116,16 +116,16 @@ def test_the_window_history_keeps_the_recent_updates_not_every_one():
 
 def test_without_agent_window_sessions_are_ignored():
     core = make_core("overcommit", num_blocks=100)
-    s = core.arrive(10, 5, session=5).slot
+    s = core.arrive(10, 5, session=5, now=0.0).slot
     assert core.decide(s, 100) == "admit" and core.session_active(5)
 
 
 def test_cancelled_admission_undoes_the_activation():
     core = agent_core(agent_window_init=1, agent_window_max=1)
-    a = core.arrive(10, 5, session=1).slot
-    b = core.arrive(10, 5, session=2).slot
-    core.admit(a)
-    core.cancel_admit(a)                  # the engine did not run it after all
+    a = core.arrive(10, 5, session=1, now=0.0).slot
+    b = core.arrive(10, 5, session=2, now=0.0).slot
+    core.admit(a, 0.0)
+    core.cancel_admit(a, 0.0)                  # the engine did not run it after all
     assert not core.session_active(1) and core.active_sessions == 0
     assert core.next_admissible(100) == a  # the head again; session 2 still waits behind it
     assert core.decide(b, 100) == "admit"
@@ -165,11 +165,11 @@ def test_held_requests_are_not_counted_ahead_of_an_arrival():
         slo_guard=True, step_time_a=0.01, step_time_b=0.001, step_time_c=0.0,
         step_time_forgetting=1.0), 100_000, 4)
     core.set_step_budget(1000)
-    core.admit(core.arrive(10, 5, session=1).slot)
+    core.admit(core.arrive(10, 5, session=1, now=0.0).slot, 0.0)
     for sess in range(2, 12):                                  # ten held 30k-token prompts
-        assert core.arrive(30_000, 5, session=sess, ttft_slo_s=0.0).accepted
+        assert core.arrive(30_000, 5, session=sess, ttft_slo_s=0.0, now=0.0).accepted
     # a session-less request is served next: only its own prefill is predicted
-    res = core.arrive(100, 5, ttft_slo_s=1.0)
+    res = core.arrive(100, 5, ttft_slo_s=1.0, now=0.0)
     assert res.accepted, res
     assert core.predict_ttft(100, 0.0) < 1.0
 

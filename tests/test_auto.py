@@ -21,7 +21,7 @@ def history(core, early: int, capped: int, max_new: int = 100, length: int = 8):
         for _ in range(n):
             s = add_running(core, 4, max_new)
             core.update(s, 4 + out - 1, out)
-            core.finish(s)
+            core.finish(s, 0.0)
 
 
 @pytest.mark.parametrize("policy,early,capped,expected", [
@@ -57,9 +57,9 @@ def shared_prefix_core(policy):
     a = add_running(core, 64, 4)
     core.update(a, 64, 0)
     for _ in range(2):
-        s = core.arrive(64, 4).slot
+        s = core.arrive(64, 4, now=0.0).slot
         core.set_shared(s, 48)
-        core.admit(s)
+        core.admit(s, 0.0)
         core.update(s, 64, 0)
     core.observe_used_blocks(16 + 4 + 4)
     return core, a
@@ -81,7 +81,7 @@ def test_auto_keeps_a_shared_prefix_after_its_first_holder_finishes():
     them as in use beyond the own parts (5 + 5 + 12 = 22 blocks), not as freed."""
     core, a = shared_prefix_core("auto")
     core.update(a, 67, 4)
-    core.finish(a)
+    core.finish(a, 0.0)
     core.observe_used_blocks(12 + 4 + 4)
     big = add_waiting(core, 100, 4)          # 26 blocks: 5 + 5 + 26 + 12 = 48 fits
     assert core.decide(big, 28) == "admit"
@@ -110,11 +110,11 @@ def test_honest_caps_with_a_shared_prefix_do_not_preempt():
 
 def test_cancel_admit_forgets_what_the_request_shared():
     core = make_core("auto", num_blocks=48)
-    s = core.arrive(64, 4).slot
+    s = core.arrive(64, 4, now=0.0).slot
     core.set_shared(s, 48)
-    core.admit(s)
-    core.cancel_admit(s)
-    core.admit(s)                    # admitted again, sharing nothing this time
+    core.admit(s, 0.0)
+    core.cancel_admit(s, 0.0)
+    core.admit(s, 0.0)                    # admitted again, sharing nothing this time
     core.update(s, 64, 0)
     core.observe_used_blocks(16)
     # 17 own blocks + nothing shared: a 31-block candidate fits exactly (17 + 31 = 48)
@@ -168,10 +168,10 @@ def test_auto_bypasses_a_held_head_more_than_the_explicit_default():
         for _ in range(1200):
             small = add_waiting(core, 4, 4)
             if core.next_admissible(40) != small:
-                core.abort(small)
+                core.abort(small, 0.0)
                 break
-            core.admit(small)
-            core.finish(small)
+            core.admit(small, 0.0)
+            core.finish(small, 0.0)
             admitted += 1
         assert admitted == passes, settings
         assert core.state(big) == "waiting"

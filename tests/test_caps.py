@@ -6,7 +6,7 @@ from helpers import add_running, add_waiting, make_core
 
 def test_context_length():
     core = make_core(max_model_len=100)
-    res = core.arrive(60, 50)
+    res = core.arrive(60, 50, now=0.0)
     assert not res.accepted
     r = res.rejection
     assert (r.reason, r.limit, r.limit_value, r.retry_after_s, r.retryable) == \
@@ -26,7 +26,7 @@ def test_context_length():
 ])
 def test_kv_capacity(policy, prompt, max_new, ok):
     core = make_core(policy, num_blocks=10, block_size=4)
-    res = core.arrive(prompt, max_new)
+    res = core.arrive(prompt, max_new, now=0.0)
     assert res.accepted == ok
     if not ok:
         assert res.rejection.reason == "kv_capacity" and not res.rejection.retryable
@@ -102,14 +102,14 @@ def test_priority_shedding_evicts_strictly_lower_priority():
                      shed_lower_priority=True)
     low = add_waiting(core, 4, 4, priority=5)
     mid = add_waiting(core, 4, 4, priority=3)
-    res = core.arrive(4, 4, priority=1)
+    res = core.arrive(4, 4, priority=1, now=0.0)
     assert res.accepted
     assert [s for s, _ in res.shed] == [low]
     rej = res.shed[0][1]
     assert rej.reason == "shed" and "priority 1 < 5" in rej.message
     assert core.state(low) == "free" and core.waiting() == [mid, res.slot]
     # Equal priority is not strictly higher: refused.
-    res = core.arrive(4, 4, priority=3)
+    res = core.arrive(4, 4, priority=3, now=0.0)
     assert not res.accepted and res.rejection.reason == "queue_full" and res.shed == []
     assert core.stats()["rejected"]["shed"] == 1
 
@@ -118,8 +118,8 @@ def test_shedding_never_evicts_a_preempted_request():
     core = make_core("overcommit", num_blocks=1000, max_queued_requests=1,
                      shed_lower_priority=True)
     a = add_running(core, 4, 4, priority=9)
-    core.preempt(a)                      # waiting again, with work done
-    res = core.arrive(4, 4, priority=0)
+    core.preempt(a, 0.0)                      # waiting again, with work done
+    res = core.arrive(4, 4, priority=0, now=0.0)
     assert not res.accepted and res.rejection.reason == "queue_full"
 
 
@@ -131,19 +131,19 @@ def test_shedding_never_evicts_a_preempted_request():
 ])
 def test_bad_input_raises_naming_the_field(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
-        make_core().arrive(**kwargs)
+        make_core().arrive(**{"now": 0.0, **kwargs})
 
 
 def test_slot_misuse_is_an_error():
     core = make_core()
     s = add_waiting(core, 4, 4)
     with pytest.raises(ValueError, match="is waiting, expected running"):
-        core.finish(s)
+        core.finish(s, 0.0)
     with pytest.raises(KeyError, match="slot 99"):
-        core.admit(99)
-    core.abort(s)
+        core.admit(99, 0.0)
+    core.abort(s, 0.0)
     with pytest.raises(KeyError):
-        core.abort(s)
+        core.abort(s, 0.0)
 
 
 def test_queue_delay_cap_from_the_admission_rate():
@@ -191,7 +191,7 @@ def test_retry_after_spreads_a_burst_in_line():
     # The line never pushes a hint past retry_after_max_s.
     capped = make_core("overcommit", num_blocks=1000, max_queued_requests=1, retry_after_max_s=2)
     add_waiting(capped, 4, 4)
-    assert max(capped.arrive(4, 4).rejection.retry_after_s for _ in range(10)) == 2
+    assert max(capped.arrive(4, 4, now=0.0).rejection.retry_after_s for _ in range(10)) == 2
 
 
 def test_invalid_is_a_core_reason():
@@ -219,7 +219,7 @@ def test_withdraw_takes_back_an_arrival_uncounted():
     core.withdraw(b)
     st = core.stats()
     assert (st["arrived"], st["waiting"], st["aborted"], st["queued_tokens"]) == (1, 1, 0, 8)
-    core.admit(a)
+    core.admit(a, 0.0)
     with pytest.raises(ValueError):
         core.withdraw(a)                                   # running: not an arrival to take back
     with pytest.raises(KeyError):
@@ -235,7 +235,7 @@ def test_a_hold_counts_once_per_request_and_step():
     for _ in range(5):
         assert core.next_admissible(5) == -1
     assert core.stats()["held"]["hold_capacity"] == 1
-    core.on_step()
+    core.on_step(0.0)
     for _ in range(3):
         core.next_admissible(5)
     assert core.stats()["held"]["hold_capacity"] == 2

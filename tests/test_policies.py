@@ -54,22 +54,22 @@ def test_peak_interleaved_rows_against_brute_force():
 def test_predict_ratio_decays_and_resets_after_preemption():
     core = make_core("predict", num_blocks=100, predict_retract_steps=5)
     a = add_running(core, 20, 20)
-    core.on_step()
+    core.on_step(0.0)
     decay = (0.7 - 0.7 * 0.14) / 600
     assert core.new_token_ratio == pytest.approx(0.7 - decay)
     # Running offset now 20 * ratio = 13.98: 60 - 13.98 = 46.02 free tokens.
     s = add_waiting(core, 12, 30)
     assert core.decide(s, 15) == "admit"       # 42 < 46.02
     for _ in range(700):
-        core.on_step()
+        core.on_step(0.0)
     assert core.new_token_ratio == pytest.approx(0.7 * 0.14)
     b = add_running(core, 8, 60)
     core.update(a, 25, 6)
     core.update(b, 8 + 39, 40)
-    core.preempt(b)
+    core.preempt(b, 0.0)
     # Kept: a, 6 of 20 generated: (6 + 5 steps x 1 request) / (20 + 1).
     assert core.new_token_ratio == pytest.approx(11 / 21)
-    core.on_step()                            # a preemption step does not decay
+    core.on_step(0.0)                            # a preemption step does not decay
     assert core.new_token_ratio == pytest.approx(11 / 21)
 
 
@@ -78,7 +78,7 @@ def test_adaptive_uses_the_length_model():
     for _ in range(20):                        # every finished request produced 8 tokens
         s = add_running(core, 4, 100)
         core.update(s, 11, 8)
-        core.finish(s)
+        core.finish(s, 0.0)
     add_running(core, 20, 100)                 # predicted 8 more, not 100
     s = add_waiting(core, 20, 100)             # predicted 8: peak 7 + 7 = 14 blocks
     assert core.decide(s, 30) == "admit"
@@ -105,7 +105,7 @@ def test_bypass_lets_smaller_requests_pass_at_most_k_times():
     for i in range(2):
         s = core.next_admissible(15)
         assert s == smalls[i]
-        core.admit(s)
+        core.admit(s, 0.0)
         assert core.info(big)["bypassed"] == i + 1
     assert core.next_admissible(15) == -1      # big has been passed twice: it blocks now
 
@@ -150,26 +150,26 @@ def test_priority_order_takes_the_engines_arrival_time_then_tie():
     Without priority order both are ignored: the core's arrival order decides."""
     core = make_core("overcommit", queue_order="priority")
     times = [(3.0, 0.0, 0), (1.0, 0.0, 0), (2.0, 5.0, 0), (2.0, -1.0, 0), (0.5, 0.0, 1)]
-    slots = [core.arrive(4, 4, priority=p, arrival_time=t, arrival_tie=tie).slot
+    slots = [core.arrive(4, 4, priority=p, arrival_time=t, arrival_tie=tie, now=0.0).slot
              for t, tie, p in times]
     assert core.waiting() == [slots[1], slots[3], slots[2], slots[0], slots[4]]
     a = core.next_admissible(100)
-    core.admit(a)
-    core.preempt(a)                            # back to its place, by its own time
+    core.admit(a, 0.0)
+    core.preempt(a, 0.0)                            # back to its place, by its own time
     assert core.waiting()[0] == a == slots[1]
     assert core.info(slots[0])["arrival_time"] == 3.0
     fcfs = make_core("overcommit")
-    slots = [fcfs.arrive(4, 4, arrival_time=t).slot for t in (3.0, 1.0, 2.0)]
+    slots = [fcfs.arrive(4, 4, arrival_time=t, now=0.0).slot for t in (3.0, 1.0, 2.0)]
     assert fcfs.waiting() == slots
     with pytest.raises(ValueError, match="arrival_time=nan"):
-        fcfs.arrive(4, 4, arrival_time=float("nan"))
+        fcfs.arrive(4, 4, arrival_time=float("nan"), now=0.0)
 
 
 def test_preempted_request_returns_ahead_of_later_arrivals():
     core = make_core("overcommit")
     a = add_running(core, 8, 8)
     later = add_waiting(core, 8, 8)
-    core.preempt(a)
+    core.preempt(a, 0.0)
     assert core.waiting() == [a, later]
     assert core.info(a)["preemptions"] == 1
 
@@ -184,15 +184,15 @@ def test_peak_admits_whenever_reserve_does(running, cp, cm, B):
     for p, m, g in running:
         g = min(g, m - 1)
         for core in cores.values():
-            res = core.arrive(p, m)
+            res = core.arrive(p, m, now=0.0)
             if not res.accepted:
                 break
-            core.admit(res.slot)
+            core.admit(res.slot, 0.0)
             if g:
                 core.update(res.slot, p + g - 1, g)
     ok = {}
     for name, core in cores.items():
-        res = core.arrive(cp, cm)
+        res = core.arrive(cp, cm, now=0.0)
         ok[name] = res.accepted and core.decide(res.slot, 40) == "admit"
     if ok["reserve"]:
         assert ok["peak"]

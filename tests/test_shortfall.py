@@ -74,7 +74,7 @@ def test_no_admission_in_a_step_with_paused_requests():
     assert core.plan_shortfall([1, 1], [4, 4], [1, 1], 1, 100) == [1]
     assert core.next_admissible(50) == -1
     assert core.stats()["held"]["hold_paused"] == 1
-    core.on_step()                       # the pause lasts one step
+    core.on_step(0.0)                       # the pause lasts one step
     assert core.next_admissible(50) == w
     assert core.plan_shortfall([1, 1], [4, 4], [1, 1], 2, 100) == []
     assert core.next_admissible(50) == w

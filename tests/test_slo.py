@@ -65,7 +65,7 @@ def hand_built_queue():
     core = make_core("overcommit", num_blocks=1000, **EXACT)
     core.set_step_budget(100)
     for _ in range(3):
-        assert core.arrive(100, 10, ttft_slo_s=10.0).accepted
+        assert core.arrive(100, 10, ttft_slo_s=10.0, now=0.0).accepted
     return core
 
 
@@ -73,29 +73,29 @@ def test_ttft_guard_refuses_exactly_the_infeasible():
     # Prefilling 300 + 50 tokens at 100 a step: 4 steps of 87.5 tokens, 0.0975 s each.
     core = hand_built_queue()
     assert core.predict_ttft(50, 0.0) == pytest.approx(0.39)
-    res = core.arrive(50, 10, ttft_slo_s=0.38)
+    res = core.arrive(50, 10, ttft_slo_s=0.38, now=0.0)
     assert not res.accepted
     r = res.rejection
     assert (r.reason, r.limit, r.limit_value) == ("slo_infeasible", "ttft_slo_s", 0.38)
     assert r.retryable and r.retry_after_s == pytest.approx(0.01)
     assert "predicted TTFT 0.39 s" in r.message
-    assert core.arrive(50, 10, ttft_slo_s=0.39).accepted          # just feasible
-    assert core.arrive(50, 10, ttft_slo_s=0.0).accepted           # 0: no target
+    assert core.arrive(50, 10, ttft_slo_s=0.39, now=0.0).accepted          # just feasible
+    assert core.arrive(50, 10, ttft_slo_s=0.0, now=0.0).accepted           # 0: no target
     assert core.stats()["rejected"]["slo_infeasible"] == 1
 
 
 def test_ttft_guard_uses_the_servers_default_target():
     core = make_core("overcommit", num_blocks=1000, default_ttft_slo_s=0.2, **EXACT)
     core.set_step_budget(100)
-    assert core.arrive(100, 10).accepted                         # 1 step: 0.11 s
-    res = core.arrive(100, 10)                                   # 2 steps: 0.22 s
+    assert core.arrive(100, 10, now=0.0).accepted                         # 1 step: 0.11 s
+    res = core.arrive(100, 10, now=0.0)                                   # 2 steps: 0.22 s
     assert res.rejection.reason == "slo_infeasible" and "ttft_slo_s=0.2" in res.rejection.message
-    assert core.arrive(100, 10, ttft_slo_s=0.25).accepted        # its own target wins
+    assert core.arrive(100, 10, ttft_slo_s=0.25, now=0.0).accepted        # its own target wins
 
 
 def test_ttft_guard_is_off_without_slo_guard():
     core = make_core("overcommit", num_blocks=1000, step_time_a=1.0)
-    assert core.arrive(100, 10, ttft_slo_s=0.001).accepted
+    assert core.arrive(100, 10, ttft_slo_s=0.001, now=0.0).accepted
 
 
 def test_deadline_order_serves_the_earliest_deadline_first():
@@ -124,22 +124,22 @@ def test_deadline_order_predicts_from_the_requests_ahead_only():
 def test_tpot_guard_holds_the_admission_that_slows_steps_too_much():
     # A decode step of n requests takes 0.01 + 0.001 n: a 0.05 s target allows 40.
     core = make_core("overcommit", num_blocks=10_000, **EXACT)
-    slots = [core.arrive(4, 4, tpot_slo_s=0.05).slot for _ in range(41)]
+    slots = [core.arrive(4, 4, tpot_slo_s=0.05, now=0.0).slot for _ in range(41)]
     admitted = 0
     while (s := core.next_admissible(10_000)) >= 0:
-        core.admit(s)
+        core.admit(s, 0.0)
         admitted += 1
     assert admitted == 40
     assert core.decide(slots[40], 10_000) == "hold_slo"
     assert core.stats()["held"]["hold_slo"] >= 1
     # Once one finishes there is room again.
-    core.finish(slots[0])
+    core.finish(slots[0], 0.0)
     assert core.next_admissible(10_000) == slots[40]
 
 
 def test_tpot_guard_never_holds_on_an_idle_engine():
     core = make_core("overcommit", num_blocks=100, slo_guard=True, step_time_a=1.0)
-    s = core.arrive(4, 4, tpot_slo_s=0.01).slot
+    s = core.arrive(4, 4, tpot_slo_s=0.01, now=0.0).slot
     assert core.next_admissible(100) == s
 
 

@@ -48,6 +48,7 @@ cdef class ArrivalGate:
     cdef int64_t _drain_tokens                 # sum of the prefill tokens in _drain
     cdef double _t_last, _backlog_s
     cdef bint _seen_time
+    cdef bint _backlog                         # a request waits in the core's queue now
     # Retry-After line: the promised retry times still in the future, in time order
     cdef deque[Place] _line
     cdef unordered_map[uint64_t, int64_t] _line_keys   # places in the line per signature
@@ -57,35 +58,33 @@ cdef class ArrivalGate:
     cdef int64_t _place                       # the last refusal's place in the line (1-based)
     cdef int64_t _rejected[N_REJECT_REASONS]
 
-    cdef void c_note_time(self, double now, bint backlog) noexcept nogil
+    cdef void c_note_time(self, double now) noexcept nogil
+    cdef void c_queue_changed(self, bint waiting) noexcept nogil
     cdef void c_admitted(self, int64_t prefill_tokens) noexcept nogil
     cdef void c_request(self, int64_t prompt_tokens, int64_t max_new_tokens, int64_t priority,
                         int64_t session, int64_t step) noexcept nogil
     cdef void c_admission_undone(self) noexcept nogil
-    cdef double c_predicted_delay(self, int64_t ahead, int64_t ahead_tokens, int64_t queued,
-                                  double now, bint backlog) noexcept nogil
+    cdef double c_predicted_delay(self, int64_t ahead, int64_t ahead_tokens,
+                                  int64_t queued) noexcept nogil
     cdef double c_peek_predicted_delay(self, int64_t ahead, int64_t ahead_tokens, int64_t queued,
-                                       double now, bint backlog) noexcept nogil
-    cdef Rejection c_refuse(self, int code, str message, str limit, object value, object retry,
-                            bint backlog)
+                                       double now) noexcept nogil
+    cdef Rejection c_refuse(self, int code, str message, str limit, object value, object retry)
     cdef Rejection c_refuse_context(self, int64_t prompt_tokens, int64_t max_new_tokens,
-                                    int64_t max_model_len, bint backlog)
-    cdef Rejection c_refuse_prefill(self, int64_t queued, bint backlog)
-    cdef Rejection c_refuse_delay(self, double delay, int64_t waiting, int64_t queued_tokens,
-                                  bint backlog)
+                                    int64_t max_model_len)
+    cdef Rejection c_refuse_prefill(self, int64_t queued)
+    cdef Rejection c_refuse_delay(self, double delay, int64_t waiting, int64_t queued_tokens)
     cdef Rejection c_refuse_slo(self, double predicted, double target, int64_t waiting,
-                                int64_t running, bint backlog)
+                                int64_t running)
     cdef Rejection c_refuse_full(self, int64_t over_reqs, int64_t over_tokens, int64_t waiting,
-                                 int64_t queued_tokens, int64_t queued, double now, bint backlog)
-    cdef Rejection c_refuse_shed(self, int64_t priority, int64_t victim_priority, bint over_reqs,
-                                 bint backlog)
-    cdef bint _drain_rates(self, double now, bint backlog, double* reqs_per_s,
+                                 int64_t queued_tokens, int64_t queued)
+    cdef Rejection c_refuse_shed(self, int64_t priority, int64_t victim_priority, bint over_reqs)
+    cdef bint _drain_rates(self, double* reqs_per_s,
                            double* tokens_per_s) noexcept nogil
-    cdef bint _rates_as_of(self, double now, bint backlog, double* reqs_per_s,
+    cdef bint _rates_as_of(self, double now, double* reqs_per_s,
                            double* tokens_per_s) noexcept nogil
-    cdef bint _paced_rates(self, double now, bint backlog, double* reqs_per_s,
+    cdef bint _paced_rates(self, double* reqs_per_s,
                            double* tokens_per_s) noexcept nogil
-    cdef object _retry_after(self, double excess_reqs, double excess_tokens, double now, bint backlog)
-    cdef double _in_line(self, double wait, double now, bint backlog) noexcept nogil
+    cdef object _retry_after(self, double excess_reqs, double excess_tokens)
+    cdef double _in_line(self, double wait) noexcept nogil
     cdef double _insert_place(self, double at, double now) noexcept nogil
     cdef void _forget_key(self, uint64_t key) noexcept nogil

@@ -11,8 +11,10 @@
 # time passes), and a request refused again before its own time gets its place
 # back instead of a second one (see `_in_line` for how, without client identity).
 #
-# The core owns the queue; it passes what the gate needs to know of it (whether
-# anything waits, how much) with each call.
+# One clock: the core tells the gate its time (`c_note_time`, monotone: the core's
+# own) before anything happens at that time, and tells it when its queue changes
+# between empty and not (`c_queue_changed`); every refusal and hint is as of the
+# last time told. How much waits, the core passes with the calls that need it.
 
 from libc.stdint cimport int64_t, uint64_t
 from libcpp.deque cimport deque
@@ -88,8 +90,7 @@ cdef size_t _GAP_SCAN = 64
 
 
 cdef class ArrivalGate:
-    """The arrival gate of one core (its settings from the config). ``backlog``
-    arguments: whether any request is waiting in the core's queue now."""
+    """The arrival gate of one core (its settings from the config)."""
 
     def __init__(self, config):
         self.max_queued_requests = config.max_queued_requests
@@ -104,22 +105,29 @@ cdef class ArrivalGate:
             self._rejected[i] = 0
         self._claims = self._step = self._place = 0
         self._key = 0
-        self._seen_time = False
+        self._seen_time = self._backlog = False
         self._t_last = self._backlog_s = 0.0
         self._drain_tokens = 0
 
     # --- drain rate ------------------------------------------------------
-    cdef void c_note_time(self, double now, bint backlog) noexcept nogil:
-        """Advances the backlog clock: seconds during which requests were waiting.
-        Admissions are counted against it, so the drain rate is the engine's pace
-        at taking queued work, not the arrival rate of a lightly loaded server."""
+    cdef void c_note_time(self, double now) noexcept nogil:
+        """The core's time is `now` (it never goes back: an earlier `now` changes
+        nothing). Advances the backlog clock: seconds during which requests were
+        waiting. Admissions are counted against it, so the drain rate is the
+        engine's pace at taking queued work, not the arrival rate of a lightly
+        loaded server."""
         if self._seen_time and now > self._t_last:
-            if backlog:
+            if self._backlog:
                 self._backlog_s += now - self._t_last
             self._t_last = now
         elif not self._seen_time:
             self._t_last = now
             self._seen_time = True
+
+    cdef void c_queue_changed(self, bint waiting) noexcept nogil:
+        """The core's queue changed, at the time last noted: `waiting`, whether any
+        request waits in it now (the backlog clock runs from here while it does)."""
+        self._backlog = waiting
 
     cdef void c_admitted(self, int64_t prefill_tokens) noexcept nogil:
         """A waiting request with `prefill_tokens` to prefill was admitted."""
@@ -141,25 +149,23 @@ cdef class ArrivalGate:
             self._drain_tokens -= self._drain.back().second
             self._drain.pop_back()
 
-    cdef bint _drain_rates(self, double now, bint backlog, double* reqs_per_s,
-                           double* tokens_per_s) noexcept nogil:
+    cdef bint _drain_rates(self, double* reqs_per_s, double* tokens_per_s) noexcept nogil:
         """Admissions and their prefill tokens per second of backlog over the last
-        drain_window_s of backlog (False: none observed yet); advances the backlog
-        clock to `now` and forgets admissions older than the window."""
-        self.c_note_time(now, backlog)
+        drain_window_s of backlog, as of the time last noted (False: none observed
+        yet); forgets admissions older than the window."""
         cdef double horizon = self._backlog_s - self._drain_window
         while not self._drain.empty() and self._drain.front().first < horizon:
             self._drain_tokens -= self._drain.front().second
             self._drain.pop_front()
-        return self._rates_as_of(now, backlog, reqs_per_s, tokens_per_s)
+        return self._rates_as_of(self._t_last, reqs_per_s, tokens_per_s)
 
-    cdef bint _rates_as_of(self, double now, bint backlog, double* reqs_per_s,
+    cdef bint _rates_as_of(self, double now, double* reqs_per_s,
                            double* tokens_per_s) noexcept nogil:
         """The drain rates `_drain_rates` would give at `now`, changing nothing: a
         read (a router's scrape, a metrics export) must not move the backlog clock,
         or how often it is read would change later Retry-After hints and refusals."""
         cdef double backlog_s = self._backlog_s
-        if self._seen_time and now > self._t_last and backlog:
+        if self._seen_time and now > self._t_last and self._backlog:
             backlog_s += now - self._t_last
         cdef double horizon = backlog_s - self._drain_window
         cdef int64_t n = self._drain.size(), tokens = self._drain_tokens
@@ -175,12 +181,11 @@ cdef class ArrivalGate:
         tokens_per_s[0] = tokens / span
         return True
 
-    cdef bint _paced_rates(self, double now, bint backlog, double* reqs_per_s,
-                           double* tokens_per_s) noexcept nogil:
+    cdef bint _paced_rates(self, double* reqs_per_s, double* tokens_per_s) noexcept nogil:
         """The drain rates for Retry-After hints: measured over at least
         retry_after_default_s of backlog (a burst's first admissions, a few ms apart
         while the engine still had room, are not the pace it keeps once full)."""
-        if not self._drain_rates(now, backlog, reqs_per_s, tokens_per_s):
+        if not self._drain_rates(reqs_per_s, tokens_per_s):
             return False
         cdef double span = min(self._backlog_s, self._drain_window)
         if span < self._retry_default:
@@ -188,10 +193,10 @@ cdef class ArrivalGate:
             tokens_per_s[0] *= span / self._retry_default
         return True
 
-    cdef object _retry_after(self, double excess_reqs, double excess_tokens, double now, bint backlog):
+    cdef object _retry_after(self, double excess_reqs, double excess_tokens):
         """Seconds until the observed admission rate drains the excess (None: cannot drain)."""
         cdef double rr, rt
-        if not self._paced_rates(now, backlog, &rr, &rt):
+        if not self._paced_rates(&rr, &rt):
             return self._retry_default
         cdef double wait = 0.0
         if excess_reqs > 0:
@@ -202,26 +207,26 @@ cdef class ArrivalGate:
             wait = max(wait, self._retry_default)
         return min(max(wait, 0.0), self._retry_max)
 
-    cdef double c_predicted_delay(self, int64_t ahead, int64_t ahead_tokens, int64_t queued,
-                                  double now, bint backlog) noexcept nogil:
+    cdef double c_predicted_delay(self, int64_t ahead, int64_t ahead_tokens,
+                                  int64_t queued) noexcept nogil:
         """Queueing delay of an arrival behind `ahead` waiting requests (and their
         `ahead_tokens` of prefill), plus itself, at the recent admission rate
-        (0 when nothing is ahead or no rate is known yet)."""
+        (0 when nothing is ahead or no rate is known yet), as of the time last noted."""
         cdef double rr, rt
-        if ahead == 0 or not self._drain_rates(now, backlog, &rr, &rt):
+        if ahead == 0 or not self._drain_rates(&rr, &rt):
             return 0.0
         return _delay_at(ahead, ahead_tokens, queued, rr, rt)
 
     cdef double c_peek_predicted_delay(self, int64_t ahead, int64_t ahead_tokens, int64_t queued,
-                                       double now, bint backlog) noexcept nogil:
-        """`c_predicted_delay` without advancing the backlog clock (for reads)."""
+                                       double now) noexcept nogil:
+        """`c_predicted_delay` as of `now` (the queue as it is), changing nothing (for reads)."""
         cdef double rr, rt
-        if ahead == 0 or not self._rates_as_of(now, backlog, &rr, &rt):
+        if ahead == 0 or not self._rates_as_of(now, &rr, &rt):
             return 0.0
         return _delay_at(ahead, ahead_tokens, queued, rr, rt)
 
     # --- refusals --------------------------------------------------------
-    cdef double _in_line(self, double wait, double now, bint backlog) noexcept nogil:
+    cdef double _in_line(self, double wait) noexcept nogil:
         """Spreads a burst's Retry-After hints: a refused client is given a place in the
         retry line, a retry time no earlier than its own predicted wait (`now + wait`)
         and at least one admission (at the recent admission rate, `_paced_rates`;
@@ -256,7 +261,7 @@ cdef class ArrivalGate:
         nobody is told about. A matched place earlier than the client's own
         predicted wait now moves to that time (not behind the line: the client
         keeps its turn)."""
-        cdef double rr, rt, spacing, at = now + wait
+        cdef double rr, rt, spacing, now = self._t_last, at = now + wait
         cdef size_t i, n, lo, hi, best
         cdef int64_t best_claim = 0
         cdef size_t scanned = 0
@@ -281,7 +286,7 @@ cdef class ArrivalGate:
             self._line.erase(self._line.begin() + best)   # its room is later now: the place
             return self._insert_place(at, now) - now       # moves there, in its turn
         if not self._line.empty():
-            if self._paced_rates(now, backlog, &rr, &rt) and rr > 0:
+            if self._paced_rates(&rr, &rt) and rr > 0:
                 spacing = 1.0 / rr
             else:
                 spacing = self._retry_default / max(self.max_queued_requests, 1)
@@ -331,21 +336,20 @@ cdef class ArrivalGate:
             if deref(it).second == 0:
                 self._line_keys.erase(it)
 
-    cdef Rejection c_refuse(self, int code, str message, str limit, object value, object retry,
-                            bint backlog):
+    cdef Rejection c_refuse(self, int code, str message, str limit, object value, object retry):
         """Counts a refusal; a retryable one gets its place in the retry line and its
         message the numbers a client needs (the message names the queue and the cap)."""
-        cdef double now = self._t_last, wait
+        cdef double wait
         self._rejected[code] += 1
         if retry is not None:
-            wait = self._in_line(retry, now, backlog)
+            wait = self._in_line(retry)
             message = (f"{message}; room expected in {retry:.3g} s, retry in {wait:.3g} s "
                        f"(place {self._place} in the retry line)")
             retry = wait
         return Rejection(REJECT_REASONS[code], message, limit, value, retry)
 
     cdef Rejection c_refuse_context(self, int64_t prompt_tokens, int64_t max_new_tokens,
-                                    int64_t max_model_len, bint backlog):
+                                    int64_t max_model_len):
         """The refusal of a request longer than the engine's context (None: it fits)."""
         cdef int64_t total = prompt_tokens + max_new_tokens
         if max_model_len > 0 and total > max_model_len:
@@ -353,21 +357,19 @@ cdef class ArrivalGate:
                 R_CONTEXT,
                 f"prompt_tokens ({prompt_tokens}) + max_new_tokens ({max_new_tokens}) = {total} "
                 f"exceeds max_model_len={max_model_len}",
-                "max_model_len", max_model_len, None, backlog)
+                "max_model_len", max_model_len, None)
         return None
 
-    cdef Rejection c_refuse_prefill(self, int64_t queued, bint backlog):
+    cdef Rejection c_refuse_prefill(self, int64_t queued):
         """The refusal of a prompt whose prefill alone exceeds max_queued_tokens (None: fits)."""
         if self.max_queued_tokens > 0 and queued > self.max_queued_tokens:
             return self.c_refuse(
                 R_QUEUED_TOKENS,
                 f"prompt needs {queued} tokens of prefill, more than max_queued_tokens="
-                f"{self.max_queued_tokens}", "max_queued_tokens", self.max_queued_tokens, None,
-                backlog)
+                f"{self.max_queued_tokens}", "max_queued_tokens", self.max_queued_tokens, None)
         return None
 
-    cdef Rejection c_refuse_delay(self, double delay, int64_t waiting, int64_t queued_tokens,
-                                  bint backlog):
+    cdef Rejection c_refuse_delay(self, double delay, int64_t waiting, int64_t queued_tokens):
         """The refusal of an arrival whose predicted queueing delay exceeds
         max_queue_delay_s (None: within it, or no cap)."""
         if self.max_queue_delay_s > 0 and delay > self.max_queue_delay_s:
@@ -376,11 +378,11 @@ cdef class ArrivalGate:
                 f"predicted queueing delay {delay:.3g} s ({waiting} requests and "
                 f"{queued_tokens} prompt tokens waiting) exceeds max_queue_delay_s="
                 f"{self.max_queue_delay_s:g}", "max_queue_delay_s", self.max_queue_delay_s,
-                min(delay - self.max_queue_delay_s, self._retry_max), backlog)
+                min(delay - self.max_queue_delay_s, self._retry_max))
         return None
 
     cdef Rejection c_refuse_slo(self, double predicted, double target, int64_t waiting,
-                                int64_t running, bint backlog):
+                                int64_t running):
         """The refusal of an arrival whose predicted TTFT exceeds its target (None: within)."""
         if predicted > target:
             return self.c_refuse(
@@ -388,11 +390,11 @@ cdef class ArrivalGate:
                 f"predicted TTFT {predicted:.3g} s ({waiting} requests waiting, "
                 f"{running} running) exceeds its target ttft_slo_s="
                 f"{target:g}", "ttft_slo_s", target,
-                min(predicted - target, self._retry_max), backlog)
+                min(predicted - target, self._retry_max))
         return None
 
     cdef Rejection c_refuse_full(self, int64_t over_reqs, int64_t over_tokens, int64_t waiting,
-                                 int64_t queued_tokens, int64_t queued, double now, bint backlog):
+                                 int64_t queued_tokens, int64_t queued):
         """The refusal of an arrival over a queue cap: `over_reqs` requests (if > 0),
         else `over_tokens` prefill tokens; `waiting` / `queued_tokens`: the queue now,
         `queued`: the arrival's prefill."""
@@ -402,16 +404,15 @@ cdef class ArrivalGate:
                 f"queue full: {waiting} requests waiting, "
                 f"max_queued_requests={self.max_queued_requests}",
                 "max_queued_requests", self.max_queued_requests,
-                self._retry_after(over_reqs, 0, now, backlog), backlog)
+                self._retry_after(over_reqs, 0))
         return self.c_refuse(
             R_QUEUED_TOKENS,
             f"queue full: {queued_tokens} prompt tokens waiting + {queued} "
             f"exceeds max_queued_tokens={self.max_queued_tokens}",
             "max_queued_tokens", self.max_queued_tokens,
-            self._retry_after(0, over_tokens, now, backlog), backlog)
+            self._retry_after(0, over_tokens))
 
-    cdef Rejection c_refuse_shed(self, int64_t priority, int64_t victim_priority, bint over_reqs,
-                                 bint backlog):
+    cdef Rejection c_refuse_shed(self, int64_t priority, int64_t victim_priority, bint over_reqs):
         """The refusal of a waiting request (`victim_priority`) shed for an arrival of
         `priority` over the request cap (`over_reqs`) or the token cap."""
         return self.c_refuse(
@@ -420,7 +421,7 @@ cdef class ArrivalGate:
             f"< {victim_priority})",
             "max_queued_requests" if over_reqs else "max_queued_tokens",
             self.max_queued_requests if over_reqs else self.max_queued_tokens,
-            self._retry_default, backlog)
+            self._retry_default)
 
     @property
     def retry_max_s(self):

@@ -17,8 +17,6 @@ cdef class AdmissionCore(CoreView):
         return self.shortfall.enabled
 
     cdef inline void _tick(self, double now) noexcept nogil
-    cdef inline void _note_time(self, double now) noexcept nogil
-    cdef inline void _advance(self, double now) noexcept nogil
     cdef void _enqueue(self, int32_t s) noexcept nogil
     cdef void _dequeue(self, int32_t s) noexcept nogil
     cdef void _stopped(self, int32_t s) noexcept nogil
@@ -31,7 +29,7 @@ cdef class AdmissionCore(CoreView):
     cdef int32_t c_next_admissible(self, int64_t free_blocks, bint check_blocks) noexcept nogil
     cdef void c_admit(self, int32_t s, double now) noexcept nogil
     cdef void c_progress(self, int32_t s, int64_t computed_tokens, int64_t generated_tokens) noexcept nogil
-    cdef void c_on_step(self) noexcept nogil
+    cdef void c_on_step(self, double now) noexcept nogil
     cdef void c_preempt(self, int32_t s, double now) noexcept nogil
     cdef void c_finish(self, int32_t s, double now) noexcept nogil
     cdef void c_observe_cache(self, int64_t used_blocks, int64_t hit_tokens, int64_t query_tokens,

@@ -13,7 +13,7 @@
 #   kvadmit._slo_guard, kvadmit._agent_window, kvadmit._victims
 #   kvadmit._core_view       the parts held, and every read and stat over them
 # This module calls each part, in order, where a request arrives, waits, starts,
-# stops or leaves, and keeps the counters and the clocks.
+# stops or leaves, and keeps the counters and the clock.
 
 from libc.math cimport INFINITY, isfinite
 from libc.stdint cimport int32_t, int64_t
@@ -81,47 +81,43 @@ cdef class AdmissionCore(CoreView):
                                           config.queue_order == "priority")
         self.decision = Decision(self.ledger, self.policy, self.slo_guard, self.agent_window,
                                  self.queue, self.gate, num_blocks, config.queue_order == "priority")
-        self._last_now = 0.0
+        self._now = 0.0
         self._n_arrived = self._n_admitted = self._n_preempted = 0
         self._n_finished = self._n_aborted = 0
 
     # ------------------------------------------------------------------
-    # The clocks. The backlog clock (`_note_time`, the arrival gate's: seconds with
-    # requests waiting, for the drain rate) and the latest time seen (`_advance`:
-    # sessions' idle clocks, router signals). arrive, admit and finish tick both
-    # (`_tick`); preempt, cancel_admit and abort only the backlog clock; on_step,
-    # observe_cache (agent window on) and expire_sessions only the latest time. One
-    # clock everywhere would move the agents' idle clocks at a preemption and sample
-    # the backlog clock where an engine replays arrivals late (the native engine):
-    # other decisions, so the mix stays as it is, named here.
+    # The clock, one for the whole core. Every mutator takes the engine's `now`
+    # (seconds, required) and starts with `_tick(now)`: the core's time `_now` is
+    # the latest `now` seen (a `now` earlier than it, such as an arrival the engine
+    # replays late, is the request's own arrival time, not the core's). The arrival
+    # gate is told the same time (its backlog clock: seconds with requests waiting,
+    # the drain rate's clock) and is told when the queue changes (`_enqueue` /
+    # `_dequeue`), so it knows what waited in between. Sessions' idle clocks, the
+    # queue-delay cap and the router signals read `_now`. Reads move no clock.
     cdef inline void _tick(self, double now) noexcept nogil:
-        self._note_time(now)
-        self._advance(now)
-
-    cdef inline void _note_time(self, double now) noexcept nogil:
-        self.gate.c_note_time(now, not self.queue.c_empty())
-
-    cdef inline void _advance(self, double now) noexcept nogil:
-        if now > self._last_now:
-            self._last_now = now
+        if now > self._now:
+            self._now = now
+        self.gate.c_note_time(self._now)
 
     # ------------------------------------------------------------------
     # What the parts hear when a request joins or leaves the queue or the running set
     cdef void _enqueue(self, int32_t s) noexcept nogil:
         """The ledger enqueued s: it takes its place in the queue."""
         self.queue.c_add(s)
+        self.gate.c_queue_changed(True)
         self.agent_window.c_queued(self.ledger.session(s))
 
     cdef void _dequeue(self, int32_t s) noexcept nogil:
         self.queue.c_remove(s)
+        self.gate.c_queue_changed(not self.queue.c_empty())
         self.ledger.dequeue(s)
-        self.agent_window.c_unqueued(self.ledger.session(s), self._last_now)
+        self.agent_window.c_unqueued(self.ledger.session(s), self._now)
 
     cdef void _stopped(self, int32_t s) noexcept nogil:
         """The ledger took s out of the running set."""
         self.policy.c_running_changed()
         self.slo_guard.c_stopped(self.ledger.tpot(s))
-        self.agent_window.c_stopped(self.ledger.session(s), self._last_now)
+        self.agent_window.c_stopped(self.ledger.session(s), self._now)
 
     # ------------------------------------------------------------------
     # Arrivals
@@ -130,7 +126,7 @@ cdef class AdmissionCore(CoreView):
         retryable) and returns it: one an engine adapter found before `arrive`
         (its fields, its token ids), or that `arrive` raised ValueError for.
         Not counted as an arrival: it never reached the queue."""
-        return self.gate.c_refuse(R_INVALID, message, limit, None, None, not self.queue.c_empty())
+        return self.gate.c_refuse(R_INVALID, message, limit, None, None)
 
     def refuse_oversized_group(self, int64_t samples):
         """Counts and returns the refusal of a parallel-sampling request whose
@@ -144,13 +140,14 @@ cdef class AdmissionCore(CoreView):
         return self.gate.c_refuse(
             R_QUEUE_FULL, f"the request's n={samples} samples exceed max_queued_requests="
             f"{cap}: they can never be queued together",
-            "max_queued_requests", cap, None, not self.queue.c_empty())
+            "max_queued_requests", cap, None)
 
     def arrive(self, int64_t prompt_tokens, int64_t max_new_tokens, int64_t priority=0,
-               int64_t cached_tokens=0, double now=0.0, double ttft_slo_s=-1.0,
+               int64_t cached_tokens=0, *, double now, double ttft_slo_s=-1.0,
                double tpot_slo_s=-1.0, int64_t session=-1, double arrival_time=0.0,
                double arrival_tie=0.0):
-        """A request arrives: queue it (slot) or refuse it (Rejection).
+        """A request arrives at `now` (required, keyword): queue it (slot) or refuse
+        it (Rejection).
 
         ``ttft_slo_s`` / ``tpot_slo_s``: its targets (negative: the config's
         defaults; 0: none). ``session``: its agent/session id (-1: none).
@@ -164,7 +161,7 @@ cdef class AdmissionCore(CoreView):
         self._tick(now)
         self._n_arrived += 1
         cdef Rejection refused = self.gate.c_refuse_context(prompt_tokens, max_new_tokens,
-                                                            self.max_model_len, not self.queue.c_empty())
+                                                            self.max_model_len)
         if refused is not None:
             return ArrivalResult(False, -1, refused, [])
         cdef int32_t s = self.ledger.add(
@@ -174,7 +171,7 @@ cdef class AdmissionCore(CoreView):
         self.agent_window.c_track(self.ledger.session(s), now)
         cdef list shed = []
         self._judging(s)
-        refused = self.decision.c_refusal(s, now)
+        refused = self.decision.c_refusal(s)
         if refused is None:
             refused = self._make_room(s, now, shed)
         if refused is not None:
@@ -211,10 +208,10 @@ cdef class AdmissionCore(CoreView):
                 self._judging(v)
                 self.ledger.release(v)
                 shed.append((v, self.gate.c_refuse_shed(priority, self.ledger.priority(v),
-                                                        over_reqs > 0, not self.queue.c_empty())))
+                                                        over_reqs > 0)))
             return None
         return self.gate.c_refuse_full(over_reqs, over_tokens, self.queue.c_size(),
-                                       self.ledger.queued_tokens(), queued, now, not self.queue.c_empty())
+                                       self.ledger.queued_tokens(), queued)
 
     # ------------------------------------------------------------------
     # Admission
@@ -274,13 +271,13 @@ cdef class AdmissionCore(CoreView):
         # time seen) is passed by no later one.
         cdef double unpassable_from = -INFINITY
         if self.gate.max_queue_delay_s > 0:
-            unpassable_from = self._last_now - self.gate.max_queue_delay_s
+            unpassable_from = self._now - self.gate.max_queue_delay_s
         cdef int32_t s = self.queue.c_scan(self.decision, free_blocks, check_blocks,
                                            self.shortfall.paused_now > 0, unpassable_from)
         self.policy.c_scan_end()
         return s
 
-    def admit(self, int64_t slot, double now=0.0):
+    def admit(self, int64_t slot, double now):
         """Commits: the waiting request starts running. Requests it passed count a bypass."""
         self.ledger.check_state(slot, ST_WAITING)
         check_now(now)
@@ -315,13 +312,13 @@ cdef class AdmissionCore(CoreView):
         self._n_arrived -= 1
         self.ledger.release(s)
 
-    def cancel_admit(self, int64_t slot, double now=0.0):
+    def cancel_admit(self, int64_t slot, double now):
         """Undoes an admission the engine did not carry out (it put the request
         back before running it): running -> waiting, not counted as a preemption."""
         self.ledger.check_state(slot, ST_RUNNING)
         check_now(now)
         cdef int32_t s = <int32_t>slot
-        self._note_time(now)
+        self._tick(now)
         cdef bint activated = self.ledger.cancel_start(s)   # it shares nothing until admitted again
         self._stopped(s)
         self._enqueue(s)
@@ -365,18 +362,18 @@ cdef class AdmissionCore(CoreView):
             raise ValueError(f"blocks={blocks}: must be >= 0")
         self.ledger.set_blocks(<int32_t>slot, blocks)
 
-    def on_step(self, double now=0.0):
-        """Once per engine step, after its preemptions: advances the predict ratio."""
+    def on_step(self, double now):
+        """Once per engine step at `now`, after its preemptions: advances the predict ratio."""
         check_now(now)
-        self._advance(now)
-        self.c_on_step()
+        self.c_on_step(now)
 
-    cdef void c_on_step(self) noexcept nogil:
+    cdef void c_on_step(self, double now) noexcept nogil:
+        self._tick(now)
         self.ledger.next_step()
         self.policy.c_on_step(self.ledger.n_running() == 0 and self.queue.c_empty())
         self.shortfall.c_new_step()
 
-    def preempt(self, int64_t slot, double now=0.0):
+    def preempt(self, int64_t slot, double now):
         """Commits: a running request gives its memory back and waits again
         (recompute: its KV is gone, its output so far is kept)."""
         self.ledger.check_state(slot, ST_RUNNING)
@@ -385,14 +382,14 @@ cdef class AdmissionCore(CoreView):
 
     cdef void c_preempt(self, int32_t s, double now) noexcept nogil:
         """`preempt`, unchecked (the native engine's path too)."""
-        self._note_time(now)
+        self._tick(now)
         self.ledger.preempt(s)
         self._stopped(s)
         self._enqueue(s)
         self._n_preempted += 1
         self.policy.c_on_preempt()
 
-    def finish(self, int64_t slot, double now=0.0):
+    def finish(self, int64_t slot, double now):
         """A running request is done; its output length feeds the length model."""
         self.ledger.check_state(slot, ST_RUNNING)
         check_now(now)
@@ -407,11 +404,11 @@ cdef class AdmissionCore(CoreView):
         self._n_finished += 1
         self.ledger.release(s)
 
-    def abort(self, int64_t slot, double now=0.0):
+    def abort(self, int64_t slot, double now):
         """The request is gone (client cancelled, engine error): forget it."""
         self.ledger.check_live(slot)
         check_now(now)
-        self._note_time(now)
+        self._tick(now)
         cdef int32_t s = <int32_t>slot
         if self.ledger.state(s) == ST_RUNNING:
             self.ledger.stop(s)
@@ -435,7 +432,7 @@ cdef class AdmissionCore(CoreView):
         self.slo_guard.observe_step(tokens, context, seconds)
 
     def observe_cache(self, int64_t used_blocks, int64_t hit_tokens, int64_t query_tokens,
-                      double now=0.0):
+                      double now):
         """Once per engine step: KV blocks in use and the step's prefix-cache hit and
         query tokens. Every agent_interval_steps the agent window follows AIMD."""
         check_now(now)
@@ -443,10 +440,10 @@ cdef class AdmissionCore(CoreView):
 
     cdef void c_observe_cache(self, int64_t used_blocks, int64_t hit_tokens, int64_t query_tokens,
                                double now) noexcept nogil:
+        self._tick(now)
         if not self.agent_window.enabled:
             return
-        self._advance(now)
-        self.agent_window.c_observe_cache(used_blocks, hit_tokens, query_tokens, self._last_now)
+        self.agent_window.c_observe_cache(used_blocks, hit_tokens, query_tokens, self._now)
 
     def observe_used_blocks(self, int64_t used_blocks):
         """Once per engine step, after `update_many`: KV blocks in use (auto counts the
@@ -473,8 +470,8 @@ cdef class AdmissionCore(CoreView):
         """Lets idle sessions leave the window as of `now` (engines call it when idle;
         observe_cache does it every step while the window is full)."""
         check_now(now)
-        self._advance(now)
-        self.agent_window.c_expire_idle(self._last_now)
+        self._tick(now)
+        self.agent_window.c_expire_idle(self._now)
 
     # ------------------------------------------------------------------
     # Victims (their order: CoreView.victim_order)

@@ -41,4 +41,4 @@ cdef class CoreView:
     cdef bint _victim_by_priority          # queue_order "priority": victims within classes, least important first
     # counters and the latest time seen
     cdef int64_t _n_arrived, _n_admitted, _n_preempted, _n_finished, _n_aborted
-    cdef double _last_now
+    cdef double _now                       # the core's time: the latest `now` of any mutator (monotone)

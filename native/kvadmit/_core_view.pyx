@@ -81,7 +81,7 @@ cdef class CoreView:
 
     def predict_ttft(self, int64_t prompt_tokens, double now):
         """The TTFT the SLO guard predicts for an arrival of `prompt_tokens` at
-        `now` (queued behind everything waiting)."""
+        `now` (queued behind everything waiting). A read: it moves no clock."""
         if prompt_tokens < 1:
             raise ValueError(f"prompt_tokens={prompt_tokens}: must be >= 1")
         check_now(now)
@@ -89,7 +89,7 @@ cdef class CoreView:
         # its place: behind every waiting request (the least priority, no deadline)
         self.queue.c_ahead_of(self.queue.c_order_key(INT64_MAX // 2, now, 0.0, 0.0, 0.0,
                                                      self.ledger.next_seq()), &ahead, &ahead_tokens)
-        cdef double delay = self.decision.c_predicted_delay(ahead, ahead_tokens, prompt_tokens, now)
+        cdef double delay = self.gate.c_peek_predicted_delay(ahead, ahead_tokens, prompt_tokens, now)
         return self.slo_guard.c_predict_ttft(ahead_tokens, prompt_tokens, delay, self.ledger.n_running(),
                                              self.ledger.running_context())
 
@@ -136,7 +136,7 @@ cdef class CoreView:
             "kv_headroom_blocks": max(self.num_blocks - demand, 0),
             "admission_pressure": demand / <double>self.num_blocks,
             "predicted_queue_delay_s": self.gate.c_peek_predicted_delay(
-                self.queue.c_size(), queued, 0, self._last_now, not self.queue.c_empty()),
+                self.queue.c_size(), queued, 0, self._now),
         }
 
     def stats(self):

@@ -20,12 +20,13 @@ cdef class Decision(Judge):
     cdef int64_t block_size, num_blocks
     cdef bint by_priority                 # queue_order "priority": priority retraction
 
-    cdef inline double c_predicted_delay(self, int64_t ahead, int64_t ahead_tokens, int64_t queued,
-                                         double now) noexcept nogil:
-        """The arrival gate's predicted queueing delay behind `ahead` requests."""
-        return self.gate.c_predicted_delay(ahead, ahead_tokens, queued, now, not self.queue.c_empty())
+    cdef inline double c_predicted_delay(self, int64_t ahead, int64_t ahead_tokens,
+                                         int64_t queued) noexcept nogil:
+        """The arrival gate's predicted queueing delay behind `ahead` requests (as of
+        the core's time)."""
+        return self.gate.c_predicted_delay(ahead, ahead_tokens, queued)
 
     cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil
     cdef bint c_takes_from_lower(self, int32_t s, int64_t free_blocks) noexcept nogil
     cdef bint c_lower_priority_runs(self, int64_t priority) noexcept nogil
-    cdef Rejection c_refusal(self, int32_t s, double now)
+    cdef Rejection c_refusal(self, int32_t s)

@@ -67,9 +67,9 @@ cdef class Decision(Judge):
                 return True
         return False
 
-    cdef Rejection c_refusal(self, int32_t s, double now):
-        """Why the new request s can never be queued here, or cannot now; None: it may queue."""
-        cdef bint backlog = not self.queue.c_empty()
+    cdef Rejection c_refusal(self, int32_t s):
+        """Why the new request s can never be queued here, or cannot now (as of the
+        core's time); None: it may queue."""
         if not self.policy.c_fits_alone(s):
             return self.gate.c_refuse(
                 R_KV_CAPACITY,
@@ -77,9 +77,9 @@ cdef class Decision(Judge):
                 f"'{POLICIES[self.policy.kind]}' (prompt_tokens={self.ledger.prompt(s)}, "
                 f"max_new_tokens={self.ledger.max_new(s)}, pool={self.num_blocks} blocks of "
                 f"{self.block_size} tokens)",
-                "num_blocks", self.num_blocks, None, backlog)
+                "num_blocks", self.num_blocks, None)
         cdef int64_t queued = self.ledger.queued_of(s)
-        cdef Rejection refused = self.gate.c_refuse_prefill(queued, backlog)
+        cdef Rejection refused = self.gate.c_refuse_prefill(queued)
         if refused is not None:
             return refused
         cdef double delay = 0.0
@@ -87,15 +87,14 @@ cdef class Decision(Judge):
         cdef bint ttft_guarded = self.slo_guard.enabled and self.ledger.ttft(s) > 0
         if self.gate.max_queue_delay_s > 0 or ttft_guarded:
             self.queue.c_ahead_of(self.queue.c_key(s), &ahead, &ahead_tokens)
-            delay = self.c_predicted_delay(ahead, ahead_tokens, queued, now)
+            delay = self.c_predicted_delay(ahead, ahead_tokens, queued)
         if self.gate.max_queue_delay_s > 0:
-            refused = self.gate.c_refuse_delay(delay, self.queue.c_size(), self.ledger.queued_tokens(),
-                                               backlog)
+            refused = self.gate.c_refuse_delay(delay, self.queue.c_size(), self.ledger.queued_tokens())
             if refused is not None:
                 return refused
         if ttft_guarded:
             return self.gate.c_refuse_slo(
                 self.slo_guard.c_predict_ttft(ahead_tokens, queued, delay, self.ledger.n_running(),
                                               self.ledger.running_context()),
-                self.ledger.ttft(s), self.queue.c_size(), self.ledger.n_running(), backlog)
+                self.ledger.ttft(s), self.queue.c_size(), self.ledger.n_running())
         return None

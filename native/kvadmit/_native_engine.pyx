@@ -456,8 +456,9 @@ cdef class NativeEngine:
         cdef ArrivalResult res
         while self._next_arrival() <= self._clock:
             r = self._pop_arrival()
-            res = self.core.arrive(self._prompt[r], self._maxtok[r], self._prio[r], 0, self._arr[r],
-                                   self._ttft[r], self._tpot[r], self._sess[r])
+            res = self.core.arrive(self._prompt[r], self._maxtok[r], self._prio[r], 0,
+                                   now=self._arr[r], ttft_slo_s=self._ttft[r],
+                                   tpot_slo_s=self._tpot[r], session=self._sess[r])
             for slot, rej in res.shed:
                 v = self._slot_req[slot]
                 self._slot_req[slot] = -1
@@ -630,7 +631,7 @@ cdef class NativeEngine:
                 batch += self._sched[r]
                 ctx += self._computed[r] + self._sched[r]
         cdef double dt = self._step_a_s + self._step_b_s * batch + self._step_c_s * ctx
-        cdef double t_end = self._clock + dt
+        cdef double t_start = self._clock, t_end = self._clock + dt
         cdef int64_t used = self._nblocks - self.allocator.c_num_free()
         if used > self._peak_used:
             self._peak_used = used
@@ -666,11 +667,14 @@ cdef class NativeEngine:
                 self._finish(r, t_end)
         self._clock = t_end
         self._steps += 1
-        self.core.c_on_step()
+        # At the step's time, as the engine bridge's step_done (the core's clock: the
+        # latest of it and the finishes above).
+        self.core.c_on_step(t_start)
         # As the engine adapters do: the fit is also reported (stats), guard or not.
         self.core.slo_guard.c_observe_step(batch, ctx, dt)
         used = self._nblocks - self.allocator.c_num_free()     # after the finishes
-        self.core.c_observe_cache(used, self._step_hit, self._step_query, t_end)
+        if self.core.agent_window.enabled:   # as the bridge: only the window asks for it
+            self.core.c_observe_cache(used, self._step_hit, self._step_query, t_end)
         self.core.c_observe_used_blocks(used)
         self._step_hit = self._step_query = 0
         self._demote_paused()

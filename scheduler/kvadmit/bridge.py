@@ -171,12 +171,12 @@ class EngineBridge:
 
     # -- leaving -------------------------------------------------------------
     def leave(self, key: Hashable, finished: bool,
-              progress: Optional[Callable[[int], tuple[int, int]]] = None,
-              now: float = 0.0) -> Any:
-        """The engine is done with a tracked request (None if it was not tracked).
-        ``finished``: it ended on its own (stop, length); a running one then reports
-        ``progress(slot)`` = (computed tokens, generated tokens) and finishes at
-        ``now``. Anything else, or a request that never ran, is an abort."""
+              progress: Optional[Callable[[int], tuple[int, int]]], now: float) -> Any:
+        """The engine is done with a tracked request at ``now`` (None if it was not
+        tracked). ``finished``: it ended on its own (stop, length); a running one then
+        reports ``progress(slot)`` = (computed tokens, generated tokens) and finishes.
+        Anything else, or a request that never ran, is an abort (at ``now`` too: it
+        ticks the core's clock, the drain rate's backlog clock with it)."""
         slot = self._slot.get(key)
         if slot is None:
             return None
@@ -188,7 +188,7 @@ class EngineBridge:
                 core.update(slot, computed, generated)
             core.finish(slot, now)
         else:
-            core.abort(slot)
+            core.abort(slot, now)
         return obj
 
     # -- the step ------------------------------------------------------------

@@ -378,7 +378,7 @@ class SGLangAdmission:
 
     def forget(self, req) -> None:
         """SGLang dropped a request kvadmit had accepted (e.g. its own queue cap)."""
-        self.bridge.leave(req.rid, finished=False)
+        self.bridge.leave(req.rid, False, None, self.now())
 
     def _adopt(self, req, now: float) -> Optional[int]:
         """A request reached the queue or batch by a path kvadmit did not see.

@@ -156,7 +156,7 @@ class VllmAdmission:
     def undo(self, slot: int) -> None:
         """A request vLLM took but did not start is back: its admission is undone."""
         if self.core.state(slot) == "running":
-            self.core.cancel_admit(slot)
+            self.core.cancel_admit(slot, self.clock())
 
     def adopt(self, request) -> int | None:
         """The slot of a request vLLM puts in the waiting queue. One kvadmit does not
@@ -175,9 +175,9 @@ class VllmAdmission:
             return None
         return arrival.slot
 
-    def leave(self, request_id: str, finished: bool = False, progress=None,
-              now: float = 0.0) -> None:
-        """The request leaves kvadmit (finished on its own, or aborted)."""
+    def leave(self, request_id: str, now: float, finished: bool = False,
+              progress=None) -> None:
+        """The request leaves kvadmit at ``now`` (finished on its own, or aborted)."""
         self.forget_order(request_id)
         self.bridge.leave(request_id, finished, progress, now)
 

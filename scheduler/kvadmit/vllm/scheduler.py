@@ -146,7 +146,7 @@ class GatedWaitingQueue(RequestQueue):
         for slot, r in list(self._by_slot.items()):
             if r.request_id in ids:
                 del self._by_slot[slot]
-                self._admission.leave(r.request_id)
+                self._admission.leave(r.request_id, self._admission.clock())
         self._untracked = [r for r in self._untracked if r.request_id not in ids]
 
     def __len__(self) -> int:
@@ -282,8 +282,7 @@ class _KvadmitMixin:
                 gen = request.num_tokens - prompt
                 return min(request.num_computed_tokens, prompt + gen), gen
 
-            self.kvadmit.leave(request.request_id, natural, progress,
-                               self.kvadmit.clock() if natural else 0.0)
+            self.kvadmit.leave(request.request_id, self.kvadmit.clock(), natural, progress)
         return super()._free_request(request, *args, **kwargs)
 
     # -- outputs ---------------------------------------------------------------
