@@ -16,7 +16,3 @@ cdef class ShortfallPlanner:
     cdef int64_t c_plan(self, const int64_t* want, const int64_t* computed, const int64_t* held,
                         int64_t n, int64_t free_blocks, int64_t budget, int64_t lookahead,
                         char* paused, const int64_t* priority=*) noexcept nogil
-    cdef int64_t c_plan_by_priority(self, const int64_t* want, const int64_t* computed,
-                                    const int64_t* held, const int64_t* priority, int64_t n,
-                                    int64_t free_blocks, int64_t budget, int64_t lookahead,
-                                    char* paused) noexcept nogil

@@ -63,55 +63,25 @@ cdef class ShortfallPlanner:
                         char* paused, const int64_t* priority=NULL) noexcept nogil:
         """In the engine's serving order each running request takes min(want, budget
         left) tokens and the blocks they need (plus `lookahead`) while blocks last;
-        one that finds too few is paused (paused[i] = 1). Returns how many. With
-        `priority` (one per entry) under queue_order "priority": c_plan_by_priority."""
-        cdef int64_t i, w, need, count = 0, served = 0, first = -1
+        one that finds too few is paused (paused[i] = 1). Returns how many.
+        With `priority` (one per entry) under queue_order "priority": entries in
+        (priority, position) order, the most important first, and one short of blocks
+        takes them from those entries of strictly lower priority hold (not yet taken)
+        if they suffice (the engine preempts those, lowest first)."""
+        cdef int64_t i, j, k, w, need, lower, taken = 0, count = 0, served = 0, first = -1
         self.paused_now = 0
         if not self.enabled:
             return 0
-        if priority != NULL and self.by_priority:
-            return self.c_plan_by_priority(want, computed, held, priority, n, free_blocks, budget,
-                                           lookahead, paused)
-        for i in range(n):
-            paused[i] = 0
-            w = want[i] if want[i] < budget else budget
-            if w <= 0:
-                continue            # the engine does not reach it this step anyway
-            need = cdiv(computed[i] + w + lookahead, self.block_size) - held[i]
-            if need <= free_blocks:
-                free_blocks -= need if need > 0 else 0
-                budget -= w
-                served += 1
-            else:
-                paused[i] = 1
-                count += 1
-                if first < 0:
-                    first = i
-        if served == 0 and count > 0:
-            # Nothing could run: the first runs, taking what the engine's victims give
-            # back; the rest stay paused rather than each preempting in turn.
-            paused[first] = 0
-            count -= 1
-        self.paused_now = count
-        self.paused_total += count
-        return count
-
-    cdef int64_t c_plan_by_priority(self, const int64_t* want, const int64_t* computed,
-                                    const int64_t* held, const int64_t* priority, int64_t n,
-                                    int64_t free_blocks, int64_t budget, int64_t lookahead,
-                                    char* paused) noexcept nogil:
-        """The plan under queue_order "priority": entries in (priority, position)
-        order, the most important first; one short of blocks takes them from the
-        blocks entries of strictly lower priority hold (not yet taken) if they
-        suffice (the engine preempts those, lowest first), else it is paused."""
+        cdef bint ranked = priority != NULL and self.by_priority
         cdef vector[pair[int64_t, int64_t]] order
-        cdef int64_t i, j, k, w, need, lower, taken = 0, count = 0, served = 0, first = -1
         for i in range(n):
             paused[i] = 0
-            order.push_back(pair[int64_t, int64_t](priority[i], i))
-        sort(order.begin(), order.end())
+            if ranked:
+                order.push_back(pair[int64_t, int64_t](priority[i], i))
+        if ranked:
+            sort(order.begin(), order.end())
         for k in range(n):
-            i = order[k].second
+            i = order[k].second if ranked else k
             w = want[i] if want[i] < budget else budget
             if w <= 0:
                 continue            # the engine does not reach it this step anyway
@@ -121,22 +91,26 @@ cdef class ShortfallPlanner:
                 budget -= w
                 served += 1
                 continue
-            lower = 0
-            for j in range(n):
-                if priority[j] > priority[i]:
-                    lower += held[j]
-            if need <= free_blocks + lower - taken:
-                taken += need - free_blocks     # the engine preempts lower ones for it
-                free_blocks = 0
-                budget -= w
-                served += 1
-            else:
-                paused[i] = 1
-                count += 1
-                if first < 0:
-                    first = i
+            if ranked:
+                lower = 0
+                for j in range(n):
+                    if priority[j] > priority[i]:
+                        lower += held[j]
+                if need <= free_blocks + lower - taken:
+                    taken += need - free_blocks     # the engine preempts lower ones for it
+                    free_blocks = 0
+                    budget -= w
+                    served += 1
+                    continue
+            paused[i] = 1
+            count += 1
+            if first < 0:
+                first = i
         if served == 0 and count > 0:
-            paused[first] = 0                   # the most important runs (see c_plan)
+            # Nothing could run: the first (the most important) runs, taking what the
+            # engine's victims give back; the rest stay paused rather than each
+            # preempting in turn.
+            paused[first] = 0
             count -= 1
         self.paused_now = count
         self.paused_total += count
