@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from haproxy_pair import HAPROXY_CFG, free_port  # noqa: E402  (the same HAProxy recipe)
+from kvadmit.simulate.run import save_json  # noqa: E402
 from kvadmit.vllm.bench_serve import queue_delay_for  # noqa: E402
 
 POOL_BLOCKS = 96           # --num-gpu-blocks-override: 3,072 tokens, ~8 requests
@@ -460,9 +461,7 @@ def main(argv: list[str] | None = None) -> int:
            "vllm_max_num_queued_reqs": queued_cap, "instances": args.instances,
            "max_num_seqs": MAX_NUM_SEQS, "pool_blocks": POOL_BLOCKS, "rows": rows}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"saved {args.out}")
+        save_json(out, args.out)
     return 0
 
 

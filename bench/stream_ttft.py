@@ -13,7 +13,6 @@ headers. Nothing is refused here: this is the cost to admitted streams.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -24,6 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from router_fleet import Setup, free_port, serve_command, stop, wait_http  # noqa: E402
+from kvadmit.simulate.run import save_json  # noqa: E402
 
 
 def one(client, base: str, model: str, seed: int) -> tuple[float, float]:
@@ -95,9 +95,7 @@ def main(argv=None) -> int:
     print(f"added TTFT (status - event): p50 {out['added_ttft_ms']['p50']} ms, "
           f"p99 {out['added_ttft_ms']['p99']} ms")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"saved {args.out}")
+        save_json(out, args.out)
     return 0
 
 
