@@ -83,3 +83,19 @@ def test_no_log_lets_everything_through(capfd):
         engine(1001)
     out = capfd.readouterr().out
     assert "Initializing a V1 LLM engine" in out and "Chat template warmup failed" in out
+
+
+def test_a_said_line_follows_what_was_written_before_it(tmp_path, capfd):
+    # The pump thread reads the pipe on its own; say() waits for it to catch up, so a
+    # warning an engine wrote before the caller's line is shown before it, every time.
+    log = tmp_path / "engine.log"
+    with engine_log(str(log)):
+        for i in range(20):
+            os.write(2, f"\r/x/w.py:{i}: UserWarning: number {chr(97 + i)}\n".encode())
+            os.write(1, b"Loading 50% | no newline yet")     # a progress bar's half line
+            say(f"row {i}", err=True)
+    lines = capfd.readouterr().err.splitlines()[1:-1]
+    assert lines == [x for i in range(20)
+                     for x in (f"/x/w.py:{i}: UserWarning: number {chr(97 + i)}", f"row {i}")]
+    text = log.read_bytes()
+    assert b"kvadmit-engine-log-sync" not in text and text.count(b"no newline yet") == 20

@@ -41,6 +41,7 @@ _PY_WARNING = re.compile(r"^\S.*:\d+: \w*Warning: .*$")
 _TORCH_WARNING = re.compile(r"^\[W\d+ [^\]]*\] Warning: (?P<msg>.*)$")
 _RAISED = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt): .*$")
 _SHOWN_LEVELS = ("WARNING", "ERROR", "CRITICAL")
+_SYNC = b"\x00kvadmit-engine-log-sync\x00\n"
 
 _active: "EngineLog | None" = None
 _say_lock = threading.Lock()
@@ -52,6 +53,8 @@ def say(*args, err: bool = False, **kwargs) -> None:
     log = _active
     stream = (log.err if err else log.out) if log is not None else (sys.stderr if err else sys.stdout)
     kwargs.setdefault("flush", True)
+    if log is not None:
+        log.sync()         # what was written before this line shows before it
     with _say_lock:
         print(*args, file=stream, **kwargs)
 
@@ -66,6 +69,11 @@ class EngineLog:
         self.harmless = 0           # known-harmless records kept out of the terminal
         self._seen: set[str] = set()
         self._muted: tuple | None = None      # the prefix of a known-harmless record
+        self._synced = threading.Condition()
+        self._sending = threading.Lock()      # markers numbered in the order written
+        self._capturing = False
+        self._sync_sent = 0                   # sync markers written into the pipe
+        self._sync_seen = 0                   # of them read back by the pump
 
     # -- the capture -------------------------------------------------------------
     def __enter__(self) -> "EngineLog":
@@ -84,6 +92,7 @@ class EngineLog:
         self._read = read
         self._thread = threading.Thread(target=self._pump, name="kvadmit-engine-log", daemon=True)
         self._thread.start()
+        self._capturing = True
         _active = self
         return self
 
@@ -91,6 +100,8 @@ class EngineLog:
         global _active
         sys.stdout.flush()
         sys.stderr.flush()
+        with self._sending:
+            self._capturing = False
         # Back to the terminal: this process no longer holds the pipe's write end, and
         # the reader ends once the engine processes (which hold it too) have exited.
         os.dup2(self._saved[0], 1)
@@ -102,21 +113,54 @@ class EngineLog:
         os.close(self._saved[0])
         os.close(self._saved[1])
 
+    def sync(self, timeout: float = 2.0) -> None:
+        """Wait until the pump has read everything written to fds 1 and 2 before now.
+        A marker line goes through the pipe (one write under PIPE_BUF: never split
+        from itself by other writers); the pump counts it and keeps it out of the log."""
+        if threading.current_thread() is self._thread:
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        with self._sending:
+            if not self._capturing:
+                return
+            try:
+                os.write(1, _SYNC)
+            except OSError:
+                return
+            with self._synced:
+                self._sync_sent += 1
+                want = self._sync_sent
+        with self._synced:
+            self._synced.wait_for(lambda: self._sync_seen >= want, timeout)
+
     def _pump(self) -> None:
         pending = b""
         while True:
             chunk = os.read(self._read, 1 << 16)
             if not chunk:
                 break
-            self._file.write(chunk)
             pending += chunk
-            *lines, pending = re.split(rb"\r\n|\r|\n", pending)
-            for line in lines:
+            # A marker cut by a read stays in `pending` (its newline ends it) until whole.
+            markers = pending.count(_SYNC)
+            pending = pending.replace(_SYNC, b"")
+            # Whole lines only, their separators kept: the log gets the bytes as written.
+            *parts, pending = re.split(rb"(\r\n|\r|\n)", pending)
+            for line, sep in zip(parts[0::2], parts[1::2]):
+                self._file.write(line + sep)
                 self._line(line.decode(errors="replace"))
+            if markers:
+                with self._synced:
+                    self._sync_seen += markers
+                    self._synced.notify_all()
         if pending:
+            self._file.write(pending)
             self._line(pending.decode(errors="replace"))
         os.close(self._read)
         self._file.close()
+        with self._synced:              # nobody waits on a pump that has ended
+            self._sync_seen = self._sync_sent
+            self._synced.notify_all()
 
     # -- what reaches the terminal -----------------------------------------------
     def _line(self, raw: str) -> None:
