@@ -26,7 +26,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from kvadmit._native import NativeEngine
+from kvadmit._native import NativeEngine, Requests
 from kvadmit.config import AdmissionConfig
 from kvadmit.simulate.engine import EngineShape, native_engine
 from kvadmit.simulate.metrics import Slo, summarize
@@ -117,9 +117,11 @@ class _Outbox:
     def flush(self, eng: NativeEngine) -> None:
         if not self.arr:
             return
-        eng.add_requests(self.arr, self.prompt, self.out, self.mx, self.prio,
-                         self.off if self.prefix else None, self.ids if self.prefix else None,
-                         self.hashed, None, None, self.ttft, self.tpot)
+        eng.add_requests(Requests(
+            self.arr, self.prompt, self.out, self.mx, priority=self.prio, ttft_slo_s=self.ttft,
+            tpot_slo_s=self.tpot, hashed_tokens=self.hashed,
+            hash_offsets=self.off if self.prefix else None,
+            hash_ids=self.ids if self.prefix else None))
         self.clear()
 
 
