@@ -17,6 +17,7 @@ import time
 from _common import save
 
 from kvadmit import POLICIES, AdmissionConfig, AdmissionCore
+from kvadmit.arrival import ArrivalRecord
 
 
 def build(policy: str, n_running: int, seed: int = 0):
@@ -27,16 +28,16 @@ def build(policy: str, n_running: int, seed: int = 0):
     core = AdmissionCore(AdmissionConfig(policy=policy), num_blocks, block_size, 0)
     slots, prompts, gen = [], [], []
     for p, m in reqs:
-        s = core.arrive(p, m, now=0.0).slot
+        s = core.arrive(ArrivalRecord(p, m), now=0.0).slot
         core.admit(s, 0.0)
         slots.append(s)
         prompts.append(p)
         gen.append(rng.randint(1, m // 2))
     for _ in range(64):
-        core.arrive(rng.randint(64, 2048), rng.randint(64, 1024), now=0.0)
+        core.arrive(ArrivalRecord(rng.randint(64, 2048), rng.randint(64, 1024)), now=0.0)
     if policy == "adaptive":  # give the length model samples so it predicts
         for _ in range(256):
-            s = core.arrive(16, 2048, now=0.0).slot
+            s = core.arrive(ArrivalRecord(16, 2048), now=0.0).slot
             core.admit(s, 0.0)
             g = rng.randint(50, 600)
             core.update(s, 16 + g - 1, g)

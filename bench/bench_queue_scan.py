@@ -19,6 +19,7 @@ import time
 from _common import save
 
 from kvadmit import AdmissionConfig, AdmissionCore
+from kvadmit.arrival import ArrivalRecord
 
 BYPASS = {"head_of_line": "bypass", "max_bypass": 1000, "bypass_lookahead": 256}
 CONFIGS = {"auto": {}, "adaptive+bypass": {"policy": "adaptive", **BYPASS},
@@ -29,7 +30,7 @@ def filled_core(settings: dict, seed: int = 0) -> AdmissionCore:
     rng = random.Random(seed)
     core = AdmissionCore(AdmissionConfig.from_dict(settings), 26674, 16, 8192)
     for _ in range(3000):
-        core.arrive(rng.randint(64, 1024), rng.randint(64, 1024), now=0.0)
+        core.arrive(ArrivalRecord(rng.randint(64, 1024), rng.randint(64, 1024)), now=0.0)
     while (s := core.next_admissible(1 << 40)) >= 0:
         core.admit(s, 0.0)
     return core

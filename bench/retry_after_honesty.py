@@ -37,6 +37,7 @@ from _common import save
 import kvadmit
 from kvadmit._native import NativeEngine
 from kvadmit.config import AdmissionConfig
+from kvadmit import Requests
 
 ROUTER_DELAYS = [0.05, 0.075, 0.1125, 0.16875]     # vllm-router: 5 attempts in all
 BEHAVIOURS = ("on-time", "http", "router")
@@ -75,8 +76,8 @@ def run(behaviour: str, n: int, cap: int, seed: int, step_s: float) -> dict:
     owner: list[int] = []                 # engine request index -> client
 
     def add(t: float, clients: list[int]) -> None:
-        e.add_requests([t] * len(clients), [sizes[c][0] for c in clients],
-                       [sizes[c][1] for c in clients], [sizes[c][1] for c in clients])
+        e.add_requests(Requests([t] * len(clients), [sizes[c][0] for c in clients],
+                [sizes[c][1] for c in clients], [sizes[c][1] for c in clients]))
         owner.extend(clients)
 
     add(0.0, list(range(n)))

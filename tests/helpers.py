@@ -1,5 +1,6 @@
 """Builders for core states used by the decision-table tests."""
 from kvadmit import AdmissionConfig, AdmissionCore
+from kvadmit.arrival import ArrivalRecord
 
 
 def make_core(policy="peak", num_blocks=20, block_size=4, max_model_len=0, **cfg):
@@ -8,7 +9,7 @@ def make_core(policy="peak", num_blocks=20, block_size=4, max_model_len=0, **cfg
 
 def add_running(core, prompt, max_new, generated=0, priority=0, now=0.0):
     """A request that arrived, was admitted and has generated `generated` tokens."""
-    res = core.arrive(prompt, max_new, priority=priority, now=now)
+    res = core.arrive(ArrivalRecord(prompt, max_new, priority=priority), now=now)
     assert res.accepted, res
     core.admit(res.slot, now)
     if generated:
@@ -17,6 +18,6 @@ def add_running(core, prompt, max_new, generated=0, priority=0, now=0.0):
 
 
 def add_waiting(core, prompt, max_new, priority=0, now=0.0):
-    res = core.arrive(prompt, max_new, priority=priority, now=now)
+    res = core.arrive(ArrivalRecord(prompt, max_new, priority=priority), now=now)
     assert res.accepted, res
     return res.slot

@@ -4,6 +4,8 @@ import pytest
 
 from helpers import make_core
 from kvadmit._native import next_agent_window
+from kvadmit.arrival import ArrivalRecord
+from kvadmit import Requests
 
 
 @pytest.mark.parametrize("w, usage, hits, want", [
@@ -47,11 +49,11 @@ def test_signals_are_averaged_over_the_interval():
 
 def test_session_outside_the_window_waits_without_blocking_others():
     core = agent_core(agent_window_init=1, agent_window_max=1)
-    a1 = core.arrive(10, 5, session=7, now=0.0).slot
+    a1 = core.arrive(ArrivalRecord(10, 5, session=7), now=0.0).slot
     assert core.next_admissible(100) == a1
     core.admit(a1, 0.0)
-    b1 = core.arrive(10, 5, session=8, now=1.0).slot
-    a2 = core.arrive(10, 5, session=7, now=2.0).slot        # behind b1 in arrival order
+    b1 = core.arrive(ArrivalRecord(10, 5, session=8), now=1.0).slot
+    a2 = core.arrive(ArrivalRecord(10, 5, session=7), now=2.0).slot  # behind b1 in arrival order
     assert core.decide(b1, 100) == "hold_agent"
     assert core.next_admissible(100) == a2                   # b1 does not block session 7
     core.admit(a2, 2.0)
@@ -72,7 +74,7 @@ def test_shrinking_window_pauses_latest_sessions_between_generations():
     core = agent_core(agent_window_init=3, agent_cooldown_intervals=0)
     slots = {}
     for sess in (1, 2, 3):                                   # activated in this order
-        s = core.arrive(10, 5, session=sess, now=0.0).slot
+        s = core.arrive(ArrivalRecord(10, 5, session=sess), now=0.0).slot
         core.admit(s, 0.0)
         slots[sess] = s
     core.finish(slots[1], 0.0)
@@ -82,7 +84,7 @@ def test_shrinking_window_pauses_latest_sessions_between_generations():
     # Paused latest first, never mid-generation: 3 goes, 2 (running) stays, then 1 goes.
     assert not core.session_active(3) and core.session_active(2) and not core.session_active(1)
     assert core.active_sessions == 1
-    s3 = core.arrive(10, 5, session=3, now=0.0).slot
+    s3 = core.arrive(ArrivalRecord(10, 5, session=3), now=0.0).slot
     assert core.decide(s3, 100) == "hold_agent"
 
 
@@ -93,7 +95,7 @@ def test_the_engine_bridge_empties_the_pause_log_every_step():
     from kvadmit.bridge import EngineBridge, StepReport
     core = agent_core(agent_window_init=3, agent_cooldown_intervals=0)
     bridge = EngineBridge(core)
-    slots = [core.arrive(10, 5, session=sess, now=0.0).slot for sess in (1, 2, 3)]
+    slots = [core.arrive(ArrivalRecord(10, 5, session=sess), now=0.0).slot for sess in (1, 2, 3)]
     for s in slots:
         core.admit(s, 0.0)
     core.finish(slots[0], 0.0)
@@ -116,14 +118,14 @@ def test_the_window_history_keeps_the_recent_updates_not_every_one():
 
 def test_without_agent_window_sessions_are_ignored():
     core = make_core("overcommit", num_blocks=100)
-    s = core.arrive(10, 5, session=5, now=0.0).slot
+    s = core.arrive(ArrivalRecord(10, 5, session=5), now=0.0).slot
     assert core.decide(s, 100) == "admit" and core.session_active(5)
 
 
 def test_cancelled_admission_undoes_the_activation():
     core = agent_core(agent_window_init=1, agent_window_max=1)
-    a = core.arrive(10, 5, session=1, now=0.0).slot
-    b = core.arrive(10, 5, session=2, now=0.0).slot
+    a = core.arrive(ArrivalRecord(10, 5, session=1), now=0.0).slot
+    b = core.arrive(ArrivalRecord(10, 5, session=2), now=0.0).slot
     core.admit(a, 0.0)
     core.cancel_admit(a, 0.0)                  # the engine did not run it after all
     assert not core.session_active(1) and core.active_sessions == 0
@@ -139,7 +141,7 @@ def test_full_window_of_idle_sessions_does_not_stall_the_engine():
     cfg = AdmissionConfig(agent_window=True, agent_window_init=1, agent_window_max=1,
                           agent_idle_s=5.0)
     e = NativeEngine(cfg, 1000, 16, 4096, 64, 2048, step_a=0.01, step_b=1e-5)
-    e.add_requests([0.0, 0.001], [100, 100], [5, 5], [10, 10], session=[1, 2])
+    e.add_requests(Requests([0.0, 0.001], [100, 100], [5, 5], [10, 10], session=[1, 2]))
     e.run()
     r = e.results()
     assert r["rejected"] == [None, None]
@@ -165,11 +167,11 @@ def test_held_requests_are_not_counted_ahead_of_an_arrival():
         slo_guard=True, step_time_a=0.01, step_time_b=0.001, step_time_c=0.0,
         step_time_forgetting=1.0), 100_000, 4)
     core.set_step_budget(1000)
-    core.admit(core.arrive(10, 5, session=1, now=0.0).slot, 0.0)
+    core.admit(core.arrive(ArrivalRecord(10, 5, session=1), now=0.0).slot, 0.0)
     for sess in range(2, 12):                                  # ten held 30k-token prompts
-        assert core.arrive(30_000, 5, session=sess, ttft_slo_s=0.0, now=0.0).accepted
+        assert core.arrive(ArrivalRecord(30_000, 5, session=sess, ttft_slo_s=0.0), now=0.0).accepted
     # a session-less request is served next: only its own prefill is predicted
-    res = core.arrive(100, 5, ttft_slo_s=1.0, now=0.0)
+    res = core.arrive(ArrivalRecord(100, 5, ttft_slo_s=1.0), now=0.0)
     assert res.accepted, res
     assert core.predict_ttft(100, 0.0) < 1.0
 

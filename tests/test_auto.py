@@ -12,6 +12,7 @@ from helpers import add_running, add_waiting, make_core
 from kvadmit import AdmissionConfig
 from oracle.lockstep import Request, run_lockstep
 from test_lockstep import workloads
+from kvadmit.arrival import ArrivalRecord
 
 
 def history(core, early: int, capped: int, max_new: int = 100, length: int = 8):
@@ -57,7 +58,7 @@ def shared_prefix_core(policy):
     a = add_running(core, 64, 4)
     core.update(a, 64, 0)
     for _ in range(2):
-        s = core.arrive(64, 4, now=0.0).slot
+        s = core.arrive(ArrivalRecord(64, 4), now=0.0).slot
         core.set_shared(s, 48)
         core.admit(s, 0.0)
         core.update(s, 64, 0)
@@ -110,7 +111,7 @@ def test_honest_caps_with_a_shared_prefix_do_not_preempt():
 
 def test_cancel_admit_forgets_what_the_request_shared():
     core = make_core("auto", num_blocks=48)
-    s = core.arrive(64, 4, now=0.0).slot
+    s = core.arrive(ArrivalRecord(64, 4), now=0.0).slot
     core.set_shared(s, 48)
     core.admit(s, 0.0)
     core.cancel_admit(s, 0.0)
@@ -149,7 +150,7 @@ def test_set_shared_checks_its_input():
     ({}, True, True),                                          # the default: auto
     ({"policy": "auto", "shortfall": "preempt"}, False, True),
     ({"policy": "auto", "head_of_line": "strict"}, True, False),
-    ({"policy": "peak"}, False, False),                        # "auto" keys: other policies as before
+    ({"policy": "peak"}, False, False),  # "auto" keys: other policies as before
     ({"policy": "overcommit", "victim": "lifo"}, False, False),  # vLLM's own schedule
     ({"policy": "peak", "shortfall": "pause", "head_of_line": "bypass"}, True, True),
 ])

@@ -2,12 +2,12 @@
 at a step's start and `step_done` once the engine scheduled it, the sequence both
 adapters run (kvadmit.vllm.admission, kvadmit.sglang.adapter)."""
 from helpers import make_core
+from kvadmit.arrival import ArrivalRecord
 from kvadmit.bridge import EngineBridge, StepReport
 
 
 def arrive(bridge, key, prompt, max_new, now=0.0):
-    arrival = bridge.arrive(key, object(), lambda: dict(prompt_tokens=prompt,
-                                                         max_new_tokens=max_new), now)
+    arrival = bridge.arrive(key, object(), lambda: ArrivalRecord(prompt, max_new), now)
     assert arrival.accepted, arrival.refusal
     return arrival.slot
 

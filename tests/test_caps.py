@@ -1,12 +1,16 @@
 """Arrival caps: every rejection reason, its message, Retry-After, shedding."""
+import dataclasses
+import types
+
 import pytest
 
 from helpers import add_running, add_waiting, make_core
+from kvadmit.arrival import ArrivalRecord
 
 
 def test_context_length():
     core = make_core(max_model_len=100)
-    res = core.arrive(60, 50, now=0.0)
+    res = core.arrive(ArrivalRecord(60, 50), now=0.0)
     assert not res.accepted
     r = res.rejection
     assert (r.reason, r.limit, r.limit_value, r.retry_after_s, r.retryable) == \
@@ -26,7 +30,7 @@ def test_context_length():
 ])
 def test_kv_capacity(policy, prompt, max_new, ok):
     core = make_core(policy, num_blocks=10, block_size=4)
-    res = core.arrive(prompt, max_new, now=0.0)
+    res = core.arrive(ArrivalRecord(prompt, max_new), now=0.0)
     assert res.accepted == ok
     if not ok:
         assert res.rejection.reason == "kv_capacity" and not res.rejection.retryable
@@ -37,7 +41,7 @@ def test_queue_full_with_retry_after_from_drain_rate():
     core = make_core("overcommit", num_blocks=1000, max_queued_requests=2, drain_window_s=10)
     a = add_waiting(core, 4, 4, now=0.0)
     add_waiting(core, 4, 4, now=0.0)
-    res = core.arrive(4, 4, now=0.5)
+    res = core.arrive(ArrivalRecord(4, 4), now=0.5)
     assert res.rejection.reason == "queue_full"
     assert res.rejection.retry_after_s == 1.0            # nothing drained yet: the default
     assert "max_queued_requests=2" in res.rejection.message
@@ -45,7 +49,7 @@ def test_queue_full_with_retry_after_from_drain_rate():
     for t in (2.0, 3.0, 4.0):
         add_running(core, 4, 4, now=t)                   # 3 more admissions
     add_waiting(core, 4, 4, now=4.5)
-    res = core.arrive(4, 4, now=5.0)
+    res = core.arrive(ArrivalRecord(4, 4), now=5.0)
     # 4 admissions over 5 s = 0.8/s; one request too many -> 1.25 s.
     assert res.rejection.retry_after_s == pytest.approx(1.25)
     assert core.stats()["rejected"]["queue_full"] == 2
@@ -80,20 +84,20 @@ def test_retry_after_is_capped():
                      drain_window_s=1000, retry_after_max_s=60)
     add_running(core, 4, 4, now=0.0)
     add_waiting(core, 4, 4, now=0.0)
-    assert core.arrive(4, 4, now=500.0).rejection.retry_after_s == 60
+    assert core.arrive(ArrivalRecord(4, 4), now=500.0).rejection.retry_after_s == 60
 
 
 def test_queued_tokens():
     core = make_core("overcommit", num_blocks=1000, max_queued_tokens=100, drain_window_s=10)
     add_waiting(core, 60, 4, now=0.0)
-    res = core.arrive(60, 4, now=1.0)
+    res = core.arrive(ArrivalRecord(60, 4), now=1.0)
     assert res.rejection.reason == "queued_tokens_full"
     assert "max_queued_tokens=100" in res.rejection.message and res.rejection.retryable
     # A prompt bigger than the cap can never be queued: not retryable.
-    res = core.arrive(101, 4, now=1.0)
+    res = core.arrive(ArrivalRecord(101, 4), now=1.0)
     assert res.rejection.reason == "queued_tokens_full" and not res.rejection.retryable
     # Cached prefix tokens do not count.
-    assert core.arrive(60, 4, cached_tokens=20, now=1.0).accepted
+    assert core.arrive(ArrivalRecord(60, 4, cached_tokens=20), now=1.0).accepted
     assert core.queued_tokens == 100
 
 
@@ -102,14 +106,14 @@ def test_priority_shedding_evicts_strictly_lower_priority():
                      shed_lower_priority=True)
     low = add_waiting(core, 4, 4, priority=5)
     mid = add_waiting(core, 4, 4, priority=3)
-    res = core.arrive(4, 4, priority=1, now=0.0)
+    res = core.arrive(ArrivalRecord(4, 4, priority=1), now=0.0)
     assert res.accepted
     assert [s for s, _ in res.shed] == [low]
     rej = res.shed[0][1]
     assert rej.reason == "shed" and "priority 1 < 5" in rej.message
     assert core.state(low) == "free" and core.waiting() == [mid, res.slot]
     # Equal priority is not strictly higher: refused.
-    res = core.arrive(4, 4, priority=3, now=0.0)
+    res = core.arrive(ArrivalRecord(4, 4, priority=3), now=0.0)
     assert not res.accepted and res.rejection.reason == "queue_full" and res.shed == []
     assert core.stats()["rejected"]["shed"] == 1
 
@@ -119,7 +123,7 @@ def test_shedding_never_evicts_a_preempted_request():
                      shed_lower_priority=True)
     a = add_running(core, 4, 4, priority=9)
     core.preempt(a, 0.0)                      # waiting again, with work done
-    res = core.arrive(4, 4, priority=0, now=0.0)
+    res = core.arrive(ArrivalRecord(4, 4, priority=0), now=0.0)
     assert not res.accepted and res.rejection.reason == "queue_full"
 
 
@@ -130,8 +134,17 @@ def test_shedding_never_evicts_a_preempted_request():
     (dict(prompt_tokens=4, max_new_tokens=4, now=float("inf")), "now=inf"),
 ])
 def test_bad_input_raises_naming_the_field(kwargs, needle):
+    now = kwargs.pop("now", 0.0)
+    if now == 0.0:      # the record refuses it when built
+        with pytest.raises(ValueError, match=needle):
+            ArrivalRecord(**kwargs)
+    # and the core, given any object with the record's fields, checks it again
+    fields = {f.name: f.default for f in dataclasses.fields(ArrivalRecord)
+              if f.default is not dataclasses.MISSING}
+    core = make_core()
     with pytest.raises(ValueError, match=needle):
-        make_core().arrive(**{"now": 0.0, **kwargs})
+        core.arrive(types.SimpleNamespace(**{**fields, **kwargs}), now=now)
+    assert core.stats()["arrived"] == 0         # a bad record is no arrival
 
 
 def test_slot_misuse_is_an_error():
@@ -150,17 +163,17 @@ def test_queue_delay_cap_from_the_admission_rate():
     core = make_core("overcommit", num_blocks=1000, max_queue_delay_s=2.0, drain_window_s=100)
     # No admission seen yet: no rate, so no prediction and no refusal.
     for _ in range(5):
-        assert core.arrive(8, 4, now=0.0).accepted
+        assert core.arrive(ArrivalRecord(8, 4), now=0.0).accepted
     for t in (1.0, 2.0, 3.0, 4.0):                        # 4 admissions, 32 prompt tokens, in 4 s
         core.admit(core.waiting()[0], t)
     # 1 waiting + the arrival at 1 request/s and 8 tokens/s: 2 s, not over the cap.
-    assert core.arrive(8, 4, now=4.0).accepted
-    res = core.arrive(8, 4, now=4.0)                      # 3 requests ahead of nothing: 3 s
+    assert core.arrive(ArrivalRecord(8, 4), now=4.0).accepted
+    res = core.arrive(ArrivalRecord(8, 4), now=4.0)  # 3 requests ahead of nothing: 3 s
     assert not res.accepted and res.rejection.reason == "queue_delay"
     assert res.rejection.limit == "max_queue_delay_s" and res.rejection.retry_after_s == pytest.approx(1.0)
     assert "predicted queueing delay 3 s" in res.rejection.message
     # A long prompt is judged on its prefill tokens too: (16 + 40) tokens at 8/s = 7 s.
-    assert core.arrive(40, 4, now=4.0).rejection.reason == "queue_delay"
+    assert core.arrive(ArrivalRecord(40, 4), now=4.0).rejection.reason == "queue_delay"
     assert core.stats()["rejected"]["queue_delay"] == 2
 
 
@@ -172,7 +185,7 @@ def test_retry_after_spreads_a_burst_in_line():
     add_waiting(core, 4, 4, now=0.0)
     add_waiting(core, 4, 4, now=0.0)
     # No admission seen yet: the default 1 s, then one place per default / cap (0.5 s).
-    burst = [core.arrive(4, 4, now=0.5).rejection for _ in range(4)]
+    burst = [core.arrive(ArrivalRecord(4, 4), now=0.5).rejection for _ in range(4)]
     assert [r.retry_after_s for r in burst] == pytest.approx([1.0, 1.5, 2.0, 2.5])
     assert "place 3 in the retry line" in burst[2].message
     for t in (1.0, 2.0, 3.0, 4.0):
@@ -180,18 +193,20 @@ def test_retry_after_spreads_a_burst_in_line():
         add_waiting(core, 4, 4, now=t)
     # 4 admissions over 10 s of backlog: 0.4/s, one request too many -> 2.5 s, and each
     # client of the burst one admission (2.5 s) after the one before it.
-    burst = [core.arrive(4, 4, now=10.0).rejection for _ in range(4)]
+    burst = [core.arrive(ArrivalRecord(4, 4), now=10.0).rejection for _ in range(4)]
     assert [r.retry_after_s for r in burst] == pytest.approx([2.5, 5.0, 7.5, 10.0])
     last = burst[-1].message
     for words in ("2 requests waiting", "max_queued_requests=2", "room expected in 2.5 s",
                   "retry in 10 s", "place 4 in the retry line"):
         assert words in last, last
     # Once the line has passed, a refusal gets its own predicted wait again.
-    assert core.arrive(4, 4, now=30.0).rejection.retry_after_s == pytest.approx(30 / 4)
+    res = core.arrive(ArrivalRecord(4, 4), now=30.0)
+    assert res.rejection.retry_after_s == pytest.approx(30 / 4)
     # The line never pushes a hint past retry_after_max_s.
     capped = make_core("overcommit", num_blocks=1000, max_queued_requests=1, retry_after_max_s=2)
     add_waiting(capped, 4, 4)
-    assert max(capped.arrive(4, 4, now=0.0).rejection.retry_after_s for _ in range(10)) == 2
+    assert max(capped.arrive(ArrivalRecord(4, 4), now=0.0).rejection.retry_after_s
+               for _ in range(10)) == 2
 
 
 def test_invalid_is_a_core_reason():
@@ -251,6 +266,6 @@ def test_retry_after_paces_a_burst_not_its_first_milliseconds():
         core.admit(core.waiting()[0], t)
     for _ in range(3):
         add_waiting(core, 4, 4, now=0.09)
-    hints = [core.arrive(4, 4, now=0.1).rejection.retry_after_s for _ in range(6)]
+    hints = [core.arrive(ArrivalRecord(4, 4), now=0.1).rejection.retry_after_s for _ in range(6)]
     # 3 admissions over 1 s at most: one place in line per 1/3 s.
     assert hints == pytest.approx([1 / 3, 2 / 3, 1.0, 4 / 3, 5 / 3, 2.0])

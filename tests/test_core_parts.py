@@ -7,6 +7,7 @@ import pytest
 
 import kvadmit
 from kvadmit import AdmissionConfig, AdmissionCore
+from kvadmit.arrival import ArrivalRecord
 
 NATIVE = pathlib.Path(__file__).resolve().parents[1] / "native" / "kvadmit"
 
@@ -48,9 +49,9 @@ def test_each_policy_is_its_own_class(policy):
 
 def test_the_parts_report_what_stats_report():
     core = AdmissionCore(AdmissionConfig(max_queued_requests=1, agent_window=True), 64, 16, 100)
-    assert core.arrive(10, 10, now=0.0).accepted
-    assert not core.arrive(10, 10, now=0.1).accepted          # queue full
-    assert not core.arrive(90, 20, now=0.2).accepted          # context
+    assert core.arrive(ArrivalRecord(10, 10), now=0.0).accepted
+    assert not core.arrive(ArrivalRecord(10, 10), now=0.1).accepted          # queue full
+    assert not core.arrive(ArrivalRecord(90, 20), now=0.2).accepted          # context
     core.refuse_invalid("bad field", "prompt")
     stats = core.stats()
     assert core.gate.rejected() == stats["rejected"]

@@ -4,7 +4,8 @@ native engine model calls its c_ twins), with injected times, checked exactly.""
 import pytest
 
 from helpers import add_running, add_waiting, make_core
-from kvadmit._native import NativeEngine
+from kvadmit._native import NativeEngine, Requests
+from kvadmit.arrival import ArrivalRecord
 from kvadmit.config import AdmissionConfig
 
 
@@ -97,7 +98,7 @@ def test_a_refused_step_changes_nothing():
 def test_the_window_sees_the_prefix_hits_noted_since_the_previous_start():
     core = make_core("peak", num_blocks=100, agent_window=True, agent_window_init=3,
                      agent_cooldown_intervals=0, agent_interval_steps=1)
-    slots = [core.arrive(10, 5, session=s, now=0.0).slot for s in (1, 2, 3)]
+    slots = [core.arrive(ArrivalRecord(10, 5, session=s), now=0.0).slot for s in (1, 2, 3)]
     for s in slots:
         core.admit(s, 0.0)
     core.step(0.0, 10)
@@ -127,8 +128,8 @@ def test_the_native_engine_runs_the_same_sequence_once_a_step():
     time reaches the fit, and the step counter of the core moves with it."""
     e = NativeEngine(AdmissionConfig(), 64, 16, 2048, 64, 512, step_a=0.01, step_b=2e-5)
     n = 40
-    e.add_requests([0.05 * i for i in range(n)], [100 + 7 * i for i in range(n)],
-                   [20 + i for i in range(n)], [200] * n)
+    e.add_requests(Requests([0.05 * i for i in range(n)], [100 + 7 * i for i in range(n)],
+                            [20 + i for i in range(n)], [200] * n))
     e.run()
     steps = e.totals()["steps"]
     assert steps > n

@@ -20,6 +20,7 @@ waiting (24 s)."""
 import pytest
 
 from helpers import add_waiting, make_core
+from kvadmit.arrival import ArrivalRecord
 from kvadmit.bridge import EngineBridge
 
 EXPECTED_DELAY_S = 18.0
@@ -54,8 +55,7 @@ def test_the_bridge_aborts_at_the_engine_time():
     bridge = EngineBridge(core)
 
     def arrive(key, now):
-        arrival = bridge.arrive(key, object(), lambda: dict(prompt_tokens=8, max_new_tokens=4),
-                                now)
+        arrival = bridge.arrive(key, object(), lambda: ArrivalRecord(8, 4), now)
         assert arrival.accepted, arrival.refusal
         return arrival.slot
 

@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from helpers import add_running, add_waiting, make_core
+from kvadmit.arrival import ArrivalRecord
 
 R1 = [(20, 20, 0)]   # holds 5 blocks now, 10 at most
 
@@ -150,8 +151,8 @@ def test_priority_order_takes_the_engines_arrival_time_then_tie():
     Without priority order both are ignored: the core's arrival order decides."""
     core = make_core("overcommit", queue_order="priority")
     times = [(3.0, 0.0, 0), (1.0, 0.0, 0), (2.0, 5.0, 0), (2.0, -1.0, 0), (0.5, 0.0, 1)]
-    slots = [core.arrive(4, 4, priority=p, arrival_time=t, arrival_tie=tie, now=0.0).slot
-             for t, tie, p in times]
+    slots = [core.arrive(ArrivalRecord(4, 4, priority=p, arrival_time=t, arrival_tie=tie),
+                         now=0.0).slot for t, tie, p in times]
     assert core.waiting() == [slots[1], slots[3], slots[2], slots[0], slots[4]]
     a = core.next_admissible(100)
     core.admit(a, 0.0)
@@ -159,10 +160,11 @@ def test_priority_order_takes_the_engines_arrival_time_then_tie():
     assert core.waiting()[0] == a == slots[1]
     assert core.info(slots[0])["arrival_time"] == 3.0
     fcfs = make_core("overcommit")
-    slots = [fcfs.arrive(4, 4, arrival_time=t, now=0.0).slot for t in (3.0, 1.0, 2.0)]
+    slots = [fcfs.arrive(ArrivalRecord(4, 4, arrival_time=t), now=0.0).slot
+             for t in (3.0, 1.0, 2.0)]
     assert fcfs.waiting() == slots
     with pytest.raises(ValueError, match="arrival_time=nan"):
-        fcfs.arrive(4, 4, arrival_time=float("nan"), now=0.0)
+        fcfs.arrive(ArrivalRecord(4, 4, arrival_time=float("nan")), now=0.0)
 
 
 def test_preempted_request_returns_ahead_of_later_arrivals():
@@ -184,7 +186,7 @@ def test_peak_admits_whenever_reserve_does(running, cp, cm, B):
     for p, m, g in running:
         g = min(g, m - 1)
         for core in cores.values():
-            res = core.arrive(p, m, now=0.0)
+            res = core.arrive(ArrivalRecord(p, m), now=0.0)
             if not res.accepted:
                 break
             core.admit(res.slot, 0.0)
@@ -192,7 +194,7 @@ def test_peak_admits_whenever_reserve_does(running, cp, cm, B):
                 core.update(res.slot, p + g - 1, g)
     ok = {}
     for name, core in cores.items():
-        res = core.arrive(cp, cm, now=0.0)
+        res = core.arrive(ArrivalRecord(cp, cm), now=0.0)
         ok[name] = res.accepted and core.decide(res.slot, 40) == "admit"
     if ok["reserve"]:
         assert ok["peak"]
@@ -243,7 +245,7 @@ def test_queue_scan_answers_as_one_decide_at_a_time(policy, seed):
     running = []
     for step in range(120):
         for _ in range(rng.randint(0, 3)):
-            core.arrive(rng.randint(1, 60), rng.randint(1, 60), now=step)
+            core.arrive(ArrivalRecord(rng.randint(1, 60), rng.randint(1, 60)), now=step)
         free = rng.randint(0, core.num_blocks)
         want = _first_admissible(core, free, 6, 5)
         got = core.next_admissible(free)

@@ -6,6 +6,7 @@ import re
 import pytest
 
 from helpers import add_waiting, make_core
+from kvadmit.arrival import ArrivalRecord
 
 FILLER = (4, 4)      # the requests that keep the queue full; the refused ones differ
 
@@ -26,7 +27,7 @@ def admit_one(core, t):
 
 
 def refuse(core, prompt, max_new, t):
-    res = core.arrive(prompt, max_new, now=t)
+    res = core.arrive(ArrivalRecord(prompt, max_new), now=t)
     assert not res.accepted and res.rejection.reason == "queue_full", res
     return res.rejection
 

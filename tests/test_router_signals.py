@@ -8,6 +8,7 @@ import random
 import pytest
 
 from helpers import add_running, add_waiting, make_core
+from kvadmit.arrival import ArrivalRecord
 
 
 @pytest.mark.parametrize("policy,forecast", [
@@ -63,7 +64,7 @@ def _replay(read_between: bool, seed: int):
     hints, running, t = [], [], 0.0
     for k in range(200):
         t += rng.uniform(0.05, 0.5)
-        r = core.arrive(8, 4, now=t)
+        r = core.arrive(ArrivalRecord(8, 4), now=t)
         if not r.accepted:
             hints.append(r.rejection.retry_after_s)
         if k % 2:

@@ -7,6 +7,7 @@ import pytest
 from helpers import make_core
 from kvadmit import AdmissionConfig
 from kvadmit._native import StepTimeFit
+from kvadmit.arrival import ArrivalRecord
 
 EXACT = dict(slo_guard=True, step_time_a=0.01, step_time_b=0.001, step_time_c=0.0,
              step_time_forgetting=1.0)
@@ -65,7 +66,7 @@ def hand_built_queue():
     core = make_core("overcommit", num_blocks=1000, **EXACT)
     core.set_step_budget(100)
     for _ in range(3):
-        assert core.arrive(100, 10, ttft_slo_s=10.0, now=0.0).accepted
+        assert core.arrive(ArrivalRecord(100, 10, ttft_slo_s=10.0), now=0.0).accepted
     return core
 
 
@@ -73,36 +74,37 @@ def test_ttft_guard_refuses_exactly_the_infeasible():
     # Prefilling 300 + 50 tokens at 100 a step: 4 steps of 87.5 tokens, 0.0975 s each.
     core = hand_built_queue()
     assert core.predict_ttft(50, 0.0) == pytest.approx(0.39)
-    res = core.arrive(50, 10, ttft_slo_s=0.38, now=0.0)
+    res = core.arrive(ArrivalRecord(50, 10, ttft_slo_s=0.38), now=0.0)
     assert not res.accepted
     r = res.rejection
     assert (r.reason, r.limit, r.limit_value) == ("slo_infeasible", "ttft_slo_s", 0.38)
     assert r.retryable and r.retry_after_s == pytest.approx(0.01)
     assert "predicted TTFT 0.39 s" in r.message
-    assert core.arrive(50, 10, ttft_slo_s=0.39, now=0.0).accepted          # just feasible
-    assert core.arrive(50, 10, ttft_slo_s=0.0, now=0.0).accepted           # 0: no target
+    assert core.arrive(ArrivalRecord(50, 10, ttft_slo_s=0.39), now=0.0).accepted  # just feasible
+    assert core.arrive(ArrivalRecord(50, 10, ttft_slo_s=0.0), now=0.0).accepted  # 0: no target
     assert core.stats()["rejected"]["slo_infeasible"] == 1
 
 
 def test_ttft_guard_uses_the_servers_default_target():
     core = make_core("overcommit", num_blocks=1000, default_ttft_slo_s=0.2, **EXACT)
     core.set_step_budget(100)
-    assert core.arrive(100, 10, now=0.0).accepted                         # 1 step: 0.11 s
-    res = core.arrive(100, 10, now=0.0)                                   # 2 steps: 0.22 s
+    assert core.arrive(ArrivalRecord(100, 10), now=0.0).accepted  # 1 step: 0.11 s
+    res = core.arrive(ArrivalRecord(100, 10), now=0.0)  # 2 steps: 0.22 s
     assert res.rejection.reason == "slo_infeasible" and "ttft_slo_s=0.2" in res.rejection.message
-    assert core.arrive(100, 10, ttft_slo_s=0.25, now=0.0).accepted        # its own target wins
+    # its own target wins
+    assert core.arrive(ArrivalRecord(100, 10, ttft_slo_s=0.25), now=0.0).accepted
 
 
 def test_ttft_guard_is_off_without_slo_guard():
     core = make_core("overcommit", num_blocks=1000, step_time_a=1.0)
-    assert core.arrive(100, 10, ttft_slo_s=0.001, now=0.0).accepted
+    assert core.arrive(ArrivalRecord(100, 10, ttft_slo_s=0.001), now=0.0).accepted
 
 
 def test_deadline_order_serves_the_earliest_deadline_first():
     core = make_core("overcommit", num_blocks=1000, queue_order="deadline", **EXACT)
-    late = core.arrive(10, 5, now=0.0, ttft_slo_s=30.0).slot
-    soon = core.arrive(10, 5, now=1.0, ttft_slo_s=2.0).slot
-    none = core.arrive(10, 5, now=0.5, ttft_slo_s=0.0).slot       # no target: an hour
+    late = core.arrive(ArrivalRecord(10, 5, ttft_slo_s=30.0), now=0.0).slot
+    soon = core.arrive(ArrivalRecord(10, 5, ttft_slo_s=2.0), now=1.0).slot
+    none = core.arrive(ArrivalRecord(10, 5, ttft_slo_s=0.0), now=0.5).slot  # no target: an hour
     assert core.waiting() == [soon, late, none]
 
 
@@ -110,21 +112,22 @@ def test_deadline_order_predicts_from_the_requests_ahead_only():
     core = make_core("overcommit", num_blocks=1000, queue_order="deadline", **EXACT)
     core.set_step_budget(100)
     for _ in range(5):
-        assert core.arrive(100, 10, now=0.0, ttft_slo_s=60.0).accepted
+        assert core.arrive(ArrivalRecord(100, 10, ttft_slo_s=60.0), now=0.0).accepted
     # 50 tokens with an earlier deadline than all five: only its own prefill counts.
-    assert core.arrive(50, 10, now=0.0, ttft_slo_s=0.061).accepted   # 1 step: 0.06 s
+    assert core.arrive(ArrivalRecord(50, 10, ttft_slo_s=0.061), now=0.0).accepted   # 1 step: 0.06 s
     # FCFS would put it behind 500 tokens.
     fcfs = make_core("overcommit", num_blocks=1000, **EXACT)
     fcfs.set_step_budget(100)
     for _ in range(5):
-        fcfs.arrive(100, 10, now=0.0, ttft_slo_s=60.0)
-    assert fcfs.arrive(50, 10, now=0.0, ttft_slo_s=0.061).rejection.reason == "slo_infeasible"
+        fcfs.arrive(ArrivalRecord(100, 10, ttft_slo_s=60.0), now=0.0)
+    res = fcfs.arrive(ArrivalRecord(50, 10, ttft_slo_s=0.061), now=0.0)
+    assert res.rejection.reason == "slo_infeasible"
 
 
 def test_tpot_guard_holds_the_admission_that_slows_steps_too_much():
     # A decode step of n requests takes 0.01 + 0.001 n: a 0.05 s target allows 40.
     core = make_core("overcommit", num_blocks=10_000, **EXACT)
-    slots = [core.arrive(4, 4, tpot_slo_s=0.05, now=0.0).slot for _ in range(41)]
+    slots = [core.arrive(ArrivalRecord(4, 4, tpot_slo_s=0.05), now=0.0).slot for _ in range(41)]
     admitted = 0
     while (s := core.next_admissible(10_000)) >= 0:
         core.admit(s, 0.0)
@@ -139,7 +142,7 @@ def test_tpot_guard_holds_the_admission_that_slows_steps_too_much():
 
 def test_tpot_guard_never_holds_on_an_idle_engine():
     core = make_core("overcommit", num_blocks=100, slo_guard=True, step_time_a=1.0)
-    s = core.arrive(4, 4, tpot_slo_s=0.01, now=0.0).slot
+    s = core.arrive(ArrivalRecord(4, 4, tpot_slo_s=0.01), now=0.0).slot
     assert core.next_admissible(100) == s
 
 
@@ -175,11 +178,11 @@ def test_rls_fit_stays_finite_when_a_feature_never_varies():
 
 def test_backlog_clock_does_not_count_a_quiet_period_before_a_preemption():
     core = make_core("overcommit", num_blocks=1000, max_queue_delay_s=2.0, drain_window_s=1000)
-    a = core.arrive(10, 5, now=0.0).slot
-    b = core.arrive(10, 5, now=0.0).slot
+    a = core.arrive(ArrivalRecord(10, 5), now=0.0).slot
+    b = core.arrive(ArrivalRecord(10, 5), now=0.0).slot
     core.admit(a, 0.0)
     core.admit(b, 0.0)
     core.preempt(b, now=100.0)                   # the queue was empty for those 100 s
     core.admit(b, 100.01)
-    assert core.arrive(10, 5, now=100.02).accepted
-    assert core.arrive(10, 5, now=100.02).accepted
+    assert core.arrive(ArrivalRecord(10, 5), now=100.02).accepted
+    assert core.arrive(ArrivalRecord(10, 5), now=100.02).accepted

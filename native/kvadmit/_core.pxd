@@ -4,7 +4,8 @@
 # the engine adapters drive it through the Python methods.
 from libc.stdint cimport int32_t, int64_t
 
-from kvadmit._arrival_gate cimport Rejection
+from kvadmit._arrival cimport ArrivalRecord
+from kvadmit._arrival_gate cimport ArrivalResult, Rejection
 from kvadmit._core_view cimport CoreView
 
 
@@ -26,6 +27,7 @@ cdef class AdmissionCore(CoreView):
         """shortfall: "pause" (the engine asks c_plan_shortfall each step)."""
         return self.shortfall.enabled
 
+    cdef ArrivalResult c_arrive(self, const ArrivalRecord* r, double now)
     cdef inline void _tick(self, double now) noexcept nogil
     cdef void _enqueue(self, int32_t s) noexcept nogil
     cdef void _dequeue(self, int32_t s) noexcept nogil

@@ -20,6 +20,7 @@ from libc.stdint cimport int32_t, int64_t
 from libcpp.vector cimport vector
 
 from kvadmit._agent_window cimport AgentWindow
+from kvadmit._arrival cimport ArrivalRecord, check_record, record_of
 from kvadmit._arrival_gate cimport ArrivalGate, ArrivalResult, Rejection, R_INVALID, R_QUEUE_FULL
 from kvadmit._core_view cimport CoreView, check_now
 from kvadmit._decision cimport Decision
@@ -32,24 +33,6 @@ from kvadmit._waiting_queue cimport WaitingQueue
 
 from kvadmit._victims import VICTIMS
 from kvadmit._waiting_queue import DECISIONS
-
-
-cdef int _check_arrival(int64_t prompt_tokens, int64_t max_new_tokens, int64_t cached_tokens,
-                        double now, double ttft_slo_s, double tpot_slo_s, double arrival_time,
-                        double arrival_tie) except -1:
-    """An arrival's numbers, or ValueError naming the field."""
-    if prompt_tokens < 1:
-        raise ValueError(f"prompt_tokens={prompt_tokens}: must be >= 1")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1")
-    if cached_tokens < 0 or cached_tokens > prompt_tokens:
-        raise ValueError(f"cached_tokens={cached_tokens}: must be in [0, prompt_tokens={prompt_tokens}]")
-    check_now(now)
-    if not isfinite(ttft_slo_s) or not isfinite(tpot_slo_s):
-        raise ValueError(f"ttft_slo_s={ttft_slo_s}, tpot_slo_s={tpot_slo_s}: must be finite")
-    if not isfinite(arrival_time) or not isfinite(arrival_tie):
-        raise ValueError(f"arrival_time={arrival_time}, arrival_tie={arrival_tie}: must be finite")
-    return 0
 
 
 cdef int _check_hits(int64_t hit_tokens, int64_t query_tokens) except -1:
@@ -149,32 +132,27 @@ cdef class AdmissionCore(CoreView):
             f"{cap}: they can never be queued together",
             "max_queued_requests", cap, None)
 
-    def arrive(self, int64_t prompt_tokens, int64_t max_new_tokens, int64_t priority=0,
-               int64_t cached_tokens=0, *, double now, double ttft_slo_s=-1.0,
-               double tpot_slo_s=-1.0, int64_t session=-1, double arrival_time=0.0,
-               double arrival_tie=0.0):
-        """A request arrives at `now` (required, keyword): queue it (slot) or refuse
-        it (Rejection).
+    def arrive(self, record, *, double now):
+        """A request arrives at `now` (required, keyword) with its numbers,
+        ``record`` (a `kvadmit.arrival.ArrivalRecord`): queue it (slot) or refuse it
+        (Rejection). Bad numbers raise ValueError naming the field; limits of this
+        server (context, KV pool, queue caps, SLO feasibility) give a Rejection."""
+        cdef ArrivalRecord r = record_of(record)
+        return self.c_arrive(&r, now)
 
-        ``ttft_slo_s`` / ``tpot_slo_s``: its targets (negative: the config's
-        defaults; 0: none). ``session``: its agent/session id (-1: none).
-        ``arrival_time`` / ``arrival_tie``: the engine's own arrival timestamp (any
-        clock) and tie-break; under queue_order "priority" requests of equal priority
-        are served by them, then in the order they arrived here.
-        Bad numbers raise ValueError naming the field; limits of this server
-        (context, KV pool, queue caps, SLO feasibility) give a Rejection."""
-        _check_arrival(prompt_tokens, max_new_tokens, cached_tokens, now, ttft_slo_s, tpot_slo_s,
-                       arrival_time, arrival_tie)
+    cdef ArrivalResult c_arrive(self, const ArrivalRecord* r, double now):
+        check_record(r)
+        check_now(now)
         self._tick(now)
         self._n_arrived += 1
-        cdef Rejection refused = self.gate.c_refuse_context(prompt_tokens, max_new_tokens,
+        cdef Rejection refused = self.gate.c_refuse_context(r.prompt_tokens, r.max_new_tokens,
                                                             self.max_model_len)
         if refused is not None:
             return ArrivalResult(False, -1, refused, [])
         cdef int32_t s = self.ledger.add(
-            prompt_tokens, cached_tokens, max_new_tokens, priority,
-            self.slo_guard.c_ttft_target(ttft_slo_s), self.slo_guard.c_tpot_target(tpot_slo_s),
-            now, arrival_time, arrival_tie, session if self.agent_window.enabled else -1)
+            r, self.slo_guard.c_ttft_target(r.ttft_slo_s),
+            self.slo_guard.c_tpot_target(r.tpot_slo_s), now,
+            r.session if self.agent_window.enabled else -1)
         self.agent_window.c_track(self.ledger.session(s), now)
         cdef list shed = []
         self._judging(s)

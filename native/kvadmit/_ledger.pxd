@@ -5,6 +5,7 @@
 from libc.stdint cimport int32_t, int64_t
 from libcpp.vector cimport vector
 
+from kvadmit._arrival cimport ArrivalRecord
 from kvadmit._curves cimport cdiv
 
 cdef enum:  # indexes into STATES
@@ -176,9 +177,8 @@ cdef class Ledger:
         """Its predicted output length, for the length-error stats."""
         self._pred_total[s] = total
 
-    cdef int32_t add(self, int64_t prompt, int64_t cached, int64_t max_new, int64_t priority,
-                     double ttft, double tpot, double arrive_t, double engine_t,
-                     double engine_tie, int64_t session)
+    cdef int32_t add(self, const ArrivalRecord* r, double ttft, double tpot, double arrive_t,
+                     int64_t session)
     cdef void enqueue(self, int32_t s, bint sheddable) noexcept nogil
     cdef void dequeue(self, int32_t s) noexcept nogil
     cdef void start(self, int32_t s, bint activated) noexcept nogil

@@ -31,11 +31,11 @@ cdef class Ledger:
         self._n_len_obs = 0
         self._len_abs_err = self._len_pred_sum = self._len_actual_sum = 0.0
 
-    cdef int32_t add(self, int64_t prompt, int64_t cached, int64_t max_new, int64_t priority,
-                     double ttft, double tpot, double arrive_t, double engine_t,
-                     double engine_tie, int64_t session):
-        """A slot holding an arrival's numbers, the next in arrival order, not yet
-        queued (its state is waiting so the policies may read it)."""
+    cdef int32_t add(self, const ArrivalRecord* r, double ttft, double tpot, double arrive_t,
+                     int64_t session):
+        """A slot holding an arrival's record, the next in arrival order, not yet
+        queued (its state is waiting so the policies may read it); ``ttft`` /
+        ``tpot`` its targets and ``session`` its session as the core resolved them."""
         cdef int32_t s
         if not self._free_slots.empty():
             s = self._free_slots.back()
@@ -52,11 +52,11 @@ cdef class Ledger:
             self._ttft.push_back(0.0); self._tpot.push_back(0.0); self._arrive_t.push_back(0.0)
             self._engine_t.push_back(0.0); self._engine_tie.push_back(0.0)
             self._session.push_back(-1); self._activated_by.push_back(0)
-        self._prompt[s] = prompt
-        self._cached[s] = cached
+        self._prompt[s] = r.prompt_tokens
+        self._cached[s] = r.cached_tokens
         self._computed[s] = self._generated[s] = 0
-        self._max_new[s] = max_new
-        self._priority[s] = priority
+        self._max_new[s] = r.max_new_tokens
+        self._priority[s] = r.priority
         self._arrival[s] = self._seq
         self._seq += 1
         self._admit_seq[s] = self._admit_step[s] = self._held_step[s] = -1
@@ -65,8 +65,8 @@ cdef class Ledger:
         self._ttft[s] = ttft
         self._tpot[s] = tpot
         self._arrive_t[s] = arrive_t
-        self._engine_t[s] = engine_t
-        self._engine_tie[s] = engine_tie
+        self._engine_t[s] = r.arrival_time
+        self._engine_tie[s] = r.arrival_tie
         self._session[s] = session
         self._state[s] = ST_WAITING  # provisional, so the policies may read it
         return s
@@ -211,8 +211,9 @@ cdef class Ledger:
             "cached_tokens": self._cached[slot], "computed_tokens": self._computed[slot],
             "generated_tokens": self._generated[slot], "max_new_tokens": self._max_new[slot],
             "priority": self._priority[slot], "arrival": self._arrival[slot],
-            "arrival_time": self._engine_t[slot],
-            "blocks": self._blocks[slot], "bypassed": self._bypassed[slot],
+            "arrival_time": self._engine_t[slot], "arrival_tie": self._engine_tie[slot],
+            "session": self._session[slot], "ttft_target_s": self._ttft[slot],
+            "tpot_target_s": self._tpot[slot], "blocks": self._blocks[slot], "bypassed": self._bypassed[slot],
             "preemptions": self._preempts[slot],
         }
 

@@ -4,6 +4,7 @@
 
 - _core: AdmissionCore, the sequencer: a request's path through the parts below;
 - _core_view: its base, the parts it holds and every read and stat over them;
+- _arrival: the arrival record, one request's numbers as the core takes them;
 - _ledger: every request's numbers, by slot, and every state transition;
 - _waiting_queue: the queue's order, the bypass scan, shedding's order;
 - _decision: may a waiting request start, may an arrival be queued;
@@ -16,12 +17,14 @@
 - _agent_window: the active-agent window (CONCUR);
 - _victims: which running request gives its KV back first;
 - _free_queue and _allocator: the KV block pool and prefix cache;
+- _requests: Requests, a workload's requests in checked columns;
 - _native_engine: NativeEngine, the simulator's continuous-batching model.
 
 Engine adapters, the simulator and the benchmarks import everything from here."""
 
 from kvadmit._agent_window import next_agent_window
 from kvadmit._allocator import BlockAllocator, bench_native_cycles
+from kvadmit._arrival import FIELDS as ARRIVAL_FIELDS
 from kvadmit._arrival_gate import REJECT_REASONS, ArrivalResult, Rejection
 from kvadmit._core import DECISIONS, AdmissionCore
 from kvadmit._curves import peak_blocks
@@ -30,6 +33,7 @@ from kvadmit._ledger import STATES
 from kvadmit._length_model import OutputLengthModel, next_quantile
 from kvadmit._native_engine import NativeEngine
 from kvadmit._policies import POLICIES
+from kvadmit._requests import Requests
 from kvadmit._step_time import StepTimeFit
 from kvadmit._victims import VICTIMS
 

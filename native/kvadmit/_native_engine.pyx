@@ -27,9 +27,11 @@ from libcpp.unordered_map cimport unordered_map
 from libcpp.vector cimport vector
 
 from kvadmit._allocator cimport BlockAllocator
+from kvadmit._arrival cimport ArrivalRecord
 from kvadmit._arrival_gate cimport ArrivalResult, Rejection
 from kvadmit._core cimport AdmissionCore
 from kvadmit._curves cimport cdiv
+from kvadmit._requests cimport Requests
 
 from kvadmit._arrival_gate import REJECT_REASONS
 
@@ -58,27 +60,6 @@ cdef inline uint64_t _mix_hash(uint64_t prev, uint64_t value, uint64_t index) no
     return x
 
 
-def _check_columns(Py_ssize_t n, prompt_tokens, output_tokens, max_tokens, priority, hash_offsets,
-                   hash_ids, hashed_tokens, parent, delay_s, ttft_slo_s, tpot_slo_s, session):
-    """add_requests' columns: one entry per arrival (hash_offsets: n + 1), pairs given together."""
-    for name, seq in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens),
-                      ("max_tokens", max_tokens)):
-        if len(seq) != n:
-            raise ValueError(f"{name}: {len(seq)} entries, expected {n} (one per arrival)")
-    if priority is not None and len(priority) != n:
-        raise ValueError(f"priority: {len(priority)} entries, expected {n}")
-    if (hash_offsets is None) != (hash_ids is None):
-        raise ValueError("hash_offsets and hash_ids go together")
-    if hash_offsets is not None and len(hash_offsets) != n + 1:
-        raise ValueError(f"hash_offsets: {len(hash_offsets)} entries, expected {n + 1}")
-    for name, seq in (("hashed_tokens", hashed_tokens), ("parent", parent), ("delay_s", delay_s),
-                      ("ttft_slo_s", ttft_slo_s), ("tpot_slo_s", tpot_slo_s), ("session", session)):
-        if seq is not None and len(seq) != n:
-            raise ValueError(f"{name}: {len(seq)} entries, expected {n}")
-    if (parent is None) != (delay_s is None):
-        raise ValueError("parent and delay_s go together")
-
-
 cdef class NativeEngine:
     """Continuous-batching engine model around an `AdmissionCore` (see the
     comment at the top of native/kvadmit/_native_engine.pyx). Build it, `add_requests`, `run`,
@@ -96,9 +77,9 @@ cdef class NativeEngine:
     cdef double _step_a_s, _step_b_s, _step_c_s, _sample_dt
     # requests, by index in arrival order
     cdef vector[double] _arr
-    cdef vector[int64_t] _prompt, _out, _maxtok, _prio, _hoff, _hids, _hashed, _parent
-    cdef vector[double] _delay, _ttft, _tpot
-    cdef vector[int64_t] _sess
+    cdef vector[ArrivalRecord] _rec     # what the core gets at each arrival
+    cdef vector[int64_t] _prompt, _out, _hoff, _hids, _hashed, _parent
+    cdef vector[double] _delay
     cdef vector[int64_t] _open          # indexes of requests with a fixed arrival time
     cdef priority_queue[pair[double, int64_t]] _released   # (-time, -index): children due
     cdef vector[int64_t] _computed, _gen, _maxcomp, _sched
@@ -184,101 +165,48 @@ cdef class NativeEngine:
         self.core.set_step_budget(max_num_batched_tokens)
         self.core.counts_shared_prefix = True     # every admission reports set_shared
 
-    def add_requests(self, arrival_s, prompt_tokens, output_tokens, max_tokens, priority=None,
-                     hash_offsets=None, hash_ids=None, hashed_tokens=None, parent=None,
-                     delay_s=None, ttft_slo_s=None, tpot_slo_s=None, session=None):
-        """Appends requests (sequences of equal length; fixed arrivals not decreasing).
-
-        ``hash_offsets`` (n + 1 entries) and ``hash_ids`` give each request's
-        prefix-block ids in CSR form (Mooncake's hash_ids, `hash_block_tokens`
-        tokens each), describing its first ``hashed_tokens`` tokens (default: the
-        prompt). A request with ``parent[i] >= 0`` (an earlier index, counted
-        over all requests added) is the next turn of a session: it arrives
-        ``delay_s[i]`` after its parent finished or was refused; its arrival_s
-        is ignored. ``ttft_slo_s`` / ``tpot_slo_s`` (negative: the config's
-        defaults) and ``session`` (-1: none) go to the core with each arrival."""
+    def add_requests(self, Requests requests not None):
+        """Appends `kvadmit._requests.Requests` (checked when built); here only what
+        depends on the engine's state: fixed arrivals not before the ones added
+        before (nor before the last `advance`'s horizon when stepped), and a turn's
+        parent an earlier request that has not ended (its children were released
+        when it ended). A refused batch leaves the engine as it was."""
         if self._ran and not self._stepping:
             raise RuntimeError("add_requests after run")
-        cdef Py_ssize_t n = len(arrival_s), i, base = self._arr.size()
-        _check_columns(n, prompt_tokens, output_tokens, max_tokens, priority, hash_offsets,
-                       hash_ids, hashed_tokens, parent, delay_s, ttft_slo_s, tpot_slo_s, session)
-        cdef int64_t par, p, o, m, h0 = self._hids.size()
-        cdef double dl, ttft, tpot
+        cdef Py_ssize_t n = requests.records.size(), i, base = self._arr.size()
+        cdef int64_t par, h0 = self._hids.size()
         cdef double t, last = self._arr[self._open.back()] if not self._open.empty() else -1e300
-        # Every row is read (into C arrays: a value C cannot hold raises here) and
-        # checked before any is added: a refused batch leaves the engine as it was
-        # (a half-added one would leave its per-request arrays unequal).
-        cdef vector[double] arr_v, delay_v, ttft_v, tpot_v
-        cdef vector[int64_t] par_v, prompt_v, out_v, max_v, prio_v, sess_v, hashed_v, hoff_v, ids_v
         for i in range(n):
-            t = arrival_s[i]
-            p = prompt_tokens[i]
-            o = output_tokens[i]
-            m = max_tokens[i]
-            par = parent[i] if parent is not None else -1
-            dl = delay_s[i] if delay_s is not None else 0.0
-            ttft = ttft_slo_s[i] if ttft_slo_s is not None else -1.0
-            tpot = tpot_slo_s[i] if tpot_slo_s is not None else -1.0
-            if par >= base + i or par < -1:
+            par = requests.parent[i]
+            t = requests.arrival_s[i]
+            if par >= base + i:
                 raise ValueError(f"parent[{i}]={par}: must be -1 or an earlier request's index")
             if 0 <= par < base and (self._rstate[par] == RQ_DONE or self._rstate[par] == RQ_REJECTED):
-                # its children were released when it ended: this turn would never arrive
                 raise ValueError(f"parent[{i}]={par}: already finished or refused at "
                                  f"{self._t_done[par]}; add a turn before its parent ends")
-            if not (isfinite(dl) and dl >= 0.0):
-                raise ValueError(f"delay_s[{i}]={dl}: must be a finite number >= 0")
-            if par < 0 and (not isfinite(t) or t < last):
-                raise ValueError(f"arrival_s[{i}]={t}: arrivals must be finite and not decrease")
+            if par < 0 and t < last:
+                raise ValueError(f"arrival_s[{i}]={t}: arrivals must not decrease (the engine's "
+                                 f"last is {last})")
             if par < 0 and self._stepping and t < self._horizon:
                 raise ValueError(f"arrival_s[{i}]={t}: before the engine's horizon "
                                  f"{self._horizon} (the last advance's until)")
-            if p < 1:
-                raise ValueError(f"prompt_tokens[{i}]={p}: must be >= 1")
-            if o < 1 or o > m:
-                raise ValueError(f"output_tokens[{i}]={o}: must be in [1, max_tokens[{i}]={m}]")
-            if not (isfinite(ttft) and isfinite(tpot)):
-                raise ValueError(f"ttft_slo_s[{i}]={ttft}, tpot_slo_s[{i}]={tpot}: must be finite "
-                                 f"(negative: the config's defaults)")
-            if hash_offsets is not None and hash_offsets[i + 1] < hash_offsets[i]:
-                raise ValueError(f"hash_offsets[{i + 1}]={hash_offsets[i + 1]}: must not be below "
-                                 f"hash_offsets[{i}]={hash_offsets[i]}")
             if par < 0:
                 last = t
-            arr_v.push_back(t if par < 0 else -1.0)
-            par_v.push_back(par)
-            delay_v.push_back(dl)
-            ttft_v.push_back(ttft)
-            tpot_v.push_back(tpot)
-            prompt_v.push_back(p)
-            out_v.push_back(o)
-            max_v.push_back(m)
-            prio_v.push_back(priority[i] if priority is not None else 0)
-            sess_v.push_back(session[i] if session is not None else -1)
-            hashed_v.push_back(hashed_tokens[i] if hashed_tokens is not None else p)
-            hoff_v.push_back(h0 + (hash_offsets[i + 1] - hash_offsets[0]
-                                   if hash_offsets is not None else 0))
-        if hash_ids is not None:
-            if len(hash_ids) != hash_offsets[n] - hash_offsets[0]:
-                raise ValueError(f"hash_ids: {len(hash_ids)} entries, hash_offsets say "
-                                 f"{hash_offsets[n] - hash_offsets[0]}")
-            for i in range(len(hash_ids)):
-                ids_v.push_back(hash_ids[i])
         for i in range(n):
-            if par_v[i] < 0:
+            if requests.parent[i] < 0:
                 self._open.push_back(base + i)
-        self._arr.insert(self._arr.end(), arr_v.begin(), arr_v.end())
-        self._parent.insert(self._parent.end(), par_v.begin(), par_v.end())
-        self._delay.insert(self._delay.end(), delay_v.begin(), delay_v.end())
-        self._ttft.insert(self._ttft.end(), ttft_v.begin(), ttft_v.end())
-        self._tpot.insert(self._tpot.end(), tpot_v.begin(), tpot_v.end())
-        self._prompt.insert(self._prompt.end(), prompt_v.begin(), prompt_v.end())
-        self._out.insert(self._out.end(), out_v.begin(), out_v.end())
-        self._maxtok.insert(self._maxtok.end(), max_v.begin(), max_v.end())
-        self._prio.insert(self._prio.end(), prio_v.begin(), prio_v.end())
-        self._sess.insert(self._sess.end(), sess_v.begin(), sess_v.end())
-        self._hashed.insert(self._hashed.end(), hashed_v.begin(), hashed_v.end())
-        self._hoff.insert(self._hoff.end(), hoff_v.begin(), hoff_v.end())
-        self._hids.insert(self._hids.end(), ids_v.begin(), ids_v.end())
+            self._prompt.push_back(requests.records[i].prompt_tokens)
+            self._hoff.push_back(h0 + (requests.hash_offsets[i + 1] if self._prefix else 0))
+        self._rec.insert(self._rec.end(), requests.records.begin(), requests.records.end())
+        self._arr.insert(self._arr.end(), requests.arrival_s.begin(), requests.arrival_s.end())
+        self._parent.insert(self._parent.end(), requests.parent.begin(), requests.parent.end())
+        self._delay.insert(self._delay.end(), requests.delay_s.begin(), requests.delay_s.end())
+        self._out.insert(self._out.end(), requests.output_tokens.begin(),
+                         requests.output_tokens.end())
+        self._hashed.insert(self._hashed.end(), requests.hashed_tokens.begin(),
+                            requests.hashed_tokens.end())
+        if self._prefix:
+            self._hids.insert(self._hids.end(), requests.hash_ids.begin(), requests.hash_ids.end())
         self._extend_request_state(base)
 
     cdef void _extend_request_state(self, Py_ssize_t base):
@@ -392,13 +320,13 @@ cdef class NativeEngine:
         cdef size_t i
         cdef int32_t b
         cdef uint64_t h
-        if self._prefix and self._sess[r] >= 0 and self.core.agent_window.enabled:
+        if self._prefix and self._rec[r].session >= 0 and self.core.agent_window.enabled:
             # The session's context so far, for demotion if it is paused later.
-            self._sess_blocks[self._sess[r]].clear()
+            self._sess_blocks[self._rec[r].session].clear()
             for i in range(self._blocks[r].size()):
                 b = self._blocks[r][i]
                 if self.allocator.c_held_hash(b, &h):
-                    self._sess_blocks[self._sess[r]].push_back(pair[int32_t, uint64_t](b, h))
+                    self._sess_blocks[self._rec[r].session].push_back(pair[int32_t, uint64_t](b, h))
         self._release_blocks(r)
         self._slot_req[self._slot[r]] = -1
         self._slot[r] = -1
@@ -457,9 +385,7 @@ cdef class NativeEngine:
         cdef ArrivalResult res
         while self._next_arrival() <= self._clock:
             r = self._pop_arrival()
-            res = self.core.arrive(self._prompt[r], self._maxtok[r], self._prio[r], 0,
-                                   now=self._arr[r], ttft_slo_s=self._ttft[r],
-                                   tpot_slo_s=self._tpot[r], session=self._sess[r])
+            res = self.core.c_arrive(&self._rec[r], self._arr[r])
             for slot, rej in res.shed:
                 v = self._slot_req[slot]
                 self._slot_req[slot] = -1
@@ -505,7 +431,7 @@ cdef class NativeEngine:
             self._plan_cols[i] = self._prompt[r] + self._gen[r] - self._computed[r]
             self._plan_cols[nr + i] = self._computed[r]
             self._plan_cols[2 * nr + i] = self._blocks[r].size()
-            self._plan_cols[3 * nr + i] = self._prio[r]
+            self._plan_cols[3 * nr + i] = self._rec[r].priority
         return self.core.c_plan_shortfall(
             self._plan_cols.data(), self._plan_cols.data() + nr, self._plan_cols.data() + 2 * nr,
             nr, self.allocator.c_num_free(), self._budget, 0, self._pause.data(),

@@ -26,9 +26,11 @@ from kvadmit._native import (
     FreeBlockQueue,
     OutputLengthModel,
     Rejection,
+    Requests,
     next_quantile,
     peak_blocks,
 )
+from kvadmit.arrival import ArrivalRecord
 from kvadmit.config import AdmissionConfig, ConfigError
 
 # The engine adapters' own settings register their keys with kvadmit.config (which knows
@@ -38,7 +40,8 @@ from kvadmit.vllm import settings as _vllm_settings  # noqa: E402,F401
 __version__ = "0.1.0"
 
 __all__ = [
-    "AdmissionConfig", "AdmissionCore", "ArrivalResult", "BlockAllocator", "BlockObjectQueue",
-    "ConfigError", "DECISIONS", "FreeBlockQueue", "OutputLengthModel", "POLICIES",
-    "REJECT_REASONS", "Rejection", "VICTIMS", "next_quantile", "peak_blocks",
+    "AdmissionConfig", "AdmissionCore", "ArrivalRecord", "ArrivalResult", "BlockAllocator",
+    "BlockObjectQueue", "ConfigError", "DECISIONS", "FreeBlockQueue", "OutputLengthModel",
+    "POLICIES", "REJECT_REASONS", "Rejection", "Requests", "VICTIMS", "next_quantile",
+    "peak_blocks",
 ]

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Hashable, Optional, Sequence
 
+from kvadmit.arrival import ArrivalRecord
 from kvadmit.protocol import Refusal
 
 
@@ -125,14 +126,14 @@ class EngineBridge:
         """The client's answer to one of the core's rejections."""
         return Refusal.of(rejection, self._overload_status)
 
-    def arrive(self, key: Hashable, obj: Any, numbers: Callable[[], dict], now: float) -> Arrival:
-        """One request arrives. ``numbers()`` gives `AdmissionCore.arrive`'s keywords
-        (prompt_tokens, max_new_tokens, priority, ...) from the engine's request; a
-        ValueError from it or from the core (a malformed field or count), or an
+    def arrive(self, key: Hashable, obj: Any, numbers: Callable[[], ArrivalRecord],
+               now: float) -> Arrival:
+        """One request arrives. ``numbers()`` gives its `ArrivalRecord` from the
+        engine's request; a ValueError from it (a malformed field or count), or an
         OverflowError (a count beyond the core's integers), refuses the request as
         `invalid`."""
         try:
-            res = self.core.arrive(now=now, **numbers())
+            res = self.core.arrive(numbers(), now=now)
         except (ValueError, OverflowError) as e:   # OverflowError: beyond the core's int64
             return Arrival(refusal=self.refuse_invalid(e))
         shed = [(self.untrack(s), self.refusal(rejection)) for s, rejection in res.shed]
@@ -141,7 +142,8 @@ class EngineBridge:
         self.track(key, res.slot, obj)
         return Arrival(slots=[res.slot], shed=shed)
 
-    def arrive_group(self, members: list, numbers: Callable[[], dict], now: float) -> Arrival:
+    def arrive_group(self, members: list, numbers: Callable[[], ArrivalRecord],
+                     now: float) -> Arrival:
         """The samples of one parallel-sampling request, [(key, obj)], arrive as one
         unit: all accepted (as many slots, in order, each sample its own sequence in
         the queue, caps counting all of them), or the request refused once (the

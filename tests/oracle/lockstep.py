@@ -24,6 +24,7 @@ from typing import Sequence
 
 from kvadmit._native import AdmissionCore, BlockAllocator
 from kvadmit.config import AdmissionConfig
+from kvadmit.arrival import ArrivalRecord
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def run_lockstep(config: AdmissionConfig, requests: Sequence[Request], num_block
         while next_arrival < len(pending) and requests[pending[next_arrival]].arrival_step <= step:
             r = requests[pending[next_arrival]]
             next_arrival += 1
-            res = core.arrive(r.prompt_tokens, r.max_new_tokens, now=float(step))
+            res = core.arrive(ArrivalRecord(r.prompt_tokens, r.max_new_tokens), now=float(step))
             if res.accepted:
                 req_of[res.slot] = r
                 generated[res.slot] = 0

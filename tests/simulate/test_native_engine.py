@@ -5,6 +5,7 @@ from hypothesis import given, strategies as st
 
 from kvadmit._native import NativeEngine
 from kvadmit.config import AdmissionConfig
+from kvadmit import Requests
 
 
 def engine(policy="overcommit", victim="lifo", num_blocks=3, block_size=4, max_model_len=10,
@@ -16,7 +17,7 @@ def engine(policy="overcommit", victim="lifo", num_blocks=3, block_size=4, max_m
 
 def test_one_request_timeline_and_step_time_formula():
     e = engine(a=0.5, b=0.1, c=0.01, num_blocks=4)
-    e.add_requests([0.0], [4], [3], [3])
+    e.add_requests(Requests([0.0], [4], [3], [3]))
     e.run()
     r = e.results()
     # step 1: prefill 4 tokens, context 4 -> 0.5 + 0.4 + 0.04; then decodes of context 5 and 6
@@ -30,7 +31,7 @@ def test_one_request_timeline_and_step_time_formula():
 def test_preemption_by_recompute_exact_timeline():
     # 3 blocks of 4 tokens; A and B (prompt 4, 5 tokens out) cannot both grow.
     e = engine()
-    e.add_requests([0.0, 0.0], [4, 4], [5, 5], [5, 5])
+    e.add_requests(Requests([0.0, 0.0], [4, 4], [5, 5], [5, 5]))
     e.run()
     r, t = e.results(), e.totals()
     # step 1 prefills both; in step 2 B (latest admitted) is preempted as A takes the
@@ -45,7 +46,7 @@ def test_preemption_by_recompute_exact_timeline():
 
 def test_peak_holds_instead_of_preempting():
     e = engine(policy="peak")
-    e.add_requests([0.0, 0.0], [4, 4], [5, 5], [5, 5])
+    e.add_requests(Requests([0.0, 0.0], [4, 4], [5, 5], [5, 5]))
     e.run()
     r, t = e.results(), e.totals()
     # Both worst cases (2 blocks each) do not fit 3 blocks: B waits until A's
@@ -58,7 +59,7 @@ def test_peak_holds_instead_of_preempting():
 
 def test_chunked_prefill_and_token_budget():
     e = engine(num_blocks=8, budget=3, max_model_len=16)
-    e.add_requests([0.0], [7], [2], [2])
+    e.add_requests(Requests([0.0], [7], [2], [2]))
     e.run()
     # 7 prompt tokens in chunks of 3, 3, 1: the first token comes with the last chunk.
     assert e.results()["first_token_s"] == [3.0]
@@ -73,7 +74,8 @@ def test_without_chunked_prefill_the_budget_must_hold_the_context():
 def test_prefix_hits_reuse_cached_blocks():
     e = engine(num_blocks=6, prefix_caching=True, hash_block_tokens=4)
     # Same two prefix ids; the second arrives after the first is done.
-    e.add_requests([0.0, 5.0], [8, 8], [1, 1], [1, 1], hash_offsets=[0, 2, 4], hash_ids=[1, 2, 1, 2])
+    e.add_requests(Requests([0.0, 5.0], [8, 8], [1, 1], [1, 1], hash_offsets=[0, 2, 4],
+            hash_ids=[1, 2, 1, 2]))
     e.run()
     t = e.totals()
     # vLLM never serves the last prompt token from cache: 1 of the 2 blocks is a hit.
@@ -84,14 +86,16 @@ def test_prefix_hits_reuse_cached_blocks():
 
 def test_different_prefixes_do_not_hit():
     e = engine(num_blocks=6, prefix_caching=True, hash_block_tokens=4)
-    e.add_requests([0.0, 5.0], [8, 8], [1, 1], [1, 1], hash_offsets=[0, 2, 4], hash_ids=[1, 2, 3, 2])
+    e.add_requests(Requests([0.0, 5.0], [8, 8], [1, 1], [1, 1], hash_offsets=[0, 2, 4],
+            hash_ids=[1, 2, 3, 2]))
     e.run()
     assert e.totals()["prefix_hit_tokens"] == 0
 
 
 def test_session_turn_arrives_after_its_parent_plus_delay():
     e = engine(num_blocks=6)
-    e.add_requests([0.0, -1.0], [4, 4], [3, 1], [3, 1], parent=[-1, 0], delay_s=[0.0, 2.0])
+    e.add_requests(Requests([0.0, -1.0], [4, 4], [3, 1], [3, 1], parent=[-1, 0],
+            delay_s=[0.0, 2.0]))
     e.run()
     r = e.results()
     assert r["finish_s"][0] == 3.0
@@ -101,7 +105,7 @@ def test_session_turn_arrives_after_its_parent_plus_delay():
 def test_rejections_are_explicit_and_nothing_leaks():
     e = engine(num_blocks=3, max_model_len=10, cfg={"max_queued_requests": 1})
     # over the context; then a queue of one: the 3rd arrival at t=0 is refused
-    e.add_requests([0.0, 0.0, 0.0, 0.0], [9, 4, 4, 4], [2, 2, 2, 2], [2, 2, 2, 2])
+    e.add_requests(Requests([0.0, 0.0, 0.0, 0.0], [9, 4, 4, 4], [2, 2, 2, 2], [2, 2, 2, 2]))
     e.run()
     r, t = e.results(), e.totals()
     assert r["rejected"] == ["context_length", None, "queue_full", "queue_full"]
@@ -113,19 +117,20 @@ def test_rejections_are_explicit_and_nothing_leaks():
     (dict(arrival_s=[1.0, 0.0]), "arrival_s\\[1\\]"),
     (dict(output_tokens=[3, 9]), "output_tokens\\[1\\]=9"),
     (dict(prompt_tokens=[4, 0]), "prompt_tokens\\[1\\]=0"),
-    (dict(max_tokens=[5]), "max_tokens: 1 entries"),
+    (dict(max_tokens=[5]), "max_new_tokens: 1 entries, expected 2"),
+    (dict(max_tokens=[5, 0]), "max_new_tokens\\[1\\]=0: must be >= 1"),
 ])
 def test_bad_requests_name_the_field(bad, match):
     cols = dict(arrival_s=[0.0, 1.0], prompt_tokens=[4, 4], output_tokens=[3, 3], max_tokens=[5, 5])
     cols.update(bad)
     with pytest.raises(ValueError, match=match):
-        engine().add_requests(cols["arrival_s"], cols["prompt_tokens"], cols["output_tokens"],
-                              cols["max_tokens"])
+        engine().add_requests(Requests(cols["arrival_s"], cols["prompt_tokens"],
+                cols["output_tokens"], cols["max_tokens"]))
 
 
 def test_bad_parent_is_refused():
     with pytest.raises(ValueError, match="parent\\[0\\]=0"):
-        engine().add_requests([0.0], [4], [1], [1], parent=[0], delay_s=[0.0])
+        engine().add_requests(Requests([0.0], [4], [1], [1], parent=[0], delay_s=[0.0]))
 
 
 @given(st.lists(st.tuples(st.floats(0, 20), st.integers(1, 40), st.integers(1, 30)),
@@ -141,8 +146,8 @@ def test_every_request_completes_or_is_refused_and_blocks_come_back(reqs, policy
     for _, p, _ in reqs:
         ids.extend(range(p // 8))          # every prompt shares its leading blocks
         off.append(len(ids))
-    e.add_requests([r[0] for r in reqs], [r[1] for r in reqs], [r[2] for r in reqs],
-                   [r[2] + 3 for r in reqs], hash_offsets=off, hash_ids=ids)
+    e.add_requests(Requests([r[0] for r in reqs], [r[1] for r in reqs], [r[2] for r in reqs],
+            [r[2] + 3 for r in reqs], hash_offsets=off, hash_ids=ids))
     e.run()
     r, t = e.results(), e.totals()
     for i, (_, p, o) in enumerate(reqs):
@@ -165,7 +170,7 @@ def test_native_totals_have_exactly_the_totals_fields():
 
     from kvadmit.simulate.record import RunRecord, Totals
     e = engine()
-    e.add_requests([0.0, 0.0], [4, 4], [5, 5], [5, 5])
+    e.add_requests(Requests([0.0, 0.0], [4, 4], [5, 5], [5, 5]))
     e.run()
     counts = e.totals()
     totals = Totals.from_engine(counts)

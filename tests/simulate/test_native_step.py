@@ -8,6 +8,7 @@ import pytest
 
 from kvadmit._native import NativeEngine
 from kvadmit.config import AdmissionConfig
+from kvadmit import Requests
 
 
 def engine(cfg=None, num_blocks=64, prefix=False):
@@ -34,8 +35,8 @@ def add(e, rows):
     for r in rows:
         ids.extend(r[4])
         off.append(len(ids))
-    e.add_requests([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
-                   [r[3] for r in rows], hash_offsets=off, hash_ids=ids)
+    e.add_requests(Requests([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+            [r[3] for r in rows], hash_offsets=off, hash_ids=ids))
 
 
 @pytest.mark.parametrize("cfg", [{"policy": "overcommit", "victim": "lifo"}, {},
@@ -89,7 +90,7 @@ def test_advance_in_slices_with_every_request_added_up_front():
 def test_rejections_are_reported_once_with_retry_after_and_the_signals_count_them():
     e = engine({"max_queued_requests": 2}, num_blocks=16)
     e.start(0.0)
-    e.add_requests([0.0] * 6, [100] * 6, [50] * 6, [50] * 6)
+    e.add_requests(Requests([0.0] * 6, [100] * 6, [50] * 6, [50] * 6))
     e.advance(0.001)
     rej = e.take_rejections()
     # 6 arrive at once, before the first step: 2 may wait, 4 are refused (queue_full),
@@ -116,7 +117,7 @@ def test_stepping_refuses_an_arrival_before_the_horizon_and_misuse():
     e.start(0.0)
     e.advance(2.0)
     with pytest.raises(ValueError, match=r"arrival_s\[0\]=1.5: before the engine's horizon 2"):
-        e.add_requests([1.5], [10], [1], [1])
+        e.add_requests(Requests([1.5], [10], [1], [1]))
     with pytest.raises(ValueError, match="until=1.0: before the last advance's until 2"):
         e.advance(1.0)
     with pytest.raises(RuntimeError, match="start after run or start"):
@@ -148,9 +149,9 @@ def test_a_refused_batch_adds_nothing(bad, match):
     cols.update(bad)
     t = rows[-1][0]
     with pytest.raises(OverflowError if match is None else ValueError, match=match):
-        e.add_requests([t, t], [40, 40], cols["output_tokens"], [9, 9], priority=cols["priority"],
-                       hash_offsets=cols["hash_offsets"], hash_ids=cols["hash_ids"],
-                       ttft_slo_s=cols["ttft_slo_s"])
+        e.add_requests(Requests([t, t], [40, 40], cols["output_tokens"], [9, 9],
+                priority=cols["priority"], hash_offsets=cols["hash_offsets"],
+                hash_ids=cols["hash_ids"], ttft_slo_s=cols["ttft_slo_s"]))
     e.run()
     assert e.results() == ref.results()
     assert e.totals() == ref.totals()
@@ -161,12 +162,12 @@ def test_a_turn_whose_parent_has_ended_is_refused_not_lost():
     would never arrive (and drain would report an idle engine with it pending)."""
     e = engine()
     e.start(0.0)
-    e.add_requests([0.0], [10], [2], [2])
+    e.add_requests(Requests([0.0], [10], [2], [2]))
     e.advance(5.0)
     assert e.results()["finish_s"][0] >= 0
     with pytest.raises(ValueError, match=r"parent\[0\]=0: already finished or refused"):
-        e.add_requests([0.0], [10], [2], [2], parent=[0], delay_s=[1.0])
-    e.add_requests([6.0], [10], [2], [2])      # the engine is unchanged: it goes on
+        e.add_requests(Requests([0.0], [10], [2], [2], parent=[0], delay_s=[1.0]))
+    e.add_requests(Requests([6.0], [10], [2], [2]))      # the engine is unchanged: it goes on
     e.drain()
     assert [f >= 6.0 for f in e.results()["finish_s"]] == [False, True]
 

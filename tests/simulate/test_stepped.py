@@ -87,7 +87,7 @@ def test_the_one_engine_driver_gives_what_run_gives():
     ref = native_engine(w, cfg, SHAPE, STEP)
     e = native_engine(w, cfg, SHAPE, STEP)
     for eng in (ref, e):
-        eng.add_requests(w.arrival_s, w.prompt_tokens, w.output_tokens, w.max_tokens)
+        eng.add_requests(w.requests())
     ref.run()
     replay(e, first_arrival(w.arrival_s))
     assert e.results() == ref.results()

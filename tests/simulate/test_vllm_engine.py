@@ -8,6 +8,7 @@ import pytest
 # "vllm.v1", not "vllm": under pytest tests/vllm/ would pass for a "vllm" namespace package.
 pytest.importorskip("vllm.v1", reason="vLLM is not installed (see .ci/run)")
 
+from kvadmit._native import Requests  # noqa: E402
 from kvadmit.config import AdmissionConfig  # noqa: E402
 from kvadmit.simulate.engine import EngineShape  # noqa: E402
 from kvadmit.simulate.steptime import CPU_TINY, StepTimeModel  # noqa: E402
@@ -283,7 +284,7 @@ def test_full_agent_window_sleeps_until_a_session_expires(model_dir):
 
 
 def _stepped_vllm(config, shape, step, model_dir):
-    from kvadmit.simulate.vllm_engine import VllmEngine
+    from kvadmit.simulate.vllm_engine import VllmEngine  # noqa: E402
     return VllmEngine(config, shape, step, model_dir, sample_interval_s=0.5)
 
 
@@ -305,8 +306,8 @@ def test_vllm_stepped_one_request_at_a_time_gives_what_its_replay_gives(model_di
         e.advance(w.arrival_s[i])
         e.signals()                                # a scrape: changes nothing
         rejections += e.take_rejections()
-        e.add_requests([w.arrival_s[i]], [w.prompt_tokens[i]], [w.output_tokens[i]],
-                       [w.max_tokens[i]])
+        e.add_requests(Requests([w.arrival_s[i]], [w.prompt_tokens[i]], [w.output_tokens[i]],
+                                [w.max_tokens[i]]))
     e.drain()
     rejections += e.take_rejections()
     assert e.results() == ref.per_request

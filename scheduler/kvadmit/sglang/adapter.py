@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 from kvadmit import AdmissionConfig, AdmissionCore, ConfigError, request_fields
+from kvadmit.arrival import ArrivalRecord
 from kvadmit.bridge import EngineBridge, StepReport
 from kvadmit.protocol import Refusal
 
@@ -343,8 +344,8 @@ class SGLangAdmission:
         self.counters["shed_sent"] += len(shed)
         return EnqueueOutcome(shed=shed)
 
-    def _numbers(self, req, now: float, strict: bool) -> dict:
-        """The core's arrival numbers of an SGLang request. ``strict``: a malformed
+    def _numbers(self, req, now: float, strict: bool) -> ArrivalRecord:
+        """The core's arrival record of an SGLang request. ``strict``: a malformed
         kvadmit field or request body raises FieldError (naming it); else the fields
         fall back to the defaults."""
         try:
@@ -355,10 +356,10 @@ class SGLangAdmission:
             if strict:
                 raise
             fields = request_fields.NONE
-        return dict(prompt_tokens=len(req.origin_input_ids), max_new_tokens=self._max_new(req),
-                    priority=self._priority(req), cached_tokens=0,
-                    ttft_slo_s=self._ttft_target(fields, now), tpot_slo_s=fields.tpot_slo_s,
-                    session=fields.session)
+        return ArrivalRecord(prompt_tokens=len(req.origin_input_ids),
+                             max_new_tokens=self._max_new(req), priority=self._priority(req),
+                             ttft_slo_s=self._ttft_target(fields, now),
+                             tpot_slo_s=fields.tpot_slo_s, session=fields.session)
 
     def _check_body(self, req) -> None:
         """Refuses (FieldError) what would crash the scheduler further on: a prompt token

@@ -28,7 +28,7 @@ class EngineShape:
     chunked_prefill: bool = True
     prefix_caching: bool = False
     reserve_full_input: bool = True     # vLLM's scheduler_reserve_full_isl: admit only if the whole input fits
-    watermark: float = 0.0              # vLLM's --watermark: share of the pool kept free at admission
+    watermark: float = 0.0  # vLLM's --watermark: share of the pool kept free at admission
     max_num_active_seqs: int = 0        # vLLM's --max-num-active-seqs: admission stops here (0: max_num_seqs)
 
     def __post_init__(self) -> None:
@@ -91,12 +91,7 @@ def run_native(workload: Workload, config: AdmissionConfig, shape: EngineShape,
                progress=None) -> RawRun:
     eng = native_engine(workload, config, shape, step, sample_interval_s)
     t0 = time.perf_counter()
-    eng.add_requests(workload.arrival_s, workload.prompt_tokens, workload.output_tokens,
-                     workload.max_tokens, workload.priority,
-                     workload.hash_offsets if shape.prefix_caching else None,
-                     workload.hash_ids if shape.prefix_caching else None,
-                     workload.hashed_tokens, workload.parent, workload.delay_s,
-                     workload.ttft_slo_s, workload.tpot_slo_s, workload.session)
+    eng.add_requests(workload.requests(hash_ids=shape.prefix_caching))
     eng.run(progress=progress)
     wall = time.perf_counter() - t0
     return RawRun("native", eng.results(), Totals.from_engine(eng.totals()), eng.timeline(), wall,

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from typing import Callable, Optional
 
+from kvadmit._native import Requests
 from kvadmit.config import AdmissionConfig
 from kvadmit.simulate.engine import EngineShape, native_engine
 from kvadmit.simulate.metrics import Slo, summarize
@@ -121,9 +122,11 @@ class _Outbox:
     def flush(self, eng: SteppedEngine) -> None:
         if not self.arr:
             return
-        eng.add_requests(self.arr, self.prompt, self.out, self.mx, self.prio,
-                         self.off if self.prefix else None, self.ids if self.prefix else None,
-                         self.hashed, None, None, self.ttft, self.tpot)
+        eng.add_requests(Requests(
+            self.arr, self.prompt, self.out, self.mx, priority=self.prio, ttft_slo_s=self.ttft,
+            tpot_slo_s=self.tpot, hashed_tokens=self.hashed,
+            hash_offsets=self.off if self.prefix else None,
+            hash_ids=self.ids if self.prefix else None))
         self.clear()
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
+from kvadmit._native import Requests
+
 
 @runtime_checkable
 class SteppedEngine(Protocol):
@@ -32,18 +34,9 @@ class SteppedEngine(Protocol):
     def start(self, t0: float) -> None:
         """Starts the clock at t0 (not after the first arrival added so far)."""
 
-    def add_requests(self, arrival_s: Sequence[float], prompt_tokens: Sequence[int],
-                     output_tokens: Sequence[int], max_tokens: Sequence[int],
-                     priority: Optional[Sequence[int]] = None,
-                     hash_offsets: Optional[Sequence[int]] = None,
-                     hash_ids: Optional[Sequence[int]] = None,
-                     hashed_tokens: Optional[Sequence[int]] = None,
-                     parent: Optional[Sequence[int]] = None,
-                     delay_s: Optional[Sequence[float]] = None,
-                     ttft_slo_s: Optional[Sequence[float]] = None,
-                     tpot_slo_s: Optional[Sequence[float]] = None,
-                     session: Optional[Sequence[int]] = None) -> None:
-        """Appends requests (`NativeEngine.add_requests`' columns)."""
+    def add_requests(self, requests: Requests) -> None:
+        """Appends requests (`kvadmit.Requests`, checked when built): fixed arrivals not
+        before the last `advance`'s `until`, a turn's parent one that has not ended."""
 
     def advance(self, until: float) -> bool:
         """Runs the steps that start before `until`; True if idle with nothing left

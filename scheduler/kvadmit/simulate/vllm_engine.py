@@ -66,10 +66,10 @@ import time
 
 import numpy as np
 
+from kvadmit._native import Requests
 from kvadmit.config import AdmissionConfig
 from kvadmit.simulate.engine import EngineShape, RawRun
-from kvadmit._native_engine import _check_columns
-from kvadmit.simulate.record import IN_ENGINE, RunRecord, Totals
+from kvadmit.simulate.record import DONE, IN_ENGINE, REJECTED, RunRecord, Totals
 from kvadmit.simulate.stepped import first_arrival, replay
 from kvadmit.simulate.steptime import StepTimeModel
 from kvadmit.simulate.workload import Workload
@@ -150,12 +150,7 @@ class VllmReplay:
         self.workload = workload
         self.engine = VllmEngine(config, shape, step, model_dir, sample_interval_s, seed,
                                  engine_args, hash_block_tokens=workload.hash_block_tokens)
-        prefix = shape.prefix_caching and workload.hash_ids is not None
-        w = workload
-        self.engine.add_requests(w.arrival_s, w.prompt_tokens, w.output_tokens, w.max_tokens,
-                                 w.priority, w.hash_offsets if prefix else None,
-                                 w.hash_ids if prefix else None, w.hashed_tokens, w.parent,
-                                 w.delay_s, w.ttft_slo_s, w.tpot_slo_s, w.session)
+        self.engine.add_requests(workload.requests(hash_ids=shape.prefix_caching))
 
     def run(self, progress=None) -> RawRun:
         wall0 = time.perf_counter()
@@ -209,19 +204,32 @@ class VllmEngine:
             self.kvadmit_state.set_clock(self.vt.now)
 
     # -- the stepped-engine contract ---------------------------------------------
-    def add_requests(self, arrival_s, prompt_tokens, output_tokens, max_tokens, priority=None,
-                     hash_offsets=None, hash_ids=None, hashed_tokens=None, parent=None,
-                     delay_s=None, ttft_slo_s=None, tpot_slo_s=None, session=None) -> None:
-        """Appends requests (`NativeEngine.add_requests`' columns and checks)."""
+    def add_requests(self, requests: Requests) -> None:
+        """Appends `kvadmit.Requests` (checked when built), as `NativeEngine.add_requests`:
+        here only what depends on the engine's state (a refused batch adds nothing)."""
         base = len(self.req)
-        last = max((t for t, _ in self.heap), default=-math.inf)
-        new = self.req.extend(arrival_s, prompt_tokens, output_tokens, max_tokens, priority,
-                              hash_offsets, hash_ids, hashed_tokens, parent, delay_s,
-                              ttft_slo_s, tpot_slo_s, session, last,
-                              self._horizon if self._started else -math.inf)
-        self.children.extend([] for _ in range(new))
-        self.rec.extend(new)
-        for i in range(base, base + new):
+        rows = [requests.row(i) for i in range(len(requests))]
+        last = self.req.last_open
+        for i, r in enumerate(rows):
+            par, t = r["parent"], r["arrival_s"]
+            if par >= base + i:
+                raise ValueError(f"parent[{i}]={par}: must be -1 or an earlier request's index")
+            if 0 <= par < base and self.rec.state[par] in (DONE, REJECTED):
+                raise ValueError(f"parent[{i}]={par}: already finished or refused at "
+                                 f"{self.rec.finish[par]}; add a turn before its parent ends")
+            if par < 0 and t < last:
+                raise ValueError(f"arrival_s[{i}]={t}: arrivals must not decrease (the engine's "
+                                 f"last is {last})")
+            if par < 0 and self._started and t < self._horizon:
+                raise ValueError(f"arrival_s[{i}]={t}: before the engine's horizon "
+                                 f"{self._horizon} (the last advance's until)")
+            if par < 0:
+                last = t
+        for r in rows:
+            self.req.append(r)
+        self.children.extend([] for _ in rows)
+        self.rec.extend(len(rows))
+        for i in range(base, base + len(rows)):
             p = self.req.parent[i]
             if p >= 0:
                 self.children[p].append(i)
@@ -497,6 +505,7 @@ class _Requests:
         self.delay: list[float] = []
         self.ids: list = []              # per request: its prefix-block ids (None: none given)
         self.extra: list[dict] = []      # per request: kvadmit's request fields
+        self.last_open = -math.inf       # the latest fixed arrival
 
     def __len__(self) -> int:
         return len(self.prompt)
@@ -507,46 +516,15 @@ class _Requests:
     def fields(self, i: int) -> dict:
         return self.extra[i]
 
-    def extend(self, arrival_s, prompt_tokens, output_tokens, max_tokens, priority, hash_offsets,
-               hash_ids, hashed_tokens, parent, delay_s, ttft_slo_s, tpot_slo_s, session,
-               last: float, horizon: float) -> int:
-        """Appends the rows, every one checked first (a refused batch adds nothing);
-        how many."""
-        n, base = len(arrival_s), len(self)
-        _check_columns(n, prompt_tokens, output_tokens, max_tokens, priority, hash_offsets,
-                       hash_ids, hashed_tokens, parent, delay_s, ttft_slo_s, tpot_slo_s, session)
-        rows = []
-        for i in range(n):
-            par = int(parent[i]) if parent is not None else -1
-            t, p, o, m = float(arrival_s[i]), int(prompt_tokens[i]), int(output_tokens[i]), int(max_tokens[i])
-            dl = float(delay_s[i]) if delay_s is not None else 0.0
-            if par >= base + i or par < -1:
-                raise ValueError(f"parent[{i}]={par}: must be -1 or an earlier request's index")
-            if not (math.isfinite(dl) and dl >= 0.0):
-                raise ValueError(f"delay_s[{i}]={dl}: must be a finite number >= 0")
-            if par < 0 and (not math.isfinite(t) or t < horizon):
-                raise ValueError(f"arrival_s[{i}]={t}: must be finite and not before the engine's "
-                                 f"horizon {horizon} (the last advance's until)")
-            if p < 1:
-                raise ValueError(f"prompt_tokens[{i}]={p}: must be >= 1")
-            if o < 1 or o > m:
-                raise ValueError(f"output_tokens[{i}]={o}: must be in [1, max_tokens[{i}]={m}]")
-            fields = {}
-            if ttft_slo_s is not None:
-                fields["ttft_slo_s"] = ttft_slo_s[i]
-            if tpot_slo_s is not None:
-                fields["tpot_slo_s"] = tpot_slo_s[i]
-            if session is not None:
-                fields["session"] = session[i]
-            ids = None
-            if hash_ids is not None:
-                ids = hash_ids[hash_offsets[i] - hash_offsets[0]:hash_offsets[i + 1] - hash_offsets[0]]
-            rows.append((t if par < 0 else -1.0, p, o, m,
-                         int(priority[i]) if priority is not None else 0,
-                         int(hashed_tokens[i]) if hashed_tokens is not None else p,
-                         par, dl, ids, fields))
-        for row in rows:
-            for col, v in zip((self.arrival, self.prompt, self.out, self.maxtok, self.prio,
-                               self.hashed, self.parent, self.delay, self.ids, self.extra), row):
-                col.append(v)
-        return n
+    def append(self, row: dict) -> None:
+        """One of `Requests.row`'s rows. Its SLO targets and session reach kvadmit as
+        request fields where given (a negative one is the config's default: none sent)."""
+        fields = {k: row[k] for k in ("ttft_slo_s", "tpot_slo_s", "session") if row[k] >= 0}
+        if row["parent"] < 0:
+            self.last_open = row["arrival_s"]
+        for col, v in ((self.arrival, row["arrival_s"]), (self.prompt, row["prompt_tokens"]),
+                       (self.out, row["output_tokens"]), (self.maxtok, row["max_new_tokens"]),
+                       (self.prio, row["priority"]), (self.hashed, row["hashed_tokens"]),
+                       (self.parent, row["parent"]), (self.delay, row["delay_s"]),
+                       (self.ids, row["hash_ids"]), (self.extra, fields)):
+            col.append(v)

@@ -14,6 +14,7 @@ import random
 import dataclasses
 from dataclasses import dataclass, field
 
+from kvadmit._native import Requests
 from kvadmit.traces import load_trace, max_tokens_for, trace_name
 
 
@@ -47,6 +48,21 @@ class Workload:
 
     def __len__(self) -> int:
         return len(self.arrival_s)
+
+    def requests(self, hash_ids: bool = True) -> Requests:
+        """Its requests as the native engine takes them (checked columns; a bad entry
+        raises ValueError naming it); ``hash_ids`` False leaves the prefix-block ids
+        out (an engine without prefix caching)."""
+        with_ids = hash_ids and self.hash_ids is not None
+        try:
+            return Requests(self.arrival_s, self.prompt_tokens, self.output_tokens,
+                            self.max_tokens, priority=self.priority, ttft_slo_s=self.ttft_slo_s,
+                            tpot_slo_s=self.tpot_slo_s, session=self.session, parent=self.parent,
+                            delay_s=self.delay_s, hashed_tokens=self.hashed_tokens,
+                            hash_offsets=self.hash_offsets if with_ids else None,
+                            hash_ids=self.hash_ids if with_ids else None)
+        except ValueError as e:
+            raise ValueError(f"workload {self.name}: {e}") from None
 
     def hash_ids_of(self, i: int) -> list[int]:
         if self.hash_ids is None:

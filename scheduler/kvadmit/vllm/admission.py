@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvadmit._native import AdmissionCore
+from kvadmit.arrival import ArrivalRecord
 from kvadmit.bridge import EngineBridge, StepReport
 from kvadmit.config import AdmissionConfig
 from kvadmit.protocol import Refusal, sample_group
@@ -229,8 +230,8 @@ class VllmAdmission:
             return []
         return members
 
-    def numbers(self, request) -> dict:
-        """The core's arrival numbers of a request (FieldError names a malformed field
+    def numbers(self, request) -> ArrivalRecord:
+        """The core's arrival record of a request (FieldError names a malformed field
         or what would crash the engine)."""
         self._check_body(request)
         sp = request.sampling_params
@@ -238,14 +239,16 @@ class VllmAdmission:
         session = fields.session
         if session < 0 and request.session_id:   # vLLM's session_id (X-Session-ID)
             session = session_int(request.session_id, "session_id")
-        numbers = dict(prompt_tokens=request.num_prompt_tokens, max_new_tokens=request.max_tokens,
-                       priority=request.priority,
-                       ttft_slo_s=ttft_target(fields, self.config.default_ttft_slo_s),
-                       tpot_slo_s=fields.tpot_slo_s, session=session)
+        arrival_time = arrival_tie = 0.0
         if self.request_id_ties is not None:   # vLLM's priority order: its arrival_time, then id
-            numbers.update(arrival_time=request.arrival_time, arrival_tie=self.request_id_ties.add(
-                (request.priority, request.arrival_time), request.request_id))
-        return numbers
+            arrival_time = request.arrival_time
+            arrival_tie = self.request_id_ties.add((request.priority, request.arrival_time),
+                                                   request.request_id)
+        return ArrivalRecord(prompt_tokens=request.num_prompt_tokens,
+                             max_new_tokens=request.max_tokens, priority=request.priority,
+                             ttft_slo_s=ttft_target(fields, self.config.default_ttft_slo_s),
+                             tpot_slo_s=fields.tpot_slo_s, session=session,
+                             arrival_time=arrival_time, arrival_tie=arrival_tie)
 
     def _check_body(self, request) -> None:
         """Refuses (FieldError) what would crash the engine further on: a prompt token

@@ -1,0 +1,22 @@
+# One request's numbers as the core takes them at arrival: the arrival record.
+# Defined once, here; the Python twin is kvadmit.arrival.ArrivalRecord (a frozen
+# dataclass with the same fields in the same order, tests/test_arrival_record.py
+# checks), and kvadmit._requests.Requests holds one per request of a workload.
+# A new per-request field is one line here, one there, and where it is used.
+from libc.stdint cimport int64_t
+
+
+cdef struct ArrivalRecord:
+    int64_t prompt_tokens     # prompt tokens (>= 1)
+    int64_t max_new_tokens    # its output cap (>= 1)
+    int64_t priority          # lower is more important (vLLM's order); 0: the default
+    int64_t cached_tokens     # prompt tokens already cached, in [0, prompt_tokens]
+    double ttft_slo_s         # TTFT target, seconds (negative: the config's default; 0: none)
+    double tpot_slo_s         # TPOT target, seconds (the same)
+    int64_t session           # its agent/session id (-1: none)
+    double arrival_time       # the engine's own arrival stamp (any clock), and its
+    double arrival_tie        # tie-break: the order of equal priorities (queue_order priority)
+
+
+cdef ArrivalRecord record_of(object record) except *
+cdef int check_record(const ArrivalRecord* r, Py_ssize_t row=*) except -1

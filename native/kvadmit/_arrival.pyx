@@ -1,0 +1,61 @@
+# The arrival record (see _arrival.pxd): its fields' names, the conversion from
+# the Python twin, and the check of its numbers (ValueError naming the field).
+
+from libc.math cimport isfinite
+from libc.string cimport memset
+
+
+cdef ArrivalRecord _zero() noexcept nogil:
+    cdef ArrivalRecord r
+    memset(&r, 0, sizeof(r))
+    return r
+
+
+# The struct's fields in declaration order (Cython turns a struct into a dict).
+FIELDS = tuple(_zero())
+
+
+cdef ArrivalRecord record_of(object record) except *:
+    """The struct of any object with the record's fields as attributes
+    (kvadmit.arrival.ArrivalRecord); a missing field raises TypeError, a value C
+    cannot hold OverflowError or TypeError."""
+    cdef dict values = {}
+    for name in FIELDS:
+        try:
+            values[name] = getattr(record, name)
+        except AttributeError:
+            raise TypeError(f"an arrival record (kvadmit.ArrivalRecord) has the fields "
+                            f"{', '.join(FIELDS)}; a {type(record).__name__} has no "
+                            f"{name!r}") from None
+    return values
+
+
+cdef str _name(str field, Py_ssize_t row):
+    return field if row < 0 else f"{field}[{row}]"
+
+
+cdef int check_record(const ArrivalRecord* r, Py_ssize_t row=-1) except -1:
+    """ValueError naming the first field out of its range (``row`` >= 0: a column's
+    entry, named field[row])."""
+    if r.prompt_tokens < 1:
+        raise ValueError(f"{_name('prompt_tokens', row)}={r.prompt_tokens}: must be >= 1")
+    if r.max_new_tokens < 1:
+        raise ValueError(f"{_name('max_new_tokens', row)}={r.max_new_tokens}: must be >= 1")
+    if r.cached_tokens < 0 or r.cached_tokens > r.prompt_tokens:
+        raise ValueError(f"{_name('cached_tokens', row)}={r.cached_tokens}: must be in "
+                         f"[0, prompt_tokens={r.prompt_tokens}]")
+    if not isfinite(r.ttft_slo_s) or not isfinite(r.tpot_slo_s):
+        raise ValueError(f"{_name('ttft_slo_s', row)}={r.ttft_slo_s}, "
+                         f"{_name('tpot_slo_s', row)}={r.tpot_slo_s}: must be finite "
+                         f"(negative: the config's defaults; 0: none)")
+    if not isfinite(r.arrival_time) or not isfinite(r.arrival_tie):
+        raise ValueError(f"{_name('arrival_time', row)}={r.arrival_time}, "
+                         f"{_name('arrival_tie', row)}={r.arrival_tie}: must be finite")
+    return 0
+
+
+def check(record) -> None:
+    """Checks an arrival record's numbers as the core will (ValueError naming the
+    field; OverflowError: an integer beyond int64)."""
+    cdef ArrivalRecord r = record_of(record)
+    check_record(&r)

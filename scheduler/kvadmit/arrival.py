@@ -1,0 +1,30 @@
+"""The arrival record: one request's numbers as the admission core takes them.
+
+`ArrivalRecord` is the Python twin of the native struct in native/kvadmit/_arrival.pxd
+(same fields, same order: tests/test_arrival_record.py checks). The engine adapters
+build one from an engine's request (`kvadmit.vllm.admission`, `kvadmit.sglang.adapter`),
+the bridge hands it to `AdmissionCore.arrive`, and the simulator's columnar `Requests`
+holds one per request. Building one checks its numbers as the core will: a ValueError
+names the field and its limit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvadmit._arrival import check as _check_record
+
+
+@dataclass(frozen=True, slots=True)
+class ArrivalRecord:
+    prompt_tokens: int          # prompt tokens (>= 1)
+    max_new_tokens: int         # its output cap (>= 1)
+    priority: int = 0           # lower is more important (vLLM's order)
+    cached_tokens: int = 0      # prompt tokens already cached, in [0, prompt_tokens]
+    ttft_slo_s: float = -1.0    # TTFT target, seconds (negative: the config's default; 0: none)
+    tpot_slo_s: float = -1.0    # TPOT target, seconds (the same)
+    session: int = -1           # its agent/session id (-1: none)
+    arrival_time: float = 0.0   # the engine's own arrival stamp (any clock) and its
+    arrival_tie: float = 0.0    # tie-break: the order of equal priorities (queue_order priority)
+
+    def __post_init__(self) -> None:
+        _check_record(self)
