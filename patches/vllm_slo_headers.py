@@ -1,11 +1,14 @@
-"""vLLM 0.32 and 0.33: the Gateway API Inference Extension's SLO request headers as
-kvadmit's per-request SLO fields.
+"""vLLM 0.32 and 0.33: the Gateway API Inference Extension's SLO request headers, and
+llm-d's TTL header, as kvadmit's per-request fields.
 
-GIE (and llm-d) carry a request's targets in `x-slo-ttft-ms` and `x-slo-tpot-ms`.
+GIE (and llm-d) carry a request's targets in `x-slo-ttft-ms` and `x-slo-tpot-ms`, and
+llm-d its time to live in `x-llm-d-inference-ttl` (seconds, or a duration such as
+`30s`, `1500ms`, `2m`): kvadmit's `ttl_s`, past which a request that has not
+started is dropped unserved (`expired`).
 vLLM passes no header to the engine, so this ASGI middleware (installed when the
 API server app is built, as the Retry-After one, vllm_retry_after.py) writes them into the JSON body
 of completion and chat-completion requests as the flat `vllm_xargs` keys kvadmit
-reads (`kvadmit_ttft_slo_s`, `kvadmit_tpot_slo_s`, seconds). A field the body already
+reads (`kvadmit_ttft_slo_s`, `kvadmit_tpot_slo_s`, `kvadmit_ttl_s`, seconds). A field the body already
 sets wins; a malformed header is passed on as it is, so kvadmit refuses it as
 `invalid` naming the field. Other requests pass through untouched.
 """
@@ -18,12 +21,16 @@ from kvadmit_patches import add_app_middleware
 
 TARGET = "vllm.entrypoints.launchers.app.init_entrypoints_middleware"
 VERSIONS = ("0.32.0", "0.33.0")     # the same hook as vllm_retry_after.py
-HEADERS = {b"x-slo-ttft-ms": "ttft_slo_s", b"x-slo-tpot-ms": "tpot_slo_s"}
+HEADERS = {b"x-slo-ttft-ms": "ttft_slo_s", b"x-slo-tpot-ms": "tpot_slo_s",
+           b"x-llm-d-inference-ttl": "ttl_s"}
+MS_HEADERS = (b"x-slo-ttft-ms", b"x-slo-tpot-ms")
+# A duration's unit suffix -> seconds (as Go's time.ParseDuration writes the common ones).
+UNITS = (("ms", 1e-3), ("s", 1.0), ("m", 60.0), ("h", 3600.0))
 PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 def slo_fields(headers) -> dict:
-    """The flat kvadmit fields the SLO headers ask for (milliseconds -> seconds)."""
+    """The flat kvadmit fields the headers ask for, in seconds."""
     out = {}
     for name, value in headers:
         field = HEADERS.get(name.lower())
@@ -31,10 +38,19 @@ def slo_fields(headers) -> dict:
             continue
         text = value.decode("latin-1").strip()
         try:
-            out[FLAT_PREFIX + field] = float(text) / 1000.0
+            out[FLAT_PREFIX + field] = (float(text) / 1000.0 if name.lower() in MS_HEADERS
+                                        else duration_s(text))
         except ValueError:
             out[FLAT_PREFIX + field] = text     # kvadmit's field check names it
     return out
+
+
+def duration_s(text: str) -> float:
+    """Seconds of "30", "30s", "1500ms", "2m" or "1h" (ValueError otherwise)."""
+    for suffix, scale in UNITS:
+        if text.endswith(suffix) and not (suffix == "s" and text.endswith("ms")):
+            return float(text[:-len(suffix)]) * scale
+    return float(text)
 
 
 def with_fields(body: bytes, fields: dict) -> bytes | None:

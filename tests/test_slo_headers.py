@@ -16,6 +16,14 @@ def test_headers_become_seconds_and_the_body_wins():
     assert with_fields(b"[1, 2]", fields) is None and with_fields(b"{bad", fields) is None
 
 
+def test_the_ttl_header_is_seconds_or_a_duration():
+    def ttl(v):
+        return slo_fields([(b"X-LLM-D-Inference-TTL", v)])["kvadmit_ttl_s"]
+    assert (ttl(b"30"), ttl(b"30s"), ttl(b"1500ms"), ttl(b"2m"), ttl(b"1h")) == \
+        (30.0, 30.0, 1.5, 120.0, 3600.0)
+    assert ttl(b"soon") == "soon"             # passed on: kvadmit refuses it, naming ttl_s
+
+
 def run(scope, chunks):
     seen = {}
 

@@ -16,6 +16,8 @@ cdef struct ArrivalRecord:
     int64_t session           # its agent/session id (-1: none)
     double arrival_time       # the engine's own arrival stamp (any clock), and its
     double arrival_tie        # tie-break: the order of equal priorities (queue_order priority)
+    double ttl_s              # seconds it may wait before it first starts; past it, it is
+                              # dropped unserved (negative: the config's max_queue_age_s; 0: none)
 
 
 cdef ArrivalRecord record_of(object record) except *

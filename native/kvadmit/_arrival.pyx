@@ -11,6 +11,8 @@ cdef ArrivalRecord _zero() noexcept nogil:
     return r
 
 
+MAX_TTL_S = 86400.0    # as the config's max_queue_age_s
+
 # The struct's fields in declaration order (Cython turns a struct into a dict).
 FIELDS = tuple(_zero())
 
@@ -48,6 +50,9 @@ cdef int check_record(const ArrivalRecord* r, Py_ssize_t row=-1) except -1:
         raise ValueError(f"{_name('ttft_slo_s', row)}={r.ttft_slo_s}, "
                          f"{_name('tpot_slo_s', row)}={r.tpot_slo_s}: must be finite "
                          f"(negative: the config's defaults; 0: none)")
+    if not (isfinite(r.ttl_s) and r.ttl_s <= MAX_TTL_S):
+        raise ValueError(f"{_name('ttl_s', row)}={r.ttl_s}: must be at most {MAX_TTL_S:g} s "
+                         f"(negative: the config's max_queue_age_s; 0: none)")
     if not isfinite(r.arrival_time) or not isfinite(r.arrival_tie):
         raise ValueError(f"{_name('arrival_time', row)}={r.arrival_time}, "
                          f"{_name('arrival_tie', row)}={r.arrival_tie}: must be finite")

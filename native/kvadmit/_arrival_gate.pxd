@@ -13,7 +13,8 @@ cdef enum:  # indexes into REJECT_REASONS
     R_QUEUE_DELAY = 5
     R_SLO = 6
     R_INVALID = 7         # malformed request (its engine fields, its numbers)
-    N_REJECT_REASONS = 8
+    R_EXPIRED = 8         # waited past its TTL (ttl_s / max_queue_age_s) without starting
+    N_REJECT_REASONS = 9
 
 
 cdef struct Place:          # one place in the retry line (see ArrivalGate._in_line)
@@ -42,6 +43,7 @@ cdef class ArrivalGate:
     cdef readonly int64_t max_queued_requests, max_queued_tokens   # 0: no cap
     cdef readonly bint shed_lower_priority
     cdef readonly double max_queue_delay_s                         # 0: no cap
+    cdef readonly double max_queue_age_s       # a request's TTL when it has none (0: none)
     cdef double _retry_default, _retry_max, _drain_window
     # drain rate: admissions against the backlog clock (seconds with requests waiting)
     cdef deque[pair[double, int64_t]] _drain   # (backlog clock, prefill tokens) per admission
@@ -78,6 +80,7 @@ cdef class ArrivalGate:
     cdef Rejection c_refuse_full(self, int64_t over_reqs, int64_t over_tokens, int64_t waiting,
                                  int64_t queued_tokens, int64_t queued)
     cdef Rejection c_refuse_shed(self, int64_t priority, int64_t victim_priority, bint over_reqs)
+    cdef Rejection c_refuse_expired(self, double waited_s, double ttl_s, bint own_ttl)
     cdef bint _drain_rates(self, double* reqs_per_s,
                            double* tokens_per_s) noexcept nogil
     cdef bint _rates_as_of(self, double now, double* reqs_per_s,

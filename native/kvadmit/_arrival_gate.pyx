@@ -23,7 +23,7 @@ from libcpp.unordered_map cimport unordered_map
 from cython.operator cimport dereference as deref
 
 REJECT_REASONS = ("queue_full", "queued_tokens_full", "context_length", "kv_capacity", "shed",
-                  "queue_delay", "slo_infeasible", "invalid")
+                  "queue_delay", "slo_infeasible", "invalid", "expired")
 
 
 cdef class Rejection:
@@ -97,6 +97,7 @@ cdef class ArrivalGate:
         self.max_queued_tokens = config.max_queued_tokens
         self.shed_lower_priority = config.shed_lower_priority
         self.max_queue_delay_s = config.max_queue_delay_s
+        self.max_queue_age_s = config.max_queue_age_s
         self._retry_default = config.retry_after_default_s
         self._retry_max = config.retry_after_max_s
         self._drain_window = config.drain_window_s
@@ -422,6 +423,15 @@ cdef class ArrivalGate:
             "max_queued_requests" if over_reqs else "max_queued_tokens",
             self.max_queued_requests if over_reqs else self.max_queued_tokens,
             self._retry_default)
+
+    cdef Rejection c_refuse_expired(self, double waited_s, double ttl_s, bint own_ttl):
+        """The refusal of a waiting request that has not started within its TTL: stale
+        work, dropped before any prefill (its own ``ttl_s``, or the config's
+        max_queue_age_s). Not retryable: its client is presumed gone or late."""
+        cdef str limit = "ttl_s" if own_ttl else "max_queue_age_s"
+        return self.c_refuse(
+            R_EXPIRED, f"waited {waited_s:.3g} s in the queue without starting, past its "
+            f"{limit}={ttl_s:g} s: dropped before prefill", limit, ttl_s, None)
 
     @property
     def retry_max_s(self):

@@ -149,10 +149,11 @@ cdef class AdmissionCore(CoreView):
                                                             self.max_model_len)
         if refused is not None:
             return ArrivalResult(False, -1, refused, [])
+        cdef double ttl = r.ttl_s if r.ttl_s >= 0 else self.gate.max_queue_age_s
         cdef int32_t s = self.ledger.add(
             r, self.slo_guard.c_ttft_target(r.ttft_slo_s),
             self.slo_guard.c_tpot_target(r.tpot_slo_s), now,
-            r.session if self.agent_window.enabled else -1)
+            r.session if self.agent_window.enabled else -1, now + ttl if ttl > 0 else INFINITY)
         self.agent_window.c_track(self.ledger.session(s), now)
         cdef list shed = []
         self._judging(s)
@@ -165,6 +166,34 @@ cdef class AdmissionCore(CoreView):
         self.ledger.enqueue(s, True)
         self._enqueue(s)
         return ArrivalResult(True, s, None, shed)
+
+    def expire(self, double now):
+        """Drops the waiting requests that have not started within their TTL (their
+        ``ttl_s``, else the config's max_queue_age_s) as of `now`: [(slot, Rejection)]
+        (reason expired), their slots freed. Engines call it at each step's start,
+        before admitting, so stale work never reaches prefill."""
+        check_now(now)
+        self._tick(now)
+        return self.c_expire(now)
+
+    cdef list c_expire(self, double now):
+        cdef list out = []
+        if now < self.queue.c_next_expiry():
+            return out
+        cdef vector[int32_t] picked
+        self.queue.c_pick_expired(now, &picked)
+        cdef int32_t v
+        cdef double arrived, ttl
+        for v in picked:
+            arrived = self.ledger.arrive_t(v)
+            ttl = self.ledger.expire_at(v) - arrived
+            self._dequeue(v)
+            self._judging(v)
+            # (ttl is now + ttl - now: equal to the config's within rounding)
+            out.append((v, self.gate.c_refuse_expired(
+                now - arrived, ttl, abs(ttl - self.gate.max_queue_age_s) > 1e-6)))
+            self.ledger.release(v)
+        return out
 
     cdef inline void _judging(self, int32_t s) noexcept nogil:
         """Tells the gate which request its next refusal is of (its retry line

@@ -30,6 +30,7 @@ cdef class Ledger:
     cdef vector[char] _activated_by  # its admission activated its session
     cdef vector[double] _ttft, _tpot, _arrive_t
     cdef vector[double] _engine_t, _engine_tie   # the engine's arrival time and tie-break
+    cdef vector[double] _expire_at   # when it is dropped if it has not started (INFINITY: never)
     # the running set, in no particular order, and its sums
     cdef vector[int32_t] _running
     cdef vector[int32_t] _run_pos    # per slot: its index in running (-1: not running)
@@ -96,6 +97,8 @@ cdef class Ledger:
         return self._engine_t[s]
     cdef inline double engine_tie(self, int32_t s) noexcept nogil:
         return self._engine_tie[s]
+    cdef inline double expire_at(self, int32_t s) noexcept nogil:
+        return self._expire_at[s]
     cdef inline int64_t n_running(self) noexcept nogil:
         return self._running.size()
     cdef inline int32_t running_at(self, size_t i) noexcept nogil:
@@ -178,7 +181,7 @@ cdef class Ledger:
         self._pred_total[s] = total
 
     cdef int32_t add(self, const ArrivalRecord* r, double ttft, double tpot, double arrive_t,
-                     int64_t session)
+                     int64_t session, double expire_at)
     cdef void enqueue(self, int32_t s, bint sheddable) noexcept nogil
     cdef void dequeue(self, int32_t s) noexcept nogil
     cdef void start(self, int32_t s, bint activated) noexcept nogil

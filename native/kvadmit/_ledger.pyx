@@ -32,10 +32,11 @@ cdef class Ledger:
         self._len_abs_err = self._len_pred_sum = self._len_actual_sum = 0.0
 
     cdef int32_t add(self, const ArrivalRecord* r, double ttft, double tpot, double arrive_t,
-                     int64_t session):
+                     int64_t session, double expire_at):
         """A slot holding an arrival's record, the next in arrival order, not yet
         queued (its state is waiting so the policies may read it); ``ttft`` /
-        ``tpot`` its targets and ``session`` its session as the core resolved them."""
+        ``tpot`` its targets, ``session`` its session and ``expire_at`` when it is
+        dropped unstarted, as the core resolved them."""
         cdef int32_t s
         if not self._free_slots.empty():
             s = self._free_slots.back()
@@ -51,6 +52,7 @@ cdef class Ledger:
             self._state.push_back(ST_FREE); self._sheddable.push_back(0)
             self._ttft.push_back(0.0); self._tpot.push_back(0.0); self._arrive_t.push_back(0.0)
             self._engine_t.push_back(0.0); self._engine_tie.push_back(0.0)
+            self._expire_at.push_back(0.0)
             self._session.push_back(-1); self._activated_by.push_back(0)
         self._prompt[s] = r.prompt_tokens
         self._cached[s] = r.cached_tokens
@@ -67,6 +69,7 @@ cdef class Ledger:
         self._arrive_t[s] = arrive_t
         self._engine_t[s] = r.arrival_time
         self._engine_tie[s] = r.arrival_tie
+        self._expire_at[s] = expire_at
         self._session[s] = session
         self._state[s] = ST_WAITING  # provisional, so the policies may read it
         return s
@@ -213,7 +216,8 @@ cdef class Ledger:
             "priority": self._priority[slot], "arrival": self._arrival[slot],
             "arrival_time": self._engine_t[slot], "arrival_tie": self._engine_tie[slot],
             "session": self._session[slot], "ttft_target_s": self._ttft[slot],
-            "tpot_target_s": self._tpot[slot], "blocks": self._blocks[slot], "bypassed": self._bypassed[slot],
+            "tpot_target_s": self._tpot[slot], "expire_at": self._expire_at[slot],
+            "blocks": self._blocks[slot], "bypassed": self._bypassed[slot],
             "preemptions": self._preempts[slot],
         }
 

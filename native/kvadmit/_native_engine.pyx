@@ -381,16 +381,12 @@ cdef class NativeEngine:
         return r
 
     cdef int _arrivals(self) except -1:
-        cdef int32_t r, v
+        cdef int32_t r
         cdef ArrivalResult res
         while self._next_arrival() <= self._clock:
             r = self._pop_arrival()
             res = self.core.c_arrive(&self._rec[r], self._arr[r])
-            for slot, rej in res.shed:
-                v = self._slot_req[slot]
-                self._slot_req[slot] = -1
-                self._slot[v] = -1
-                self._reject(v, rej)
+            self._drop_shed(res.shed)
             if not res.accepted:
                 self._reject(r, res.rejection)
                 continue
@@ -399,6 +395,17 @@ cdef class NativeEngine:
             self._slot_req[res.slot] = r
             self._slot[r] = <int32_t>res.slot
             self._rstate[r] = RQ_WAITING
+        self._drop_shed(self.core.c_expire(self._clock))   # stale work, before admission
+        return 0
+
+    cdef int _drop_shed(self, list shed) except -1:
+        """Waiting requests the core dropped: [(slot, Rejection)]."""
+        cdef int32_t v
+        for slot, rej in shed:
+            v = self._slot_req[slot]
+            self._slot_req[slot] = -1
+            self._slot[v] = -1
+            self._reject(v, rej)
         return 0
 
     cdef int64_t _prefix_hit_blocks(self, int32_t r, int64_t tokens, int64_t* fresh) noexcept nogil:

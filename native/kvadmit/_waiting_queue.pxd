@@ -1,5 +1,7 @@
 # The waiting queue's C-level API (see _waiting_queue.pyx): its order, the
 # bounded-bypass scan, and the order in which priority shedding evicts.
+from cython.operator cimport dereference as deref
+from libc.math cimport INFINITY
 from libc.stdint cimport int32_t, int64_t
 from libcpp.map cimport map as cmap
 from libcpp.vector cimport vector
@@ -57,6 +59,7 @@ cdef class WaitingQueue:
     cdef int64_t _max_bypass, _lookahead
     cdef cmap[QKey, int32_t] _waiting
     cdef cmap[QKey, int32_t] _shed_order   # never-admitted waiting, by (priority, arrival)
+    cdef cmap[QKey, int32_t] _expiry       # never-admitted waiting with a TTL, by expiry time
     cdef int64_t _held[N_DECISIONS]        # (request, step) pairs held at the queue head
 
     cdef inline int64_t c_size(self) noexcept nogil:
@@ -84,6 +87,18 @@ cdef class WaitingQueue:
         return self.c_order_key(self.ledger.priority(s), self.ledger.arrive_t(s), self.ledger.ttft(s),
                                 self.ledger.engine_t(s), self.ledger.engine_tie(s), self.ledger.arrival(s))
 
+    cdef inline QKey _expiry_key(self, int32_t s) noexcept nogil:
+        cdef QKey k
+        k.first = 0
+        k.time = self.ledger.expire_at(s)
+        k.tie = 0.0
+        k.second = self.ledger.arrival(s)
+        return k
+
+    cdef inline double c_next_expiry(self) noexcept nogil:
+        """When the next never-started request's TTL runs out (INFINITY: none has one)."""
+        return deref(self._expiry.begin()).first.time if not self._expiry.empty() else INFINITY
+
     cdef inline QKey _shed_key(self, int32_t s) noexcept nogil:
         """Shedding's order: the least important (largest) evicted first."""
         cdef QKey k
@@ -100,5 +115,6 @@ cdef class WaitingQueue:
     cdef int32_t c_scan(self, Judge judge, int64_t free_blocks, bint check_blocks,
                         bint paused, double unpassable_from) noexcept nogil
     cdef void _count_hold(self, int32_t s, int d) noexcept nogil
+    cdef void c_pick_expired(self, double now, vector[int32_t]* picked) noexcept nogil
     cdef bint c_pick_shed(self, int64_t priority, int64_t over_reqs, int64_t over_tokens,
                           vector[int32_t]* picked) noexcept nogil

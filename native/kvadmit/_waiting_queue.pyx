@@ -6,6 +6,7 @@
 # core calls both.
 
 from cython.operator cimport dereference as deref, preincrement as inc
+from libc.math cimport INFINITY
 from libc.stdint cimport int32_t, int64_t
 from libcpp.map cimport map as cmap
 from libcpp.vector cimport vector
@@ -45,12 +46,15 @@ cdef class WaitingQueue:
         self._waiting[self.c_key(s)] = s
         if self.ledger.sheddable(s):
             self._shed_order[self._shed_key(s)] = s
+            if self.ledger.expire_at(s) < INFINITY:
+                self._expiry[self._expiry_key(s)] = s
 
     cdef void c_remove(self, int32_t s) noexcept nogil:
         """s leaves the queue (before the ledger's dequeue clears its sheddable mark)."""
         self._waiting.erase(self.c_key(s))
         if self.ledger.sheddable(s):
             self._shed_order.erase(self._shed_key(s))
+            self._expiry.erase(self._expiry_key(s))
 
     cdef void c_ahead_of(self, QKey key, int64_t* reqs, int64_t* tokens) noexcept nogil:
         """Waiting requests (and their prefill tokens) that the queue order serves
@@ -124,6 +128,15 @@ cdef class WaitingQueue:
         pairs in which the request at the head of the queue could not start."""
         if self.ledger.note_held(s):
             self._held[d] += 1
+
+    cdef void c_pick_expired(self, double now, vector[int32_t]* picked) noexcept nogil:
+        """The never-started waiting requests whose TTL has run out at `now`, the
+        earliest expiry first (into `picked`)."""
+        cdef cmap[QKey, int32_t].iterator it = self._expiry.begin()
+        picked.clear()
+        while it != self._expiry.end() and deref(it).first.time <= now:
+            picked.push_back(deref(it).second)
+            inc(it)
 
     cdef bint c_pick_shed(self, int64_t priority, int64_t over_reqs, int64_t over_tokens,
                           vector[int32_t]* picked) noexcept nogil:

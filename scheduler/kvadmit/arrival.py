@@ -25,6 +25,8 @@ class ArrivalRecord:
     session: int = -1           # its agent/session id (-1: none)
     arrival_time: float = 0.0   # the engine's own arrival stamp (any clock) and its
     arrival_tie: float = 0.0    # tie-break: the order of equal priorities (queue_order priority)
+    ttl_s: float = -1.0         # seconds it may wait before it first starts, else it is dropped
+                                # unserved (negative: the config's max_queue_age_s; 0: none)
 
     def __post_init__(self) -> None:
         _check_record(self)

@@ -164,6 +164,12 @@ class EngineBridge:
             slots.append(one.slot)
         return Arrival(slots=slots, shed=shed)
 
+    def expire(self, now: float) -> list:
+        """The waiting requests whose TTL ran out by ``now`` without starting, no longer
+        tracked: [(obj, Refusal)] (reason expired). The engine aborts them and answers
+        their clients before it admits anything this step."""
+        return [(self.untrack(s), self.refusal(rejection)) for s, rejection in self.core.expire(now)]
+
     # -- leaving -------------------------------------------------------------
     def leave(self, key: Hashable, finished: bool,
               progress: Optional[Callable[[int], tuple[int, int]]], now: float) -> Any:

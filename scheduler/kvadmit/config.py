@@ -71,6 +71,10 @@ class AdmissionConfig:
         0.0, 86400.0, "refuse arrivals whose predicted queueing delay (requests and prompt tokens "
         "waiting, at the admission rate of the last drain_window_s) exceeds this; a request that "
         "has waited this long is passed by no later one (0: no cap; for a TTFT target, half of it)"))
+    max_queue_age_s: float = field(default=0.0, metadata=float_rule(
+        0.0, 86400.0, "a waiting request that has not started this long after it arrived is "
+        "dropped unserved, before any prefill (reason expired); a request's own ttl_s overrides "
+        "it (0: none)"))
     shed_lower_priority: bool = field(default=False, metadata=bool_rule(
         "when a cap is hit, evict strictly lower-priority waiting requests instead of refusing"))
     prefill_chunk_tokens: int = field(default=0, metadata=int_rule(

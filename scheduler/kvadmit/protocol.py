@@ -87,6 +87,8 @@ _INFO: dict[str, ReasonInfo] = {
     "context_length": ReasonInfo(False, "prompt tokens + max_tokens exceed the model's context length"),
     "kv_capacity": ReasonInfo(False, "the request needs more KV cache than this server's whole pool holds"),
     "invalid": ReasonInfo(False, "the request's token counts or kvadmit fields are invalid"),
+    "expired": ReasonInfo(False, "the request waited past its TTL without starting (kvadmit ttl_s "
+                                 "or max_queue_age_s): dropped before prefill"),
 }
 if set(_INFO) != set(REJECT_REASONS):
     raise ImportError(f"kvadmit.protocol: refusal reasons {sorted(set(_INFO) ^ set(REJECT_REASONS))} "

@@ -19,8 +19,10 @@ as a crash; the adapters call them at arrival.
 
 Fields (all optional): `ttft_slo_s`, `tpot_slo_s`, `deadline_s` (absolute UNIX
 time by which the first token is due; `ttft_target` turns it into a TTFT target
-at arrival, the tighter of it and ttft_slo_s) and `session` (an agent/session
-id, integer or string). A bad value raises `FieldError` naming the field; the
+at arrival, the tighter of it and ttft_slo_s), `session` (an agent/session
+id, integer or string) and `ttl_s` (seconds it may wait before it starts; past it,
+it is dropped unserved as `expired`; 0: none; not given: the config's
+max_queue_age_s). A bad value raises `FieldError` naming the field; the
 adapter refuses the request as `invalid`.
 """
 from __future__ import annotations
@@ -32,8 +34,9 @@ from typing import Any, Mapping, NamedTuple
 
 KEY = "kvadmit"
 FLAT_PREFIX = "kvadmit_"
-FIELDS = ("ttft_slo_s", "tpot_slo_s", "deadline_s", "session")
+FIELDS = ("ttft_slo_s", "tpot_slo_s", "deadline_s", "session", "ttl_s")
 MAX_TTFT_S = 86400.0          # as config default_ttft_slo_s
+MAX_TTL_S = 86400.0           # as config max_queue_age_s
 MAX_TPOT_S = 3600.0           # as config default_tpot_slo_s
 MIN_DEADLINE_UNIX = 1e9       # 2001-09-09: anything smaller is not an absolute time
 PAST_DEADLINE_TTFT_S = 1e-6   # a deadline already passed: a target no request meets
@@ -56,6 +59,7 @@ class RequestFields(NamedTuple):
     tpot_slo_s: float = -1.0
     session: int = -1
     deadline_s: float | None = None
+    ttl_s: float = -1.0         # -1: the config's max_queue_age_s; 0: none
 
 
 NONE = RequestFields()
@@ -117,12 +121,12 @@ def session_int(value: Any, name: str = "session") -> int:
     raise FieldError(f"kvadmit field {name}={value!r}: must be an integer or a string")
 
 
-def _seconds(value: Any, name: str, hi: float) -> float:
+def _seconds(value: Any, name: str, hi: float, zero: str = "no target") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise FieldError(f"kvadmit field {name}={value!r}: must be a number of seconds in "
-                         f"[0, {hi:g}] (0: no target)")
+                         f"[0, {hi:g}] (0: {zero})")
     if not 0 <= value <= hi:
-        raise FieldError(f"kvadmit field {name}={value!r}: out of range [0, {hi:g}] (0: no target)")
+        raise FieldError(f"kvadmit field {name}={value!r}: out of range [0, {hi:g}] (0: {zero})")
     return float(value)
 
 
@@ -161,7 +165,8 @@ def parse(values: Mapping[str, Any], now_unix: float | None = None,
         deadline = float(d)
     if "session" in values:
         session = session_int(values["session"], name("session"))
-    return RequestFields(ttft, tpot, session, deadline)
+    ttl = _seconds(values["ttl_s"], name("ttl_s"), MAX_TTL_S, "none") if "ttl_s" in values else -1.0
+    return RequestFields(ttft, tpot, session, deadline, ttl)
 
 
 def ttft_target(fields: RequestFields, default_ttft_s: float, now_unix: float | None = None) -> float:

@@ -359,7 +359,8 @@ class SGLangAdmission:
         return ArrivalRecord(prompt_tokens=len(req.origin_input_ids),
                              max_new_tokens=self._max_new(req), priority=self._priority(req),
                              ttft_slo_s=self._ttft_target(fields, now),
-                             tpot_slo_s=fields.tpot_slo_s, session=fields.session)
+                             tpot_slo_s=fields.tpot_slo_s, session=fields.session,
+                             ttl_s=fields.ttl_s)
 
     def _check_body(self, req) -> None:
         """Refuses (FieldError) what would crash the scheduler further on: a prompt token
