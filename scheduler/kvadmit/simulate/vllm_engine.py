@@ -517,9 +517,10 @@ class _Requests:
         return self.extra[i]
 
     def append(self, row: dict) -> None:
-        """One of `Requests.row`'s rows. Its SLO targets and session reach kvadmit as
-        request fields where given (a negative one is the config's default: none sent)."""
-        fields = {k: row[k] for k in ("ttft_slo_s", "tpot_slo_s", "session") if row[k] >= 0}
+        """One of `Requests.row`'s rows. Its SLO targets, session and TTL reach kvadmit
+        as request fields where given (a negative one is the config's default: none sent)."""
+        fields = {k: row[k] for k in ("ttft_slo_s", "tpot_slo_s", "session", "ttl_s")
+                  if row[k] >= 0}
         if row["parent"] < 0:
             self.last_open = row["arrival_s"]
         for col, v in ((self.arrival, row["arrival_s"]), (self.prompt, row["prompt_tokens"]),
