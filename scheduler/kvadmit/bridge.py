@@ -68,6 +68,10 @@ class StepPlan:
     which needs the engine's per-request token arithmetic)."""
     # Running slots from most protected to first victim (engines preempt from the end).
     victim_order: list
+    # Waiting requests past their TTL, no longer tracked: [(obj, Refusal)] (reason
+    # expired). The engine takes them out of its queue and answers their clients
+    # before it admits anything (`EngineBridge.expire`).
+    expired: list = field(default_factory=list)
 
 
 class EngineBridge:
@@ -210,7 +214,7 @@ class EngineBridge:
             # cached prefixes (the native engine does); vLLM's and SGLang's eviction is
             # their own, so the log is emptied here, or it would grow for the server's life.
             core.take_paused_sessions()
-        return StepPlan(victim_order=order)
+        return StepPlan(victim_order=order, expired=self.expire(report.now))
 
     def step_done(self, tokens: float, context: float, now: float,
                   hit_tokens: int = 0, query_tokens: int = 0) -> None:

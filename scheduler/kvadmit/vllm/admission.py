@@ -264,7 +264,8 @@ class VllmAdmission:
             self.request_id_ties.remove(request_id)
 
     def shed(self, shed) -> None:
-        """Waiting requests the core shed for an arrival: finished, with their refusal."""
+        """Waiting requests the core dropped (shed for an arrival, or past their TTL):
+        finished, with their refusal."""
         for victim, refusal in shed:
             self.forget_order(victim.request_id)
             self._sched.finish_requests(victim.request_id, RequestStatus.FINISHED_ABORTED)
@@ -326,6 +327,7 @@ class VllmAdmission:
         plan = bridge.step(StepReport(
             now=now, used_blocks=self.usable_blocks - self._pool.get_num_free_blocks(),
             slots=slots, computed=computed, generated=generated))
+        self.shed(plan.expired)        # stale work leaves vLLM's queue before it admits
         # vLLM preempts running[-1] first: put the core's victim order in place. (Under
         # its priority scheduling vLLM picks its own victim, the lowest priority and
         # latest arrival, as the core's order does: its running order stays its own.)
