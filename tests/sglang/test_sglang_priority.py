@@ -188,3 +188,29 @@ def test_priority_off_changes_nothing(kvadmit_hooks):
     h = Harness(AdmissionConfig.from_dict({}), enable_priority_scheduling=True,
                 disable_priority_preemption=True)
     assert h.adapter.config.queue_order == "priority" and not h.adapter.priority_preemption
+
+
+def test_priority_config_follows_sglangs_flags(kvadmit_hooks):
+    """How SGLangAdmission.for_scheduler maps SGLang's flags (an explicit kvadmit
+    threshold is kept; an explicit queue order is replaced: SGLang orders by priority)."""
+    from types import SimpleNamespace
+
+    from kvadmit.sglang.adapter import NO_PREEMPTION, priority_config
+
+    def sched(**kw):
+        base = dict(enable_priority_scheduling=True, enable_priority_preemption=True,
+                    priority_scheduling_preemption_threshold=10)
+        return SimpleNamespace(**dict(base, **kw))
+
+    cfg = AdmissionConfig.from_dict({})
+    assert priority_config(cfg, sched(enable_priority_scheduling=False)) is cfg
+    out = priority_config(cfg, sched(priority_scheduling_preemption_threshold=3))
+    assert (out.queue_order, out.priority_preemption_threshold) == ("priority", 3)
+    out = priority_config(AdmissionConfig.from_dict({"priority_preemption_threshold": 1}),
+                          sched(), frozenset({"priority_preemption_threshold"}))
+    assert out.priority_preemption_threshold == 1
+    out = priority_config(AdmissionConfig.from_dict({"queue_order": "deadline"}), sched(),
+                          frozenset({"queue_order"}))
+    assert out.queue_order == "priority"
+    out = priority_config(cfg, sched(enable_priority_preemption=False))
+    assert out.priority_preemption_threshold == NO_PREEMPTION
