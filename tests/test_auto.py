@@ -212,3 +212,23 @@ def test_a_request_that_outlived_the_early_stoppers_is_expected_to_run_to_its_ca
     history(core, 8, 2)
     add_running(core, 20, 60, generated=generated)
     assert core.peak_blocks() == peak
+
+
+def test_pauseless_auto_keeps_room_for_an_overrun():
+    """auto on an engine without pause (shortfall "preempt", SGLang): once lengths are
+    known, a request the length model says stops early still keeps room for running
+    to its cap, and a running request grows no less than SGLang's new_token_ratio
+    estimate; with pause (vLLM) the same state admits."""
+    from helpers import add_running, add_waiting, make_core
+
+    decisions = {}
+    for shortfall in ("pause", "preempt"):
+        core = make_core("auto", num_blocks=100, block_size=4, shortfall=shortfall)
+        for i in range(40):     # 40 finished requests of 8 tokens, caps 200
+            s = add_running(core, 4, 200)
+            core.update(s, 4 + 7, 8)
+            core.finish(s, 0.0)
+        add_running(core, 100, 200, generated=4)
+        s = add_waiting(core, 100, 200)
+        decisions[shortfall] = core.decide(s, 100)
+    assert decisions == {"pause": "admit", "preempt": "hold_capacity"}

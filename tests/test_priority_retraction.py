@@ -139,3 +139,46 @@ def test_in_the_simulator_higher_priorities_do_not_wait_for_lower(queue_order):
         assert sum(per["preemptions"][nl:]) == 0
     else:
         assert sum(t > first_low_finish for t in high_starts) == 2
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("threshold,waiting_priority,decision", [
+    (0, 4, "admit"),            # the default: any strictly lower priority is taken from
+    (3, 1, "admit"),            # 5 - 1 = 4 > 3
+    (4, 1, "hold_capacity"),    # 5 - 1 = 4, not more than 4: SGLang's rule
+    (4, 0, "admit"),
+    (10, 0, "hold_capacity"),   # SGLang's default threshold
+])
+def test_priority_preemption_threshold(policy, threshold, waiting_priority, decision):
+    """priority_preemption_threshold (SGLang's --priority-scheduling-preemption-threshold):
+    only running requests less important than the waiting one by more than it are taken
+    from."""
+    core = make_core(policy, queue_order="priority", priority_preemption_threshold=threshold)
+    add_running(core, 35, 41, generated=1, priority=5)
+    s = add_waiting(core, 8, 40, priority=waiting_priority)
+    assert core.decide(s, 11) == decision
+
+
+def test_displaceable_is_lowest_first_beyond_the_threshold():
+    core = make_core("overcommit", num_blocks=1000, queue_order="priority",
+                     priority_preemption_threshold=2)
+    slots = {pr: add_running(core, 10, 50, generated=2, priority=pr) for pr in (0, 3, 9, 6)}
+    s = add_waiting(core, 10, 10, priority=0)
+    assert core.displaceable(s) == [slots[9], slots[6], slots[3]]   # 3 - 0 = 3 > 2
+    hi = add_waiting(core, 10, 10, priority=4)
+    assert core.displaceable(hi) == [slots[9]]                        # 6 - 4 = 2: not more
+    fcfs = make_core("overcommit", num_blocks=1000)
+    add_running(fcfs, 10, 50, priority=9)
+    assert fcfs.displaceable(add_waiting(fcfs, 10, 10, priority=0)) == []
+
+
+def test_threshold_beyond_any_priority_difference():
+    """Extreme priorities do not overflow the difference."""
+    big = (1 << 62) - 1
+    core = make_core("peak", queue_order="priority", priority_preemption_threshold=(1 << 63) - 1)
+    add_running(core, 35, 41, generated=1, priority=big)
+    s = add_waiting(core, 8, 40, priority=-big)
+    assert core.decide(s, 11) == "hold_capacity"
+    core = make_core("peak", queue_order="priority")
+    add_running(core, 35, 41, generated=1, priority=big)
+    assert core.decide(add_waiting(core, 8, 40, priority=-big), 11) == "admit"

@@ -67,7 +67,8 @@ cdef class AdmissionCore(CoreView):
         self.agent_window = AgentWindow(config, num_blocks)
         self.queue = WaitingQueue(config, self.ledger, self.agent_window)
         self.shortfall = ShortfallPlanner(config.pause_on_shortfall, block_size,
-                                          config.queue_order == "priority")
+                                          config.queue_order == "priority",
+                                          config.priority_preemption_threshold)
         self.decision = Decision(self.ledger, self.policy, self.slo_guard, self.agent_window,
                                  self.queue, self.gate, num_blocks, config.queue_order == "priority")
         self._now = 0.0

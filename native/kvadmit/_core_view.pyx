@@ -6,6 +6,7 @@ from libc.stdint cimport int32_t, int64_t, INT64_MAX
 
 from kvadmit._curves cimport cdiv
 from kvadmit._victims cimport victim_order
+from kvadmit._ledger cimport ST_WAITING, less_important
 
 from kvadmit._ledger import STATES
 
@@ -65,6 +66,20 @@ cdef class CoreView:
     def victim_order(self):
         """Running slots from most protected to first victim (the last one goes first)."""
         return victim_order(self.ledger, self._victim, self._victim_by_priority)
+
+    def displaceable(self, int64_t slot):
+        """Under queue_order "priority": the running requests the waiting request `slot`
+        may take KV from (priority retraction), first victim first: those less important
+        than it by more than priority_preemption_threshold, least important class first
+        (within a class, the victim order). Empty under any other queue order. An engine
+        that must free KV at once for `slot` (SGLang evicts at admission) takes them in
+        this order."""
+        self.ledger.check_state(slot, ST_WAITING)
+        if not self._victim_by_priority:
+            return []
+        cdef int64_t p = self.ledger.priority(<int32_t>slot), margin = self.policy.priority_margin
+        return [r for r in reversed(victim_order(self.ledger, self._victim, True))
+                if less_important(self.ledger.priority(<int32_t>r), p, margin)]
 
     def state(self, int64_t slot):
         if slot < 0 or slot >= self.ledger.n_slots():

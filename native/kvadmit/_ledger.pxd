@@ -2,11 +2,19 @@
 # private: other modules read them through the inline getters below and change
 # them only through the ledger's transitions (add, enqueue, dequeue, start,
 # preempt, cancel_start, finish, release, ...), which keep the sums in step.
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int32_t, int64_t, uint64_t
 from libcpp.vector cimport vector
 
 from kvadmit._arrival cimport ArrivalRecord
 from kvadmit._curves cimport cdiv
+
+cdef inline bint less_important(int64_t r, int64_t p, int64_t margin) noexcept nogil:
+    """Under queue_order "priority": whether priority value r is less important than p
+    by more than `margin` (r - p > margin, computed without overflow). A waiting request
+    of priority p takes KV only from running requests less important than it so
+    (priority_preemption_threshold; 0: strictly lower)."""
+    return r > p and <uint64_t>r - <uint64_t>p > <uint64_t>margin
+
 
 cdef enum:  # indexes into STATES
     ST_FREE = 0

@@ -23,6 +23,7 @@ cdef enum:
 
 cdef class Policy:
     cdef readonly int kind                 # its index in POLICIES
+    cdef readonly int64_t priority_margin  # priority_preemption_threshold (c_fits_taking_lower)
     cdef Ledger ledger
     cdef int64_t num_blocks, block_size
     # The running requests' KV curves, longest first (rebuilt when dirty); every
@@ -106,6 +107,7 @@ cdef class ReservePolicy(Policy):
 
 cdef class PeakPolicy(Policy):
     cdef int64_t _shared_term(self) noexcept nogil
+    cdef int64_t _margin_term(self, int32_t s) noexcept nogil
 
 
 cdef class PredictPolicy(Policy):
@@ -124,6 +126,9 @@ cdef class AutoPolicy(AdaptivePolicy):
     cdef int64_t _n_capped            # how many in _capped_window did
     cdef int64_t _unowned_blocks      # blocks in use that no running request's own part counts
     cdef int64_t _max_shared_blocks   # the longest prefix a running request shares, in blocks
+    cdef bint _pauseless              # the engine cannot pause (shortfall "preempt")
+    cdef int64_t _growth_floor(self, int32_t s, int64_t r) noexcept nogil
+    cdef int64_t _overrun(self, int32_t s) noexcept nogil
 
 
 cdef Policy make_policy(config, Ledger ledger, int64_t num_blocks, int64_t max_model_len)

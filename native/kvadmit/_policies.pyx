@@ -14,10 +14,12 @@
 #   adaptive    peak with each request's remaining output predicted by a quantile
 #               of recent output lengths, the quantile raised after preemptions;
 #   auto        adaptive with fixed settings, caps learned to be honest or not, and
-#               prefixes shared by running requests counted once.
+#               prefixes shared by running requests counted once; on an engine
+#               without pause (SGLang), growth no less than SGLang's own estimate and
+#               room for the largest single overrun.
 # `c_fits_taking_lower` is `c_fits` with the KV of running requests of strictly
-# lower priority (larger priority value) counted as free: what they hold and their
-# growth (the core's priority retraction, under queue_order "priority").
+# lower priority (larger priority value, by more than priority_preemption_threshold)
+# counted as free: what they hold and their growth (the core's priority retraction, under queue_order "priority").
 # `c_fits_alone` asks whether a request could ever run on this pool (else the core
 # refuses it at arrival); `c_forecast_blocks` is the policy's forecast of the
 # running requests' peak, for router signals.
@@ -30,7 +32,7 @@ from libcpp.deque cimport deque
 from libcpp.vector cimport vector
 
 from kvadmit._curves cimport Curve, cdiv, curve_longer, peak_blocks_sorted
-from kvadmit._ledger cimport Ledger
+from kvadmit._ledger cimport Ledger, less_important
 from kvadmit._length_model cimport OutputLengthModel, c_next_quantile
 
 POLICIES = ("overcommit", "reserve", "peak", "predict", "adaptive", "auto")
@@ -59,6 +61,7 @@ cdef class Policy:
     def __init__(self, config, Ledger ledger, int64_t num_blocks, int64_t max_model_len,
                  int64_t min_samples=-1):
         self.kind = POLICIES.index(config.policy)
+        self.priority_margin = config.priority_preemption_threshold
         self.ledger = ledger
         self.num_blocks = num_blocks
         self.block_size = ledger.block_size
@@ -212,7 +215,7 @@ cdef class ReservePolicy(Policy):
         cdef size_t i
         for i in range(self.ledger.n_running()):
             r = self.ledger.running_at(i)
-            if self.ledger.priority(r) > p:
+            if less_important(self.ledger.priority(r), p, self.priority_margin):
                 lower += self.ledger.reserve_blocks(r)
         return self.ledger.reserve_load() - lower + self.ledger.reserve_blocks(s) <= self.num_blocks
 
@@ -231,7 +234,7 @@ cdef class PeakPolicy(Policy):
             return False
         return self._noted(peak_blocks_sorted(self._profile.data(), self._profile.size(), &c,
                                               self.block_size, self.num_blocks, self._fenwick)
-                           + self._shared_term() <= self.num_blocks, c)
+                           + self._shared_term() + self._margin_term(s) <= self.num_blocks, c)
 
     cdef bint c_fits_taking_lower(self, int32_t s, int64_t free_blocks) noexcept nogil:
         """The peak of the curves of s and of the running requests of its priority or
@@ -242,12 +245,13 @@ cdef class PeakPolicy(Policy):
         cdef size_t i
         for i in range(self.ledger.n_running()):
             r = self.ledger.running_at(i)
-            if self.ledger.priority(r) <= p:
+            if not less_important(self.ledger.priority(r), p, self.priority_margin):
                 kept.push_back(self._curve(r))
         sort(kept.begin(), kept.end(), curve_longer)
         cdef Curve c = self._curve(s)
         return peak_blocks_sorted(kept.data(), kept.size(), &c, self.block_size, self.num_blocks,
-                                  self._fenwick) + self._shared_term() <= self.num_blocks
+                                  self._fenwick) + self._shared_term() + self._margin_term(s) \
+            <= self.num_blocks
 
     cdef int64_t c_forecast_blocks(self) noexcept nogil:
         return self.c_peak_blocks() + self._shared_term()
@@ -255,6 +259,11 @@ cdef class PeakPolicy(Policy):
     cdef int64_t _shared_term(self) noexcept nogil:
         """Blocks added to the running curves' peak: none here (auto adds its shared
         prefixes)."""
+        return 0
+
+    cdef int64_t _margin_term(self, int32_t s) noexcept nogil:
+        """Blocks added to the peak when candidate s is judged: none here (auto, on an
+        engine without pause, adds its single-failure margin)."""
         return 0
 
 
@@ -282,7 +291,7 @@ cdef class PredictPolicy(Policy):
         cdef size_t i
         for i in range(self.ledger.n_running()):
             r = self.ledger.running_at(i)
-            if self.ledger.priority(r) > p:
+            if less_important(self.ledger.priority(r), p, self.priority_margin):
                 held += cdiv(self.ledger.computed(r), self.block_size)
                 offsets -= self._offset(r)
         return <double>(self.ledger.queued_of(s) + min(self.ledger.max_new(s) - self.ledger.generated(s), self._clip_tokens)) \
@@ -358,7 +367,9 @@ cdef class AdaptivePolicy(PeakPolicy):
 cdef class AutoPolicy(AdaptivePolicy):
     """adaptive with fixed settings (AUTO_*), plus: how often requests run to their
     max_tokens (honest caps) is learned, and prefixes running requests share are
-    counted once."""
+    counted once. On an engine without pause (SGLang) two more terms: each request's
+    predicted growth is at least SGLang's own estimate (`_growth_floor`), and the peak
+    keeps room for the largest single overrun (`_margin_term`)."""
 
     def __init__(self, config, Ledger ledger, int64_t num_blocks, int64_t max_model_len,
                  int64_t min_samples=-1):
@@ -368,6 +379,9 @@ cdef class AutoPolicy(AdaptivePolicy):
         self.quantile = self._quantile_base
         self._n_capped = 0
         self._unowned_blocks = self._max_shared_blocks = 0
+        # An engine that cannot pause (shortfall "preempt": SGLang) pays for a short
+        # prediction with a retraction (the request's KV recomputed), not a step sat out.
+        self._pauseless = not config.pause_on_shortfall
 
     cdef Curve _curve(self, int32_t s) noexcept nogil:
         cdef Curve c
@@ -392,7 +406,52 @@ cdef class AutoPolicy(AdaptivePolicy):
             if h >= 1.0 - q:
                 return self.ledger.worst_steps(s)
             q = q / (1.0 - h)
-        return self.lengths.c_predict_remaining(self.ledger.generated(s), self.ledger.max_new(s), q)
+        cdef int64_t r = self.lengths.c_predict_remaining(self.ledger.generated(s), self.ledger.max_new(s), q)
+        return self._growth_floor(s, r) if self._pauseless else r
+
+    cdef int64_t _growth_floor(self, int32_t s, int64_t r) noexcept nogil:
+        """Without pause: no less than SGLang's own estimate of s's growth, its
+        new_token_ratio (tracked here as the predict policy's `ratio`: 0.7 at first,
+        decaying, re-estimated after a retraction) times its clipped remaining
+        max_tokens. The length model's quantile then only adds to what SGLang expects,
+        and while the model knows few lengths (the first to finish are the short ones)
+        SGLang's estimate holds."""
+        cdef int64_t rem = self.ledger.max_new(s) - self.ledger.generated(s)
+        if rem > self._clip_tokens:
+            rem = self._clip_tokens
+        cdef int64_t g = <int64_t>ceil(self.ratio * rem)
+        return g if g > r else r
+
+    cdef int64_t _margin_term(self, int32_t s) noexcept nogil:
+        """Without pause: the blocks of the largest overrun any one request (a running
+        one or the candidate s) may still have, its max_tokens less its predicted
+        remaining. The peak then fits even if that one runs to its cap (a single
+        misprediction costs no retraction), as SGLang's own rule keeps room for a
+        new request's whole max_new. None on an empty pool: a request alone runs on
+        its worst case (c_fits_alone), and holding it there would hold it forever."""
+        if not self._pauseless or self.ledger.n_running() == 0:
+            return 0
+        cdef int64_t worst = self._overrun(s), e
+        cdef size_t i
+        for i in range(self.ledger.n_running()):
+            e = self._overrun(self.ledger.running_at(i))
+            if e > worst:
+                worst = e
+        return cdiv(worst, self.block_size)
+
+    cdef int64_t _overrun(self, int32_t s) noexcept nogil:
+        cdef int64_t e = self.ledger.worst_steps(s) - self._predict_remaining(s)
+        return e if e > 0 else 0
+
+    cdef void c_on_step(self, bint idle) noexcept nogil:
+        AdaptivePolicy.c_on_step(self, idle)
+        if self._pauseless:
+            self._profile_dirty = True   # the ratio moved: the growth floors with it
+
+    cdef void c_on_preempt(self) noexcept nogil:
+        AdaptivePolicy.c_on_preempt(self)
+        if self._pauseless:
+            self._profile_dirty = True
 
     cdef int64_t _shared_term(self) noexcept nogil:
         """Blocks auto adds to the own curves: those in use that no running request

@@ -7,6 +7,7 @@ cdef class ShortfallPlanner:
     cdef readonly bint enabled            # shortfall: "pause"
     cdef int64_t block_size
     cdef bint by_priority                 # queue_order "priority": the plan reads priorities
+    cdef int64_t priority_margin          # priority_preemption_threshold
     cdef readonly int64_t paused_now      # running requests paused this step
     cdef readonly int64_t paused_total    # request-steps paused in all
 

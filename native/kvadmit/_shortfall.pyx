@@ -9,6 +9,7 @@ from libcpp.utility cimport pair
 from libcpp.vector cimport vector
 
 from kvadmit._curves cimport cdiv
+from kvadmit._ledger cimport less_important
 
 
 cdef vector[int64_t] _counts(str name, values) except *:
@@ -24,10 +25,12 @@ cdef vector[int64_t] _counts(str name, values) except *:
 cdef class ShortfallPlanner:
     """Plans each step's pauses over a pool of `block_size`-token blocks."""
 
-    def __init__(self, bint enabled, int64_t block_size, bint by_priority=False):
+    def __init__(self, bint enabled, int64_t block_size, bint by_priority=False,
+                 int64_t priority_margin=0):
         self.enabled = enabled
         self.block_size = block_size
         self.by_priority = by_priority
+        self.priority_margin = priority_margin
         self.paused_now = self.paused_total = 0
 
     def plan(self, want_tokens, computed_tokens, held_blocks, int64_t free_blocks,
@@ -66,7 +69,8 @@ cdef class ShortfallPlanner:
         one that finds too few is paused (paused[i] = 1). Returns how many.
         With `priority` (one per entry) under queue_order "priority": entries in
         (priority, position) order, the most important first, and one short of blocks
-        takes them from those entries of strictly lower priority hold (not yet taken)
+        takes them from those entries of strictly lower priority (by more than
+        priority_preemption_threshold) hold (not yet taken)
         if they suffice (the engine preempts those, lowest first)."""
         cdef int64_t i, j, k, w, need, lower, taken = 0, count = 0, served = 0, first = -1
         self.paused_now = 0
@@ -94,7 +98,7 @@ cdef class ShortfallPlanner:
             if ranked:
                 lower = 0
                 for j in range(n):
-                    if priority[j] > priority[i]:
+                    if less_important(priority[j], priority[i], self.priority_margin):
                         lower += held[j]
                 if need <= free_blocks + lower - taken:
                     taken += need - free_blocks     # the engine preempts lower ones for it

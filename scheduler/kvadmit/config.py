@@ -77,6 +77,11 @@ class AdmissionConfig:
         "it (0: none)"))
     shed_lower_priority: bool = field(default=False, metadata=bool_rule(
         "when a cap is hit, evict strictly lower-priority waiting requests instead of refusing"))
+    priority_preemption_threshold: int = field(default=0, metadata=int_rule(
+        0, (1 << 63) - 1, "queue_order priority: a waiting request takes KV (priority retraction) only "
+        "from running requests whose priority value is larger than its own by more than this "
+        "(0: any strictly lower priority; SGLang's adapter sets SGLang's "
+        "--priority-scheduling-preemption-threshold)"))
     prefill_chunk_tokens: int = field(default=0, metadata=int_rule(
         0, 1_000_000_000, "engine's prefill chunk; extends the KV curves by the prefill steps (0: one step)"))
     predict_init_ratio: float = field(default=0.7, metadata=float_rule(

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-from sglang.srt.managers.schedule_policy import AddReqResult
+from sglang.srt.managers.schedule_policy import AddReqResult, SchedulePolicy
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import (
     NewTokenRatioTracker,
@@ -46,6 +46,7 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from kvadmit import AdmissionConfig
 from kvadmit.sglang import SGLangAdmission
+from kvadmit.sglang.adapter import priority_config
 from kvadmit.sglang import plugin
 
 EOS = 999
@@ -70,7 +71,7 @@ def make_req(rid: str, prompt_len: int, max_new: int, *, out_len: Optional[int] 
              custom_params: Optional[dict] = None) -> Req:
     """A real SGLang Req; the fake model ends it with EOS after ``out_len`` tokens.
     ``custom_params``: SamplingParams.custom_params (kvadmit reads its "kvadmit" key)."""
-    rng = random.Random(hash((rid, seed)) & 0xFFFFFFFF)
+    rng = random.Random(f"{rid}/{seed}")  # str seeds are stable across processes
     params = SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos,
                             custom_params=custom_params)
     params.normalize(None)
@@ -88,6 +89,7 @@ class StepLog:
     finished: int = 0
     mixed: int = 0       # prefill steps that also decoded the running requests
     sat_out: int = 0     # mixed mode: prefill steps whose running requests did not fit
+    displaced: int = 0   # running requests evicted for a waiting one (priority preemption)
 
 
 class Harness:
@@ -96,9 +98,18 @@ class Harness:
                  max_context: int = 4096, max_queued_requests: Optional[int] = None,
                  enable_priority_scheduling: bool = False,
                  low_priority_values_first: bool = False,
+                 disable_priority_preemption: bool = False,
+                 preemption_threshold: int = 10,
                  step_model: Optional[tuple] = None, clock_skew: float = 0.0,
                  chunk_tokens: Optional[int] = None, mixed_chunk: bool = False):
-        """``chunk_tokens``: SGLang's --chunked-prefill-size (None: no chunking);
+        """``enable_priority_scheduling``, ``low_priority_values_first``,
+        ``disable_priority_preemption``, ``preemption_threshold``: SGLang's
+        --enable-priority-scheduling, --schedule-low-priority-values-first,
+        --disable-priority-preemption, --priority-scheduling-preemption-threshold
+        (10 by default, as SGLang's); the waiting queue is then sorted by SGLang's own
+        SchedulePolicy (fcfs with priorities), and a batch with no request slot left
+        asks the adder's preempt_to_schedule, as SGLang's scheduler does.
+        ``chunk_tokens``: SGLang's --chunked-prefill-size (None: no chunking);
         ``mixed_chunk``: --enable-mixed-chunk (a prefill step also decodes the
         running requests, when their next tokens fit). ``step_model``: (a, b, c) of a virtual clock that advances by
         a + b * tokens + c * context seconds per forward (tokens: scheduled,
@@ -133,6 +144,10 @@ class Harness:
         s.max_queued_requests = max_queued_requests
         s.enable_priority_scheduling = enable_priority_scheduling
         s.schedule_low_priority_values_first = low_priority_values_first
+        s.enable_priority_preemption = enable_priority_scheduling and not disable_priority_preemption
+        s.priority_scheduling_preemption_threshold = preemption_threshold
+        self.policy = SchedulePolicy("fcfs", self.tree_cache, False, enable_priority_scheduling,
+                                     low_priority_values_first)
         s.abort_on_priority_when_disabled = False
         s.disaggregation_mode = DisaggregationMode.NULL
         s.enable_hicache_storage = False
@@ -147,16 +162,20 @@ class Harness:
         self.step_model = step_model
         self.t = 1.8e9  # virtual clock (step_model): UNIX time, as deadline_s needs
         if config is not None:
-            self.adapter = SGLangAdmission(config, num_tokens=pool_tokens, page_size=1,
-                                           max_model_len=max_context,
+            # as SGLangAdmission.for_scheduler builds it (which needs a whole Scheduler)
+            self.adapter = SGLangAdmission(priority_config(config, s), num_tokens=pool_tokens,
+                                           page_size=1, max_model_len=max_context,
                                            low_priority_values_first=low_priority_values_first,
                                            step_budget=max_prefill_tokens,
-                                           vocab_size=VOCAB)
+                                           vocab_size=VOCAB,
+                                           priority_preemption=s.enable_priority_preemption)
             if step_model is not None:
                 self.adapter.clock = lambda: self.t + clock_skew
             s._kvadmit = self.adapter
         self.log = StepLog()
         self.finished: list = []
+        self.displaced: list = []   # rids evicted by priority preemption, in order
+        self.retracted: list = []   # rids retracted at decode, in order
 
     # ------------------------------------------------------------------
     def submit(self, req: Req) -> bool:
@@ -169,7 +188,8 @@ class Harness:
         return adder_cls(
             1, self.tree_cache, self.allocator, running_batch, self.tracker.current,
             self.max_prefill_tokens, self.chunk_tokens,
-            running_batch.batch_size() if self.mixed_chunk and self.chunk_tokens else 0, 0,
+            running_batch.batch_size() if self.mixed_chunk and self.chunk_tokens else 0,
+            self.sched.priority_scheduling_preemption_threshold,
             max_running_requests=self.max_running, waiting_queue_len=len(self.sched.waiting_queue))
 
     # ------------------------------------------------------------------
@@ -206,11 +226,15 @@ class Harness:
     def _prefill(self, running_batch):
         """Scheduler._get_new_batch_prefill_raw: (the prefill batch or None, the running batch)."""
         sched = self.sched
+        if sched.enable_priority_preemption or running_batch.is_empty():
+            running_batch.batch_is_full = False   # try preemption with a prefill adder
         if (running_batch.batch_is_full or not sched.waiting_queue) and sched.chunked_req is None:
             return None, running_batch
-        if running_batch.batch_size() >= self.max_running and sched.chunked_req is None:
+        if (running_batch.batch_size() >= self.max_running and sched.chunked_req is None
+                and not sched.enable_priority_preemption):
             running_batch.batch_is_full = True
             return None, running_batch
+        self.policy.calc_priority(sched.waiting_queue, running_batch)
         adder = self.new_adder(running_batch)
         if sched.chunked_req is not None:
             sched.chunked_req.init_next_round_input()
@@ -221,7 +245,8 @@ class Harness:
             if len(adder.can_run_list) + running_batch.batch_size() >= self.max_running:
                 running_batch.batch_is_full = True
             if running_batch.batch_is_full:
-                break
+                if not sched.enable_priority_preemption or not adder.preempt_to_schedule(req):
+                    break
             req.init_next_round_input(self.tree_cache)
             res = adder.add_one_req(req, has_chunked_req=sched.chunked_req is not None,
                                     truncation_align_size=None)
@@ -230,10 +255,16 @@ class Harness:
                     running_batch.batch_is_full = (len(adder.can_run_list) > 0
                                                    or not running_batch.is_empty())
                 break
+        self.log.displaced += len(adder.preempt_list)
+        self.displaced.extend(r.rid for r in adder.preempt_list)
         if not adder.can_run_list:
+            for req in adder.preempt_list:   # released already: back to the queue
+                Scheduler._add_request_to_queue(sched, req)
             return None, running_batch
         chosen = set(adder.can_run_list)
         sched.waiting_queue = [r for r in sched.waiting_queue if r not in chosen]
+        for req in adder.preempt_list:
+            Scheduler._add_request_to_queue(sched, req)
         if adder.new_chunked_req is not None:
             assert sched.chunked_req is None
             sched.chunked_req = adder.new_chunked_req
@@ -261,6 +292,7 @@ class Harness:
             retracted, ratio, to_abort = batch.retract_decode()
             assert not to_abort, [r.rid for r in to_abort]
             self.log.retracted += len(retracted)
+            self.retracted.extend(r.rid for r in retracted)
             self.tracker.current = ratio
             for req in retracted:
                 Scheduler._add_request_to_queue(self.sched, req, is_retracted=True)

@@ -39,7 +39,9 @@ ENV_VAR = "KVADMIT_CONFIG"
 
 # Priorities are clamped so that negating them (SGLang's "higher value first"
 # default) stays inside int64; SGLang itself uses +/-sys.maxsize as sentinels.
-_PRIORITY_LIMIT = 1 << 62
+_PRIORITY_LIMIT = (1 << 62) - 1
+# A preemption threshold no two clamped priorities exceed (--disable-priority-preemption).
+NO_PREEMPTION = (1 << 63) - 1
 
 # Per-request settings: SamplingParams.custom_params["kvadmit"] (the /generate
 # body's sampling_params.custom_params, or the OpenAI body's custom_params).
@@ -66,8 +68,13 @@ def load_config(text: Optional[str]) -> Optional[AdmissionConfig]:
     """Parses and validates kvadmit's JSON (raises `kvadmit.ConfigError` naming the field)."""
     if text is None:
         return None
-    config = AdmissionConfig.from_json(text)
-    # SGLang decodes its whole running batch each step; a request cannot sit one out.
+    return engine_config(AdmissionConfig.from_json(text))
+
+
+def engine_config(config: AdmissionConfig) -> AdmissionConfig:
+    """The configuration as SGLang runs it: SGLang decodes its whole running batch each
+    step, so a request cannot sit one out: shortfall "auto" is "preempt" (retraction),
+    and "pause" is a ConfigError."""
     if config.shortfall == "pause":
         raise ConfigError(f"shortfall={config.shortfall!r}: the SGLang plug-in supports only "
                           f"'preempt' (SGLang retracts when the pool runs dry)")
@@ -211,14 +218,19 @@ class SGLangAdmission:
     def __init__(self, config: AdmissionConfig, *, num_tokens: int, page_size: int = 1,
                  max_model_len: int = 0, low_priority_values_first: bool = False,
                  clock: Callable[[], float] = time.time, step_budget: int = 0,
-                 synced_clock: bool = False, vocab_size: int = 0):
+                 synced_clock: bool = False, vocab_size: int = 0,
+                 priority_preemption: bool = False):
         if page_size < 1:
             raise ValueError(f"page_size={page_size}: must be >= 1")
+        config = engine_config(config)
         self.config = config
         self.page_size = page_size
         self.num_tokens = num_tokens
         self.vocab_size = vocab_size   # prompt token ids are checked against it (0: unknown)
         self.low_priority_values_first = low_priority_values_first
+        # SGLang's --enable-priority-scheduling with its preemption on: a waiting request
+        # may evict running ones the core lets it displace (KvadmitPrefillAdder.displace_for)
+        self.priority_preemption = priority_preemption and config.queue_order == "priority"
         self.clock = clock
         # Several ranks share the waiting queue and time feeds decisions: every
         # rank uses rank 0's clock (ClockTick) instead of its own.
@@ -228,8 +240,8 @@ class SGLangAdmission:
         self.core.set_step_budget(self.step_budget)
         # rids <-> core slots, arrivals, leaving, step timing, cache signals.
         self.bridge = EngineBridge(self.core)
-        self.counters = {"rejected_sent": 0, "shed_sent": 0, "requeued": 0, "adopted": 0,
-                         "untracked": 0, "steps": 0, "ticks": 0}
+        self.counters = {"rejected_sent": 0, "shed_sent": 0, "requeued": 0, "displaced": 0,
+                         "adopted": 0, "untracked": 0, "steps": 0, "ticks": 0}
         self._tick_t: Optional[float] = None   # rank 0's clock, latest tick
         self._step_tick = 0                    # ticks seen at the start of the last step
         self._step_fresh = True                # start_step's verdict on the interval
@@ -254,6 +266,7 @@ class SGLangAdmission:
         chunk = getattr(scheduler, "chunked_prefill_size", None)
         if "prefill_chunk_tokens" not in explicit and chunk and chunk > 0:
             config = config.replace(prefill_chunk_tokens=int(chunk))
+        config = priority_config(config, scheduler, explicit)
         adapter = cls(
             config,
             num_tokens=int(scheduler.max_total_num_tokens),
@@ -263,11 +276,8 @@ class SGLangAdmission:
             step_budget=step_budget_of(scheduler),
             synced_clock=clock_decides(config) and _ranks_per_queue(scheduler) > 1,
             vocab_size=int(getattr(getattr(scheduler, "model_config", None), "vocab_size", 0) or 0),
+            priority_preemption=bool(getattr(scheduler, "enable_priority_preemption", False)),
         )
-        if getattr(scheduler, "enable_priority_preemption", False):
-            logger.warning("kvadmit: SGLang's priority preemption is off while kvadmit "
-                           "manages admission; victims come from the core (victim=%s)",
-                           config.victim)
         from kvadmit.sglang.metrics import exporter_for_scheduler
         adapter.exporter = exporter_for_scheduler(scheduler)
         logger.info("kvadmit: policy=%s victim=%s queue_order=%s on %d tokens (page %d), "
@@ -377,6 +387,13 @@ class SGLangAdmission:
         time; rank 0's on a synced server). A passed deadline is a target no
         request meets: with slo_guard the core refuses it as slo_infeasible."""
         return request_fields.ttft_target(fields, self.config.default_ttft_slo_s, now)
+
+    def displaced(self, slot: int, req) -> None:
+        """The adder evicts running ``req`` for a more important waiting request
+        (priority preemption): the core preempts it, with its progress so far."""
+        self._update(slot, req)
+        self.core.preempt(slot, self.now())
+        self.counters["displaced"] += 1
 
     def forget(self, req) -> None:
         """SGLang dropped a request kvadmit had accepted (e.g. its own queue cap)."""
@@ -553,6 +570,29 @@ class SGLangAdmission:
                    step_budget=self.step_budget,
                    clock="synced" if self.synced_clock else "local")
         return out
+
+
+def priority_config(config: AdmissionConfig, scheduler, explicit: frozenset = frozenset()):
+    """SGLang's priority scheduling as the core runs it. With --enable-priority-scheduling
+    the core serves by priority (queue_order "priority", SGLang's sign mapped by
+    `SGLangAdmission._priority`) and a waiting request takes KV only from running ones
+    less important than it by more than --priority-scheduling-preemption-threshold
+    (priority_preemption_threshold, unless the kvadmit config sets it); with
+    --disable-priority-preemption from none. Without priority scheduling the
+    configuration is left as it is."""
+    if not getattr(scheduler, "enable_priority_scheduling", False):
+        return config
+    if config.queue_order != "priority":
+        if "queue_order" in explicit:
+            logger.warning("kvadmit: queue_order=%r replaced by 'priority': SGLang runs with "
+                           "--enable-priority-scheduling", config.queue_order)
+        config = config.replace(queue_order="priority")
+    if not getattr(scheduler, "enable_priority_preemption", True):
+        return config.replace(priority_preemption_threshold=NO_PREEMPTION)
+    if "priority_preemption_threshold" not in explicit:
+        threshold = int(getattr(scheduler, "priority_scheduling_preemption_threshold", 0) or 0)
+        config = config.replace(priority_preemption_threshold=min(max(threshold, 0), NO_PREEMPTION))
+    return config
 
 
 def clock_decides(config: AdmissionConfig) -> bool:

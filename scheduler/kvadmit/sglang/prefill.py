@@ -121,11 +121,15 @@ class KvadmitPrefillAdder(PrefillAdder):
                 # a later request goes first
                 return AddReqResult.CONTINUE
             if adapter.core.decide(slot, free_blocks) in ("hold_blocks", "hold_capacity"):
-                return AddReqResult.NO_TOKEN  # memory: the batch is full for now
-            # Held by the TPOT guard or the agent window: stop this step without
-            # marking the batch full (a finishing request is not the only thing
-            # that lifts these holds: the step-time fit and the window move too).
-            return AddReqResult.OTHER
+                # memory: the batch is full for now, unless lower-priority running
+                # requests give it their KV now (priority preemption)
+                if not self.displace_for(req, slot, need_row=False):
+                    return AddReqResult.NO_TOKEN
+            else:
+                # Held by the TPOT guard or the agent window: stop this step without
+                # marking the batch full (a finishing request is not the only thing
+                # that lifts these holds: the step-time fit and the window move too).
+                return AddReqResult.OTHER
         before = len(self.can_run_list)
         prefix = int(req.prefix_len)
         # Those admitted before it in this batch decode from the next step on.
@@ -149,6 +153,65 @@ class KvadmitPrefillAdder(PrefillAdder):
         return super().add_one_req_ignore_eos(req)
 
     def preempt_to_schedule(self, req):
-        # SGLang's priority preemption reserves with its own ratio rule; with
-        # kvadmit, memory victims are the core's and only come from retraction.
-        return False
+        """SGLang asks this when the batch has no request slot left for ``req``
+        (with --enable-priority-scheduling and its preemption on): evict running
+        requests for it if the core lets it displace them (`displace_for`, which
+        takes at least one here, for the slot)."""
+        slot = self.kvadmit.slot_for(req)
+        if slot is None or self.kvadmit.core.state(slot) != "waiting":
+            return False
+        self.kvadmit.prepare_decision(slot, req)
+        return self.displace_for(req, slot, need_row=True)
+
+    def displace_for(self, req, slot: int, need_row: bool) -> bool:
+        """Priority preemption, SGLang's way (it cannot pause): the waiting request
+        ``slot`` takes KV now from running requests less important than it by more
+        than SGLang's --priority-scheduling-preemption-threshold (the core's
+        `displaceable`, least important first). Only if the core admits it with all
+        of those gone (their blocks counted free) is any evicted; then they are
+        evicted one by one until the core admits it (``need_row``: at least one,
+        SGLang's batch has no slot for it). Evicted requests are released as
+        SGLang's own preemption does and go back to the waiting queue after this
+        batch (``preempt_list``); the core counts each as preempted. True: ``req``
+        may be admitted now."""
+        adapter = self.kvadmit
+        if not adapter.priority_preemption:
+            return False
+        core = adapter.core
+        victims = core.displaceable(slot)
+        if not victims:
+            return False
+        by_slot = {}
+        for r in self.running_batch.reqs:
+            s = adapter.slot_for(r)
+            if s is not None and r not in self.preempt_list and not r.finished():
+                by_slot[s] = r
+        victims = [s for s in victims if s in by_slot]
+        if not victims:
+            return False
+        page = adapter.page_size
+
+        def free_blocks():
+            return max(int(self.memory_budget.remaining_current), 0) // page
+
+        held = sum(-(-int(by_slot[s].kv.kv_committed_len) // page) for s in victims)
+        if core.decide(slot, free_blocks() + held) != "admit":
+            return False   # not even all of them would make room: evict none
+        taken = 0
+        for s in victims:
+            if taken >= need_row and core.decide(slot, free_blocks()) == "admit":
+                break
+            self._evict(by_slot[s], s)
+            taken += 1
+        return core.decide(slot, free_blocks()) == "admit"
+
+    def _evict(self, req, slot: int) -> None:
+        """Releases running ``req`` as SGLang's preempt_to_schedule does and tells the
+        core (its progress first: the release resets it)."""
+        adapter = self.kvadmit
+        adapter.displaced(slot, req)
+        batch = self.running_batch
+        i = next(i for i, r in enumerate(batch.reqs) if r is req)
+        batch.release_req(i, len(batch.reqs) - 1)
+        batch.filter_batch(keep_indices=[j for j in range(len(batch.reqs)) if j != i])
+        self.preempt_list.append(req)
