@@ -25,7 +25,8 @@ cdef class FlowTable:
     cdef vector[int64_t] _cap_reqs, _cap_tokens   # 0: no cap
     cdef vector[double] _vtime            # block-steps / weight: the fair order's key
     cdef vector[double] _block_steps, _block_s
-    cdef vector[int64_t] _holding         # blocks its running requests held at the last step
+    cdef vector[int64_t] _holding         # blocks its running requests held at the last step,
+                                          # plus those admitted since
     cdef vector[int64_t] _counts          # N_FLOW_COUNTERS per flow
     cdef dict _configured                 # flow id -> its key in the config's flows
     cdef double _last_t
@@ -35,6 +36,10 @@ cdef class FlowTable:
         return self._vtime[f]
     cdef inline double c_weight(self, int32_t f) noexcept nogil:
         return self._weight[f]
+    cdef inline double c_holding(self, int32_t f) noexcept nogil:
+        """Blocks flow f holds now (as of the last step, plus its admissions since),
+        per unit of weight."""
+        return self._holding[f] / self._weight[f]
     cdef inline int64_t c_cap_reqs(self, int32_t f) noexcept nogil:
         return self._cap_reqs[f]
     cdef inline int64_t c_cap_tokens(self, int32_t f) noexcept nogil:

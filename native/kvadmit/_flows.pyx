@@ -21,7 +21,12 @@
 # was idle has no credit to spend (it cannot starve the others), and none it must
 # first pay back (it is not starved for having been idle). The order only ever
 # reorders the queue: the scan's rules (holds, bypass, caps) are the same, so the
-# sharing is work-conserving and a flow alone gets everything. Until the first
+# sharing is work-conserving and a flow alone gets everything. One rule more, under
+# head_of_line bypass: a later request passes a held one of another flow only if its
+# own flow holds no more of the pool (blocks per weight, now) than the held one's,
+# so that a bypass never moves KV from the flow holding less to the one holding more
+# (a noisy neighbour's small requests would otherwise take, one by one, the blocks a
+# quiet flow's request waits for). Until the first
 # request with a flow arrives, nothing here runs and the queue is the plain one.
 
 from cython.operator cimport dereference as deref
@@ -96,6 +101,7 @@ cdef class FlowTable:
         cdef int64_t b = self.ledger.held_blocks(s)
         self._vtime[f] += b / self._weight[f]
         self._block_steps[f] += b
+        self._holding[f] += b
         self._counts[N_FLOW_COUNTERS * f + FL_ADMITTED] += 1
 
     cdef void c_accrue(self, double now) noexcept nogil:

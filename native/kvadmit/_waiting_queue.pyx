@@ -176,6 +176,10 @@ cdef class WaitingQueue:
         cdef bint head = True
         cdef int64_t scanned = 0
         cdef bint walk = self._walking()
+        # the fair walk: the least and second-least holding (blocks per weight) among
+        # the flows of the held requests passed so far, and the least one's flow
+        cdef double bar1 = INFINITY, bar2 = INFINITY, mine
+        cdef int32_t bar1_flow = -1, f
         if walk:
             self._walk_begin()
         while True:
@@ -183,6 +187,15 @@ cdef class WaitingQueue:
                 s = self._walk_next()
                 if s < 0:
                     break
+                f = self.ledger.flow_ix(s)
+                mine = self.flows.c_holding(f)
+                if mine > (bar2 if f == bar1_flow else bar1):
+                    # it would pass a held request of a flow holding less: skipped
+                    head = False
+                    scanned += 1
+                    if scanned >= self._lookahead:
+                        return -1
+                    continue
             elif it == self._waiting.end():
                 break
             else:
@@ -202,6 +215,13 @@ cdef class WaitingQueue:
                     scanned += 1
                     if scanned >= self._lookahead:
                         return -1
+                if walk:
+                    if f == bar1_flow:
+                        pass
+                    elif mine < bar1:
+                        bar2, bar1, bar1_flow = bar1, mine, f
+                    elif mine < bar2:
+                        bar2 = mine
             head = False
             if not walk:
                 inc(it)
