@@ -16,8 +16,9 @@ Runs: the interactive requests alone, the batch requests alone, and both togethe
 under (a) FCFS, no flows (kvadmit's default `{}`); (b) vLLM-style priority, the
 interactive ones priority 0 and batch 1 with queue_order priority, under vLLM's own
 rule (overcommit, LIFO victim: `--scheduling-policy priority`) and under kvadmit's
-default policy; (c) flows: interactive flow "chat", batch flow "batch", both
-priority 0, weight 1 (the default), kvadmit's default policy. The interactive
+default policy; (c) flows: interactive flow 1, batch flow 2, both priority 0,
+weight 1 (the default), under kvadmit's default policy, with head_of_line strict,
+and under vLLM's rule. The interactive
 flow's goodput (share of its requests served within both targets) is compared with
 alone, the pool's utilisation while both offer load (mean used blocks / pool over the
 arrival window, from the engine's timeline) with batch alone.
@@ -101,21 +102,54 @@ def main(argv=None) -> int:
     ap.add_argument("--tpot", type=float, default=0.1)
     ap.add_argument("--num-blocks", type=int, default=2048)
     ap.add_argument("--preset", default="h100-8b")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                    help="one run of every configuration per seed (its own requests)")
     ap.add_argument("--out", default="noisy_neighbour", help="bench/results/<out>.json")
     args = ap.parse_args(argv)
     step = get_preset(args.preset)
     shape = EngineShape(num_blocks=args.num_blocks, block_size=16, max_model_len=8192,
                         max_num_seqs=256, max_num_batched_tokens=8192)
-    probe_i = requests("interactive", 2000, 1.0, args.seed + 100, 600, 150, shape.max_model_len)
-    probe_b = requests("batch", 2000, 1.0, args.seed + 200, 3000, 500, shape.max_model_len)
+    per_seed = [one_seed(args, shape, step, seed) for seed in args.seeds]
+    labels = [r["run"] for r in per_seed[0]["rows"]]
+    mean = []
+    for i, label in enumerate(labels):
+        row = {"run": label}
+        for k in ("interactive_goodput", "goodput_vs_alone", "interactive_ttft_p99_s", "util",
+                  "util_vs_batch_only", "batch_finished", "preemptions"):
+            vals = [p["rows"][i].get(k) for p in per_seed]
+            row[k] = sum(vals) / len(vals) if all(v is not None for v in vals) else None
+        mean.append(row)
+    print(f"\nmean over seeds {args.seeds}:")
+    table(mean)
+    path = save(args.out, {"args": vars(args), "shape": dataclasses.asdict(shape),
+                           "step_time": step.name, "mean": mean, "seeds": per_seed})
+    print(f"saved {path}")
+    return 0
+
+
+def table(rows) -> None:
+    print("| run | interactive goodput | vs alone | interactive TTFT p99 (s) | pool utilisation "
+          "| vs batch only | batch finished | preemptions |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        def f(k, fmt):
+            return format(r[k], fmt) if r.get(k) is not None else "-"
+        print(f"| {r['run']} | {f('interactive_goodput', '.3f')} | {f('goodput_vs_alone', '.1%')} "
+              f"| {f('interactive_ttft_p99_s', '.2f')} | {f('util', '.3f')} "
+              f"| {f('util_vs_batch_only', '.1%')} | {f('batch_finished', '.0f')} "
+              f"| {f('preemptions', '.0f')} |")
+
+
+def one_seed(args, shape, step, seed: int) -> dict:
+    probe_i = requests("interactive", 2000, 1.0, seed + 100, 600, 150, shape.max_model_len)
+    probe_b = requests("batch", 2000, 1.0, seed + 200, 3000, 500, shape.max_model_len)
     cap_i = capacity_rps(probe_i, shape, step)
     cap_b = capacity_rps(probe_b, shape, step)
     rate_i = args.interactive_load * cap_i
     rate_b = args.batch_offer * 0.5 * cap_b
-    inter = requests("interactive", max(2, round(rate_i * args.seconds)), rate_i, args.seed + 1,
+    inter = requests("interactive", max(2, round(rate_i * args.seconds)), rate_i, seed + 1,
                      600, 150, shape.max_model_len)
-    batch = requests("batch", max(2, round(rate_b * args.seconds)), rate_b, args.seed + 2,
+    batch = requests("batch", max(2, round(rate_b * args.seconds)), rate_b, seed + 2,
                      3000, 500, shape.max_model_len)
     slo = Slo(args.ttft, args.tpot)
     print(f"capacity: interactive {cap_i:.2f} req/s, batch {cap_b:.2f} req/s; offered: "
@@ -140,6 +174,10 @@ def main(argv=None) -> int:
          AdmissionConfig.from_dict({"queue_order": "priority"}), is_inter),
         ("flows, weight 1:1 (kvadmit default + flows)", both_flows,
          AdmissionConfig.from_dict(flows_cfg), is_inter),
+        ("flows, weight 1:1, head_of_line strict", both_flows,
+         AdmissionConfig.from_dict({**flows_cfg, "head_of_line": "strict"}), is_inter),
+        ("flows, weight 1:1, under vLLM's rule (overcommit, LIFO)", both_flows,
+         AdmissionConfig.from_dict({**flows_cfg, **vllm_rule}), is_inter),
     ]
     rows = []
     alone_goodput = batch_util = None
@@ -172,24 +210,11 @@ def main(argv=None) -> int:
         if "interactive_goodput" in row and alone_goodput:
             row["goodput_vs_alone"] = row["interactive_goodput"] / alone_goodput
         row["util_vs_batch_only"] = row["util"] / batch_util if batch_util else None
-    print()
-    print("| run | interactive goodput | vs alone | interactive TTFT p99 (s) | pool utilisation "
-          "| vs batch only | batch finished | preemptions |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        def f(k, fmt):
-            return format(r[k], fmt) if r.get(k) is not None else "-"
-        print(f"| {r['run']} | {f('interactive_goodput', '.3f')} | {f('goodput_vs_alone', '.1%')} "
-              f"| {f('interactive_ttft_p99_s', '.2f')} | {f('util', '.3f')} "
-              f"| {f('util_vs_batch_only', '.1%')} | {f('batch_finished', 'd')} "
-              f"| {r['preemptions']} |")
-    path = save(args.out, {
-        "args": vars(args), "capacity_rps": {"interactive": cap_i, "batch": cap_b},
-        "offered_rps": {"interactive": rate_i, "batch": rate_b},
-        "requests": {"interactive": len(inter), "batch": len(batch)},
-        "shape": dataclasses.asdict(shape), "step_time": step.name, "rows": rows})
-    print(f"saved {path}")
-    return 0
+    print(f"seed {seed}:")
+    table(rows)
+    return {"seed": seed, "capacity_rps": {"interactive": cap_i, "batch": cap_b},
+            "offered_rps": {"interactive": rate_i, "batch": rate_b},
+            "requests": {"interactive": len(inter), "batch": len(batch)}, "rows": rows}
 
 
 if __name__ == "__main__":
