@@ -21,8 +21,7 @@ from libcpp.vector cimport vector
 
 from kvadmit._agent_window cimport AgentWindow
 from kvadmit._arrival cimport ArrivalRecord, check_record, record_of
-from kvadmit._arrival_gate cimport (ArrivalGate, ArrivalResult, Rejection, R_INVALID,
-                                    R_QUEUE_FULL, R_QUEUED_TOKENS)
+from kvadmit._arrival_gate cimport ArrivalGate, ArrivalResult, Rejection, R_INVALID, R_QUEUE_FULL
 from kvadmit._core_view cimport CoreView, check_now
 from kvadmit._decision cimport Decision
 from kvadmit._flows cimport FL_PREEMPTED, FL_REFUSED, FlowTable
@@ -247,19 +246,13 @@ cdef class AdmissionCore(CoreView):
         cap is its alone: nothing is shed for it."""
         cdef int32_t f = self.ledger.flow_ix(s)
         cdef int64_t cap = self.flows.c_cap_reqs(f), waiting = self.ledger.flow_waiting(f)
-        cdef int64_t queued = self.ledger.queued_of(s)
+        cdef int64_t queued = self.ledger.queued_of(s), tokens = self.ledger.flow_queued(f)
         if cap > 0 and waiting + 1 > cap:
-            return self.gate.c_refuse(
-                R_QUEUE_FULL, f"flow queue full: {waiting} of its requests waiting, its "
-                f"max_queued_requests={cap}", "max_queued_requests", cap,
-                self.gate._retry_after(waiting + 1 - cap, 0))
+            return self.gate.c_refuse_flow_full(waiting + 1 - cap, 0, waiting, tokens, queued, cap)
         cap = self.flows.c_cap_tokens(f)
-        waiting = self.ledger.flow_queued(f)
-        if cap > 0 and waiting + queued > cap:
-            return self.gate.c_refuse(
-                R_QUEUED_TOKENS, f"flow queue full: {waiting} prompt tokens of its requests "
-                f"waiting + {queued} exceeds its max_queued_tokens={cap}", "max_queued_tokens",
-                cap, self.gate._retry_after(0, waiting + queued - cap) if queued <= cap else None)
+        if cap > 0 and tokens + queued > cap:
+            return self.gate.c_refuse_flow_full(0, tokens + queued - cap, waiting, tokens, queued,
+                                                cap)
         return None
 
     # ------------------------------------------------------------------

@@ -166,9 +166,8 @@ cdef class Ledger:
     cdef inline void set_counts(self, int32_t s, int64_t computed, int64_t generated) noexcept nogil:
         """The engine's counts for s: tokens with KV computed, tokens generated (the
         queued sum follows a waiting request's, the running context a running one's)."""
-        cdef int64_t before
+        cdef int64_t before = self.queued_of(s)
         if self._state[s] == ST_WAITING:
-            before = self.queued_of(s)
             self._computed[s] = computed
             self._generated[s] = generated
             self._queued += self.queued_of(s) - before
