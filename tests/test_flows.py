@@ -198,6 +198,16 @@ def test_two_saturating_flows_share_the_pool_by_weight():
         assert eng.totals()["finished"] == 2 * n
 
 
+def test_an_admission_undone_takes_its_charge_back():
+    core = make_core("reserve", num_blocks=1000)
+    a = arrive(core, flow=A)
+    arrive(core, flow=B)
+    core.admit(a, 0.0)
+    core.cancel_admit(a, 0.0)
+    stats = core.flow_stats()[str(A)]
+    assert (stats["admitted"], stats["kv_block_steps"], stats["usage_per_weight"]) == (0, 0.0, 0.0)
+
+
 def test_per_flow_caps_refuse_naming_the_flow():
     core = make_core("reserve", num_blocks=1000, flows={
         "a": {"max_queued_requests": 2}, "b": {"max_queued_tokens": 20}})
@@ -243,8 +253,11 @@ def test_every_refusal_of_a_request_with_a_flow_names_it():
 def test_flow_ids_fields_and_config():
     assert flow_int("tenant-a") == session_int("tenant-a") and flow_int("7") == flow_int(7) == 7
     assert parse({"flow": "tenant-a"}).flow == flow_int("tenant-a") and parse({}).flow == -1
-    for bad in ("", -1, 1.5, True, str(1 << 62)):
+    for bad in ("", 1.5, True):
         with pytest.raises(FieldError, match="flow"):
+            parse({"flow": bad})
+    for bad in (-1, str(1 << 62)):
+        with pytest.raises(FieldError, match=r"an integer flow must be in \[0, 2\*\*62\)"):
             parse({"flow": bad})
     with pytest.raises(ValueError, match=r"flow=-2: must be a flow id >= 0 \(-1: none\)"):
         ArrivalRecord(8, 4, flow=-2)
@@ -272,3 +285,23 @@ def test_flow_ids_fields_and_config():
     arrive(core)                                   # no flow: one flow of the default weight
     stats = core.flow_stats()
     assert stats[str(B)]["weight"] == 3.0 and stats[None]["weight"] == 3.0
+
+
+def test_the_queue_delay_a_new_request_is_judged_by_is_its_place_in_the_fair_order():
+    """max_queue_delay_s: a quiet flow's arrival waits behind the fair order's requests
+    ahead of it, not behind the noisy flow's whole backlog."""
+    out = {}
+    for flows in (True, False):
+        core = make_core("reserve", num_blocks=1000, max_queue_delay_s=4.0)
+        fa, fb = (A, B) if flows else (-1, -1)
+        for _ in range(10):
+            arrive(core, flow=fb)
+        for t in (1.0, 2.0):                   # a drain rate: 1 request a second
+            core.admit(core.next_admissible(1000), t)
+            core.on_step(t)
+        rb = core.arrive(ArrivalRecord(8, 4, flow=fb), now=2.0)
+        ra = core.arrive(ArrivalRecord(8, 4, flow=fa), now=2.0)
+        out[flows] = (rb.accepted, ra.accepted)
+        assert rb.rejection.reason == "queue_delay"
+        assert "predicted queueing delay 9 s (8 requests" in rb.rejection.message
+    assert out == {True: (False, True), False: (False, False)}

@@ -363,6 +363,8 @@ cdef class AdmissionCore(CoreView):
         check_now(now)
         cdef int32_t s = <int32_t>slot
         self._tick(now)
+        if self.flows.on:
+            self.flows.c_charge(s, -1)
         cdef bint activated = self.ledger.cancel_start(s)   # it shares nothing until admitted again
         self._stopped(s)
         self._enqueue(s)

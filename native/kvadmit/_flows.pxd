@@ -50,6 +50,6 @@ cdef class FlowTable:
     cdef void _add(self, int64_t flow, double weight, int64_t cap_reqs, int64_t cap_tokens)
     cdef int32_t c_index(self, int64_t flow) except -1
     cdef void c_activate(self, int32_t f) noexcept nogil
-    cdef void c_charge(self, int32_t s) noexcept nogil
+    cdef void c_charge(self, int32_t s, int sign=*) noexcept nogil
     cdef void c_accrue(self, double now) noexcept nogil
     cdef str c_name(self, int32_t f)

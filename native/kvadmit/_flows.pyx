@@ -95,14 +95,15 @@ cdef class FlowTable:
         if any_live and least > self._vtime[f]:
             self._vtime[f] = least
 
-    cdef void c_charge(self, int32_t s) noexcept nogil:
-        """The just-admitted s costs its flow its blocks for the step it starts in."""
+    cdef void c_charge(self, int32_t s, int sign=1) noexcept nogil:
+        """The just-admitted s costs its flow its blocks for the step it starts in
+        (sign -1: its admission is undone, before it ran)."""
         cdef int32_t f = self.ledger.flow_ix(s)
-        cdef int64_t b = self.ledger.held_blocks(s)
+        cdef int64_t b = sign * self.ledger.held_blocks(s)
         self._vtime[f] += b / self._weight[f]
         self._block_steps[f] += b
         self._holding[f] += b
-        self._counts[N_FLOW_COUNTERS * f + FL_ADMITTED] += 1
+        self._counts[N_FLOW_COUNTERS * f + FL_ADMITTED] += sign
 
     cdef void c_accrue(self, double now) noexcept nogil:
         """Once per engine step (before the ledger's step count moves on): each running

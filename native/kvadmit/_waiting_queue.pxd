@@ -137,6 +137,7 @@ cdef class WaitingQueue:
     cdef void c_add(self, int32_t s) noexcept nogil
     cdef void c_remove(self, int32_t s) noexcept nogil
     cdef void c_ahead_of(self, QKey key, int64_t* reqs, int64_t* tokens) noexcept nogil
+    cdef void c_ahead_of_slot(self, int32_t s, int64_t* reqs, int64_t* tokens) noexcept nogil
     cdef void c_count_passed(self, int32_t s) noexcept nogil
     cdef int32_t c_scan(self, Judge judge, int64_t free_blocks, bint check_blocks,
                         bint paused, double unpassable_from) noexcept nogil

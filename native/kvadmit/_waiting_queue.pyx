@@ -138,6 +138,43 @@ cdef class WaitingQueue:
                 tokens[0] += self.ledger.queued_of(deref(it).second)
             inc(it)
 
+    cdef void c_ahead_of_slot(self, int32_t s, int64_t* reqs, int64_t* tokens) noexcept nogil:
+        """c_ahead_of for the not yet queued s: under the fair walk (flows waiting
+        other than its own), the requests the walk would serve before it: those of a
+        more important order key, or of the same one with a smaller tag (its flow's
+        usage per weight plus the blocks of its flow's requests ahead of it)."""
+        cdef int32_t f = self.ledger.flow_ix(s)
+        cdef QKey key = self.c_key(s)
+        if not self._fair or self._by_flow.empty() or \
+                (self._by_flow.size() == 1 and deref(self._by_flow.begin()).first == f):
+            self.c_ahead_of(key, reqs, tokens)
+            return
+        cdef double tag = self.flows.c_vtime(f), t
+        cdef cmap[int32_t, cmap[QKey, int32_t]].iterator g = self._by_flow.find(f)
+        cdef cmap[QKey, int32_t].iterator it
+        cdef int32_t r
+        if g != self._by_flow.end():
+            it = deref(g).second.begin()
+            while it != deref(g).second.end() and deref(it).first < key:
+                tag += self.ledger.held_blocks(deref(it).second) / self.flows.c_weight(f)
+                inc(it)
+        reqs[0] = tokens[0] = 0
+        g = self._by_flow.begin()
+        while g != self._by_flow.end():
+            t = self.flows.c_vtime(deref(g).first)
+            it = deref(g).second.begin()
+            while it != deref(g).second.end():
+                r = deref(it).second
+                if deref(it).first.first > key.first or (deref(it).first.first == key.first and (
+                        t > tag or (t == tag and not (deref(it).first < key)))):
+                    break                      # this flow's later ones come after s too
+                if not self._agent_held(r):
+                    reqs[0] += 1
+                    tokens[0] += self.ledger.queued_of(r)
+                t += self.ledger.held_blocks(r) / self.flows.c_weight(deref(g).first)
+                inc(it)
+            inc(g)
+
     cdef void c_count_passed(self, int32_t s) noexcept nogil:
         """s is admitted: each request ahead of it (not held outside the agent
         window) counts a bypass."""

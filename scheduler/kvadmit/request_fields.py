@@ -128,10 +128,9 @@ def flow_int(value: Any, name: str = "flow") -> int:
     of decimal digits is that integer: the header x-gateway-inference-fairness-id:
     7, the field flow: "7" or 7 and the config's flows key "7" are one flow."""
     if isinstance(value, str) and value.isascii() and value.isdigit():
-        if int(value) >= SESSION_INT_LIMIT:
-            raise FieldError(f"kvadmit field {name}={value!r}: an integer flow must be in "
-                             f"[0, 2**62)")
         value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value < SESSION_INT_LIMIT:
+        raise FieldError(f"kvadmit field {name}={value!r}: an integer flow must be in [0, 2**62)")
     return session_int(value, name)
 
 
