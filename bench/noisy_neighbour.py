@@ -15,8 +15,9 @@ pool, one step-time model, the same requests in every run:
 Runs: the interactive requests alone, the batch requests alone, and both together
 under (a) FCFS, no flows (kvadmit's default `{}`); (b) vLLM-style priority, the
 interactive ones priority 0 and batch 1 with queue_order priority, under vLLM's own
-rule (overcommit, LIFO victim: `--scheduling-policy priority`) and under kvadmit's
-default policy; (c) flows: interactive flow 1, batch flow 2, both priority 0,
+rule (overcommit, LIFO victim: `--scheduling-policy priority`), under SGLang's rule
+(the predict policy, its retraction order; the simulator has no model of SGLang's
+preemption threshold) and under kvadmit's default policy; (c) flows: interactive flow 1, batch flow 2, both priority 0,
 weight 1 (the default), under kvadmit's default policy, with head_of_line strict,
 and under vLLM's rule. The interactive
 flow's goodput (share of its requests served within both targets) is compared with
@@ -170,6 +171,9 @@ def one_seed(args, shape, step, seed: int) -> dict:
         ("FCFS, no flows (kvadmit default {})", both_plain, base, is_inter),
         ("vLLM priority (overcommit, LIFO, queue_order priority)", both_prio,
          AdmissionConfig.from_dict({**vllm_rule, "queue_order": "priority"}), is_inter),
+        ("SGLang-style priority (predict, length victim, queue_order priority)", both_prio,
+         AdmissionConfig.from_dict({"policy": "predict", "victim": "length",
+                                    "queue_order": "priority"}), is_inter),
         ("priority (kvadmit default + queue_order priority)", both_prio,
          AdmissionConfig.from_dict({"queue_order": "priority"}), is_inter),
         ("flows, weight 1:1 (kvadmit default + flows)", both_flows,
