@@ -54,6 +54,21 @@ def test_a_weight_of_two_takes_two_requests_to_the_others_one():
     assert core.flow_stats()["a"]["weight"] == 2.0
 
 
+def test_fairness_is_within_a_priority_never_across():
+    core = make_core("reserve", num_blocks=1000, queue_order="priority")
+    slots = {arrive(core, flow=B, priority=5): "b5"}      # b live (waiting) from t=0
+    a = arrive(core, flow=A)
+    core.admit(a, 0.0)
+    core.on_step(1.0)
+    core.on_step(2.0)                       # a: 4 block-steps, b: none
+    slots.update({arrive(core, flow=A, priority=0): "a0", arrive(core, flow=B, priority=1): "b1",
+                  arrive(core, flow=B, priority=0): "b0", arrive(core, flow=A, priority=1): "a1"})
+    # priority 0 first (b0 before a0: b has used less), then priority 1 (b1, tag 2,
+    # before a1, tag 6), then b's priority 5 one: usage never lifts a request past a
+    # more important one
+    assert names(core, slots) == ["b0", "a0", "b1", "a1", "b5"]
+
+
 def test_usage_is_block_steps_charged_at_admission_then_each_step():
     core = make_core("reserve", num_blocks=1000)
     slots = queue_of(core, SIX)
