@@ -46,7 +46,7 @@ def test_step_done_notes_prefix_hits_for_the_next_cache_signal():
     bridge.step_done(16, 16, now=0.0, hit_tokens=8, query_tokens=32)
     assert (bridge.prefix_hit_tokens, bridge.prefix_query_tokens) == (8, 32)
     bridge.step(StepReport(now=0.1, used_blocks=4))           # the window sees them: 8 of 32
-    assert bridge._hit_tokens == bridge._query_tokens == 0
+    assert core.pending_prefix_hits == (0, 0)
 
 
 def test_shared_prefix_counting_reports_blocks_in_use_only_when_asked():

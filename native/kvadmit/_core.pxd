@@ -10,6 +10,16 @@ from kvadmit._core_view cimport CoreView
 
 
 cdef class AdmissionCore(CoreView):
+    # The step (step / step_done): what one step leaves for the next
+    cdef public bint counts_shared_prefix   # the engine reports shared prefixes (set_shared): each step reports blocks in use
+    cdef double _step_start                 # the latest step's start (`step`'s now)
+    cdef bint _step_started
+    cdef double _shape_tokens, _shape_context   # the step scheduled last (tokens < 0: none to observe)
+    cdef double _shape_seconds              # its known time (< 0: measured, the interval to the next start)
+    cdef int64_t _hits, _queries            # prefix hits noted since the latest step start
+    cdef readonly int64_t observed_steps    # step times given to the step-time fit
+    cdef readonly int64_t prefix_hit_tokens, prefix_query_tokens   # every prefix hit noted
+
     cdef inline int64_t c_num_waiting(self) noexcept nogil:
         return self.queue.c_size()
 
@@ -35,6 +45,12 @@ cdef class AdmissionCore(CoreView):
     cdef void c_admit(self, int32_t s, double now) noexcept nogil
     cdef void c_progress(self, int32_t s, int64_t computed_tokens, int64_t generated_tokens) noexcept nogil
     cdef void c_on_step(self, double now) noexcept nogil
+    cdef void c_step(self, double now, int64_t used_blocks, const int64_t* rows, int64_t n,
+                     bint fresh) noexcept nogil
+    cdef void c_step_done(self, double tokens, double context, double now, int64_t hit_tokens,
+                          int64_t query_tokens, double seconds) noexcept nogil
+    cdef void c_note_prefix_hits(self, int64_t hit_tokens, int64_t query_tokens) noexcept nogil
+    cdef void c_engine_idle(self) noexcept nogil
     cdef void c_preempt(self, int32_t s, double now) noexcept nogil
     cdef void c_finish(self, int32_t s, double now) noexcept nogil
     cdef void c_observe_cache(self, int64_t used_blocks, int64_t hit_tokens, int64_t query_tokens,

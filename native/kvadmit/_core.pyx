@@ -15,7 +15,7 @@
 # This module calls each part, in order, where a request arrives, waits, starts,
 # stops or leaves, and keeps the counters and the clock.
 
-from libc.math cimport INFINITY
+from libc.math cimport INFINITY, isfinite
 from libc.stdint cimport int32_t, int64_t
 from libcpp.vector cimport vector
 
@@ -34,6 +34,12 @@ from kvadmit._waiting_queue cimport WaitingQueue
 
 from kvadmit._victims import VICTIMS
 from kvadmit._waiting_queue import DECISIONS
+
+
+cdef int _check_hits(int64_t hit_tokens, int64_t query_tokens) except -1:
+    if hit_tokens < 0 or query_tokens < 0:
+        raise ValueError(f"hit_tokens={hit_tokens}, query_tokens={query_tokens}: must be >= 0")
+    return 0
 
 
 cdef class AdmissionCore(CoreView):
@@ -67,6 +73,7 @@ cdef class AdmissionCore(CoreView):
         self.decision = Decision(self.ledger, self.policy, self.slo_guard, self.agent_window,
                                  self.queue, self.gate, num_blocks, config.queue_order == "priority")
         self._now = 0.0
+        self._shape_tokens = -1.0
         self._n_arrived = self._n_admitted = self._n_preempted = 0
         self._n_finished = self._n_aborted = 0
 
@@ -467,6 +474,116 @@ cdef class AdmissionCore(CoreView):
             self._dequeue(s)
         self._n_aborted += 1
         self.ledger.release(s)
+
+    # ------------------------------------------------------------------
+    # The step: the one place a step's sequence is written, for every engine (the
+    # engine bridge's `EngineBridge.step` / `step_done` translate onto it; the native
+    # engine model calls the c_ twins). `step` at the start of an engine step, before
+    # it schedules anything; `step_done` once the engine has scheduled it.
+    def step(self, double now, int64_t used_blocks, slots=(), computed_tokens=(),
+             generated_tokens=(), bint fresh=True):
+        """An engine step starts at `now` with `used_blocks` KV blocks in use, in this
+        order:
+
+        1. the previous step's time to the step-time fit, charged to what it scheduled
+           (`step_done`): the time it was given, or else the interval since the
+           previous start (not observed: after a step that ran no tokens, after
+           `engine_idle`, or when ``fresh`` is False: an interval the engine cannot
+           vouch for, such as one that skipped an iteration);
+        2. with the agent window: the blocks in use and the prefix hits noted since
+           the previous start (`observe_cache`);
+        3. the running requests' progress, if given (``slots`` with their
+           ``computed_tokens`` and ``generated_tokens``, every entry checked before
+           any is applied): one that started outside the gate (a queue that keeps
+           KV) is admitted first;
+        4. with ``counts_shared_prefix``: the blocks in use (`observe_used_blocks`).
+
+        Returns the running slots in victim order, most protected first (the
+        engine preempts from the end)."""
+        check_now(now)
+        if used_blocks < 0:
+            raise ValueError(f"used_blocks={used_blocks}: must be >= 0")
+        cdef Py_ssize_t n = self.ledger.check_rows(slots, computed_tokens, generated_tokens, "step")
+        self.c_step(now, used_blocks, self.ledger.rows(), n, fresh)
+        return self.victim_order()
+
+    cdef void c_step(self, double now, int64_t used_blocks, const int64_t* rows, int64_t n,
+                     bint fresh) noexcept nogil:
+        """`step`, unchecked: ``rows`` are n (slot, computed, generated) triples of live
+        slots (none: NULL, 0; the native engine reports progress as it runs)."""
+        cdef int64_t i
+        if self._shape_tokens >= 0:
+            if self._shape_seconds >= 0:
+                self.slo_guard.c_observe_step(self._shape_tokens, self._shape_context,
+                                              self._shape_seconds)
+                self.observed_steps += 1
+            elif fresh and self._step_started and now >= self._step_start:
+                self.slo_guard.c_observe_step(self._shape_tokens, self._shape_context,
+                                              now - self._step_start)
+                self.observed_steps += 1
+        self._step_start, self._step_started, self._shape_tokens = now, True, -1.0
+        if self.agent_window.enabled:
+            self.c_observe_cache(used_blocks if used_blocks < self.num_blocks else self.num_blocks,
+                                 self._hits, self._queries, now)
+        self._hits = self._queries = 0
+        if n > 0:
+            if self.ledger.n_running() < n:      # some started outside the gate
+                for i in range(n):
+                    if self.ledger.state(<int32_t>rows[3 * i]) == ST_WAITING:
+                        self.c_admit(<int32_t>rows[3 * i], now)
+            if self.ledger.apply_rows(rows, n):
+                self.policy.c_running_changed()
+        if self.counts_shared_prefix:
+            self.c_observe_used_blocks(used_blocks)
+
+    def step_done(self, double tokens, double context, double now, int64_t hit_tokens=0,
+                  int64_t query_tokens=0, double seconds=-1.0):
+        """The engine scheduled the step that `step` began at `now`: ``tokens`` tokens
+        over ``context`` KV tokens (0 tokens: nothing runs, so the interval to the next
+        start is no step time), and the prefix-cache hits of the requests it admitted
+        (`note_prefix_hits`). ``seconds`` (>= 0): the step's time, known (an engine
+        model); else the next `step` measures it. Then the core steps (`on_step`) at
+        the step's time."""
+        check_now(now)
+        if not (isfinite(tokens) and tokens >= 0 and isfinite(context) and context >= 0):
+            raise ValueError(f"tokens={tokens}, context={context}: must be finite numbers >= 0")
+        if not isfinite(seconds):
+            raise ValueError(f"seconds={seconds}: must be finite (negative: measured)")
+        _check_hits(hit_tokens, query_tokens)
+        self.c_step_done(tokens, context, now, hit_tokens, query_tokens, seconds)
+
+    cdef void c_step_done(self, double tokens, double context, double now, int64_t hit_tokens,
+                          int64_t query_tokens, double seconds) noexcept nogil:
+        if tokens > 0 or seconds >= 0:
+            self._shape_tokens, self._shape_context, self._shape_seconds = tokens, context, seconds
+        else:
+            self._shape_tokens = -1.0
+        self.c_note_prefix_hits(hit_tokens, query_tokens)
+        self.c_on_step(now)
+
+    def note_prefix_hits(self, int64_t hit_tokens, int64_t query_tokens):
+        """Prefix-cache hits of requests admitted this step (tokens found cached, out of
+        their prompt + output tokens): the agent window sees them at the next `step`."""
+        _check_hits(hit_tokens, query_tokens)
+        self.c_note_prefix_hits(hit_tokens, query_tokens)
+
+    cdef void c_note_prefix_hits(self, int64_t hit_tokens, int64_t query_tokens) noexcept nogil:
+        self._hits += hit_tokens
+        self._queries += query_tokens
+        self.prefix_hit_tokens += hit_tokens
+        self.prefix_query_tokens += query_tokens
+
+    @property
+    def pending_prefix_hits(self):
+        """(hit, query) tokens noted since the latest step start (the next `step`'s)."""
+        return (self._hits, self._queries)
+
+    def engine_idle(self):
+        """The engine had nothing to run: the time until the next step is no step time."""
+        self.c_engine_idle()
+
+    cdef void c_engine_idle(self) noexcept nogil:
+        self._shape_tokens = -1.0
 
     # ------------------------------------------------------------------
     # Step-time model, cache signals and the agent window

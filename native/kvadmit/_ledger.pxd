@@ -42,12 +42,16 @@ cdef class Ledger:
     cdef int64_t _run_ctx            # tokens over running (the SLO guard's context)
     cdef int64_t _queued             # prefill tokens still to do over the queued (enqueued) requests
     cdef vector[int32_t] _free_slots
-    cdef vector[int64_t] _rows       # update_many's checked (slot, computed, generated) rows
+    cdef vector[int64_t] _rows       # check_rows' checked (slot, computed, generated) rows
     # finished requests' predicted against actual output lengths
     cdef int64_t _n_len_obs
     cdef double _len_abs_err, _len_pred_sum, _len_actual_sum
 
     # --- getters ----------------------------------------------------------
+    cdef inline const int64_t* rows(self) noexcept nogil:
+        """check_rows' last rows: (slot, computed, generated) each."""
+        return self._rows.data()
+
     cdef inline int64_t step(self) noexcept nogil:
         return self._step
     cdef inline int64_t next_seq(self) noexcept nogil:
@@ -214,4 +218,7 @@ cdef class Ledger:
     cdef void set_cached(self, int32_t s, int64_t cached_tokens) noexcept nogil
     cdef int check_state(self, int64_t s, int want) except -1
     cdef int check_counts(self, int64_t s, int64_t computed, int64_t generated) except -1
+    cdef Py_ssize_t check_rows(self, slots, computed_tokens, generated_tokens,
+                               str caller) except -1
+    cdef bint apply_rows(self, const int64_t* rows, Py_ssize_t n) noexcept nogil
     cdef bint update_many(self, slots, computed_tokens, generated_tokens) except -1

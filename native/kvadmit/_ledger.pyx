@@ -180,16 +180,17 @@ cdef class Ledger:
                              f"[0, prompt_tokens + generated_tokens = {self._prompt[s] + generated}]")
         return 0
 
-    cdef bint update_many(self, slots, computed_tokens, generated_tokens) except -1:
-        """`set_counts` for many slots at once: every entry is checked before any is
-        applied, so a refused call changes nothing. Returns whether a running
-        request's counts were among them."""
+    cdef Py_ssize_t check_rows(self, slots, computed_tokens, generated_tokens,
+                               str caller) except -1:
+        """Reads and checks an engine's counts for many slots, (slot, computed,
+        generated) rows (`rows()`, kept between calls: no allocation a step); how many.
+        A bad entry raises ValueError (naming the field) before any is applied."""
         cdef Py_ssize_t i, n = len(slots)
         if len(computed_tokens) != n or len(generated_tokens) != n:
-            raise ValueError(f"update_many: {n} slots but {len(computed_tokens)} computed_tokens "
+            raise ValueError(f"{caller}: {n} slots but {len(computed_tokens)} computed_tokens "
                              f"and {len(generated_tokens)} generated_tokens")
         if <Py_ssize_t>self._rows.size() < 3 * n:
-            self._rows.resize(3 * n)       # kept between calls: no allocation a step
+            self._rows.resize(3 * n)
         cdef int64_t* row = self._rows.data()
         cdef int64_t slot, computed, generated, live = self._state.size()
         for i in range(n):
@@ -198,11 +199,24 @@ cdef class Ledger:
                     or computed < 0 or computed > self._prompt[slot] + generated):
                 self.check_counts(slot, computed, generated)     # raises, naming the field
             row[3 * i], row[3 * i + 1], row[3 * i + 2] = slot, computed, generated
+        return n
+
+    cdef bint apply_rows(self, const int64_t* rows, Py_ssize_t n) noexcept nogil:
+        """`set_counts` for n (slot, computed, generated) rows of live slots. Returns
+        whether a running request's counts were among them."""
+        cdef Py_ssize_t i
         cdef bint running_changed = False
         for i in range(n):
-            self.set_counts(<int32_t>row[3 * i], row[3 * i + 1], row[3 * i + 2])
-            running_changed |= self._state[row[3 * i]] == ST_RUNNING
+            self.set_counts(<int32_t>rows[3 * i], rows[3 * i + 1], rows[3 * i + 2])
+            running_changed |= self._state[rows[3 * i]] == ST_RUNNING
         return running_changed
+
+    cdef bint update_many(self, slots, computed_tokens, generated_tokens) except -1:
+        """`set_counts` for many slots at once: every entry is checked before any is
+        applied, so a refused call changes nothing. Returns whether a running
+        request's counts were among them."""
+        cdef Py_ssize_t n = self.check_rows(slots, computed_tokens, generated_tokens, "update_many")
+        return self.apply_rows(self._rows.data(), n)
 
     def info(self, int64_t slot):
         """The numbers of one live request."""

@@ -163,6 +163,7 @@ cdef class NativeEngine:
         self._hoff.push_back(0)
         self._ran = False
         self.core.set_step_budget(max_num_batched_tokens)
+        self.core.counts_shared_prefix = True     # every admission reports set_shared
 
     def add_requests(self, Requests requests not None):
         """Appends `kvadmit._requests.Requests` (checked when built); here only what
@@ -600,15 +601,13 @@ cdef class NativeEngine:
                 self._finish(r, t_end)
         self._clock = t_end
         self._steps += 1
-        # At the step's time, as the engine bridge's step_done (the core's clock: the
-        # latest of it and the finishes above).
-        self.core.c_on_step(t_start)
-        # As the engine adapters do: the fit is also reported (stats), guard or not.
-        self.core.slo_guard.c_observe_step(batch, ctx, dt)
-        used = self._nblocks - self.allocator.c_num_free()     # after the finishes
-        if self.core.agent_window.enabled:   # as the bridge: only the window asks for it
-            self.core.c_observe_cache(used, self._step_hit, self._step_query, t_end)
-        self.core.c_observe_used_blocks(used)
+        # The core's step sequence (AdmissionCore.step_done / step), as every engine
+        # runs it: the step is done, at its start time and with its known time dt;
+        # the next step starts at its end (the blocks in use after the finishes, the
+        # progress reported above as it ran), before that instant's arrivals.
+        self.core.c_step_done(batch, ctx, t_start, self._step_hit, self._step_query, dt)
+        used = self._nblocks - self.allocator.c_num_free()
+        self.core.c_step(t_end, used, NULL, 0, True)
         self._step_hit = self._step_query = 0
         self._demote_paused()
         self._sample_timeline()

@@ -111,3 +111,17 @@ cdef class Requests:
         if not 0 <= i < <Py_ssize_t>self.records.size():
             raise IndexError(f"row {i}: out of range [0, {self.records.size()})")
         return self.records[i]
+
+    def row(self, Py_ssize_t i) -> dict:
+        """Row i whole: its arrival record's fields and the engine's columns
+        (arrival_s, output_tokens, parent, delay_s, hashed_tokens, and hash_ids: its
+        prefix-block ids, None without any), for an engine in Python
+        (kvadmit.simulate.vllm_engine)."""
+        d = self.record(i)
+        d.update(arrival_s=self.arrival_s[i], output_tokens=self.output_tokens[i],
+                 parent=self.parent[i], delay_s=self.delay_s[i],
+                 hashed_tokens=self.hashed_tokens[i],
+                 hash_ids=[self.hash_ids[k] for k in range(self.hash_offsets[i],
+                                                            self.hash_offsets[i + 1])]
+                 if self.has_hash_ids else None)
+        return d

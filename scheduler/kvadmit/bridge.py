@@ -13,14 +13,11 @@ every engine:
   (`arrive_group`: all accepted, or the request refused once);
 - leaving: a request that finished on its own reports its final progress and
   finishes; any other (client abort, engine error, shed) is an abort;
-- the step, one sequence for every engine: `step(StepReport)` at the start of an
-  engine step (before it schedules anything) and `step_done(...)` once the engine
-  has scheduled it (see `EngineBridge.step`);
-- step timing: the interval between two step starts is the previous step's time
-  for the core's step-time fit, charged to that step's scheduled tokens and
-  context (not observed: a step without tokens, or after the engine was idle);
-- cache signals: KV blocks in use and the prefix-cache hits of the requests
-  admitted since the previous step (the agent window's inputs).
+- the step: `step(StepReport)` at the start of an engine step (before it
+  schedules anything) and `step_done(...)` once the engine has scheduled it,
+  translated onto the core's one step sequence (`AdmissionCore.step` /
+  `step_done`, which the native engine model runs too): the step time, the cache
+  signals, the progress and the blocks in use are the core's, in its order.
 """
 from __future__ import annotations
 
@@ -71,28 +68,28 @@ class StepPlan:
     which needs the engine's per-request token arithmetic)."""
     # Running slots from most protected to first victim (engines preempt from the end).
     victim_order: list
+    # Waiting requests past their TTL, no longer tracked: [(obj, Refusal)] (reason
+    # expired). The engine takes them out of its queue and answers their clients
+    # before it admits anything (`EngineBridge.expire`).
+    expired: list = field(default_factory=list)
 
 
 class EngineBridge:
     """One engine's requests in one `AdmissionCore` (see the module docstring).
     ``counts_shared_prefix``: the adapter reports each admitted request's tokens in
     blocks other running requests hold (`AdmissionCore.set_shared`, policy auto), so
-    every step reports the blocks in use for them (`observe_used_blocks`)."""
+    the core's step reports the blocks in use for them (`AdmissionCore.step`)."""
 
     def __init__(self, core, counts_shared_prefix: bool = False):
         self.core = core
         self.counts_shared_prefix = counts_shared_prefix
+        core.counts_shared_prefix = counts_shared_prefix     # the core's step reports the blocks in use
         self._agent_window = bool(core.config.agent_window)
         # the status of a retryable refusal (503 or 429), the config's
         self._overload_status = core.config.overload_status
         self._slot: dict = {}     # engine request id -> slot
         self._key: dict = {}      # slot -> engine request id
         self._obj: dict = {}      # engine request id -> engine object (a strong ref while tracked)
-        self._step_start: Optional[float] = None
-        self._step_shape: Optional[tuple[float, float]] = None  # (tokens, context) of the last step
-        self.observed_steps = 0
-        self._hit_tokens = self._query_tokens = 0            # since the last observe_cache
-        self.prefix_hit_tokens = self.prefix_query_tokens = 0   # totals
 
     # -- tracking ------------------------------------------------------------
     def slot(self, key: Hashable) -> Optional[int]:
@@ -201,76 +198,49 @@ class EngineBridge:
 
     # -- the step ------------------------------------------------------------
     def step(self, report: StepReport) -> StepPlan:
-        """The start of an engine step, before it schedules anything, in this order:
-        the previous step's time to the step-time fit; with the agent window, the KV
-        blocks in use and the prefix hits noted since the previous step; the running
-        requests' progress (one started outside the gate, by a queue that keeps KV,
-        is admitted first); with shared-prefix counting, the blocks in use. Returns
-        the step's plan (`StepPlan`). The engine then schedules, and reports what it
+        """The start of an engine step, before it schedules anything: the report to
+        the core's step sequence (`AdmissionCore.step`: the previous step's time, the
+        cache signals, the running requests' progress, the blocks in use), and the
+        step's plan back (`StepPlan`). The engine then schedules, and reports what it
         scheduled through `step_done`."""
-        core, now = self.core, report.now
-        self.begin_step(now, report.fresh)
+        core = self.core
+        used = int(report.used_blocks)
+        if not self.counts_shared_prefix:
+            used = max(used, 0)      # only the cache signal reads it: clamped there as well
+        order = core.step(report.now, used, report.slots, report.computed, report.generated,
+                          report.fresh)
         if self._agent_window:
-            self.observe_cache(report.used_blocks, now)
-        slots = report.slots
-        if slots:
-            if core.num_running < len(slots):   # started outside the gate
-                for slot in slots:
-                    if core.state(slot) == "waiting":
-                        core.admit(slot, now)
-            core.update_many(slots, report.computed, report.generated)
-        if self.counts_shared_prefix:
-            core.observe_used_blocks(report.used_blocks)
-        return StepPlan(victim_order=core.victim_order())
+            # The sessions the window paused, logged for an engine that demotes their
+            # cached prefixes (the native engine does); vLLM's and SGLang's eviction is
+            # their own, so the log is emptied here, or it would grow for the server's life.
+            core.take_paused_sessions()
+        return StepPlan(victim_order=order, expired=self.expire(report.now))
 
     def step_done(self, tokens: float, context: float, now: float,
                   hit_tokens: int = 0, query_tokens: int = 0) -> None:
         """The engine scheduled the step that `step` began at ``now``: ``tokens``
-        tokens over ``context`` KV tokens (0 tokens: nothing runs, the next interval is
-        no step time), and the prefix-cache hits of the requests it admitted (tokens
-        found cached, out of their prompt + output tokens; see `note_prefix_hits`).
-        The core then steps, at the step's time."""
-        self.end_step(tokens, context)
-        if hit_tokens or query_tokens:
-            self.note_prefix_hits(hit_tokens, query_tokens)
-        self.core.on_step(now)
-
-    # -- step timing ---------------------------------------------------------
-    def begin_step(self, now: float, fresh: bool = True) -> None:
-        """At the start of every engine step: the time since the previous start is
-        the previous step's time (``fresh`` False: an interval the caller cannot
-        vouch for, e.g. one that skipped an iteration)."""
-        shape, start = self._step_shape, self._step_start
-        if shape is not None and fresh and start is not None and now >= start:
-            self.core.observe_step(shape[0], shape[1], now - start)
-            self.observed_steps += 1
-        self._step_start = now
-        self._step_shape = None
-
-    def end_step(self, tokens: float, context: float) -> None:
-        """The step just scheduled ``tokens`` tokens over ``context`` KV tokens (0
-        tokens: nothing ran, so the next interval is not observed)."""
-        self._step_shape = (tokens, context) if tokens > 0 else None
+        tokens over ``context`` KV tokens, and the prefix-cache hits of the requests
+        it admitted (`AdmissionCore.step_done`, which steps the core)."""
+        self.core.step_done(tokens, context, now, hit_tokens, query_tokens)
 
     def engine_idle(self) -> None:
         """The engine had nothing to run: the time until the next step is no step time."""
-        self._step_shape = None
+        self.core.engine_idle()
 
-    # -- cache signals -------------------------------------------------------
     def note_prefix_hits(self, hit_tokens: int, query_tokens: int) -> None:
         """Prefix-cache hits of admitted requests: tokens found cached, out of their
-        prompt + output tokens."""
-        self._hit_tokens += hit_tokens
-        self._query_tokens += query_tokens
-        self.prefix_hit_tokens += hit_tokens
-        self.prefix_query_tokens += query_tokens
+        prompt + output tokens (the agent window sees them at the next step)."""
+        self.core.note_prefix_hits(hit_tokens, query_tokens)
 
-    def observe_cache(self, used_blocks: int, now: float) -> None:
-        """Once per step, before admission: KV blocks in use and the hits noted since."""
-        used = min(max(int(used_blocks), 0), self.core.num_blocks)
-        self.core.observe_cache(used, self._hit_tokens, self._query_tokens, now)
-        self._hit_tokens = self._query_tokens = 0
-        # The sessions the window paused, logged for an engine that demotes their
-        # cached prefixes (the native engine does); vLLM's and SGLang's eviction is
-        # their own, so the log is emptied here, or it would grow for the server's life.
-        self.core.take_paused_sessions()
+    @property
+    def observed_steps(self) -> int:
+        """Step times the core's step-time fit was given."""
+        return self.core.observed_steps
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        return self.core.prefix_hit_tokens
+
+    @property
+    def prefix_query_tokens(self) -> int:
+        return self.core.prefix_query_tokens

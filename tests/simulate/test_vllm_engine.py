@@ -8,6 +8,7 @@ import pytest
 # "vllm.v1", not "vllm": under pytest tests/vllm/ would pass for a "vllm" namespace package.
 pytest.importorskip("vllm.v1", reason="vLLM is not installed (see .ci/run)")
 
+from kvadmit._native import Requests  # noqa: E402
 from kvadmit.config import AdmissionConfig  # noqa: E402
 from kvadmit.simulate.engine import EngineShape  # noqa: E402
 from kvadmit.simulate.steptime import CPU_TINY, StepTimeModel  # noqa: E402
@@ -280,3 +281,62 @@ def test_full_agent_window_sleeps_until_a_session_expires(model_dir):
         assert pr["rejected"] == [None, None]
         assert pr["first_token_s"][1] > pr["finish_s"][0] + 5.0
     assert ours.per_request["finish_s"][1] == pytest.approx(native.per_request["finish_s"][1], rel=0.01)
+
+
+def _stepped_vllm(config, shape, step, model_dir):
+    from kvadmit.simulate.vllm_engine import VllmEngine  # noqa: E402
+    return VllmEngine(config, shape, step, model_dir, sample_interval_s=0.5)
+
+
+def test_vllm_stepped_one_request_at_a_time_gives_what_its_replay_gives(model_dir):
+    """The stepped-engine contract on vLLM's scheduler (as the native engine's,
+    tests/simulate/test_native_step.py): a driver that adds each request just as it
+    arrives and advances between them gets exactly what one replay gets, with the
+    refusals' Retry-After."""
+    w = synthetic(40, rate=30.0, seed=4, prompt_mean=120, output_mean=30, max_tokens_cap=128,
+                  max_model_len=512)
+    shape = EngineShape(num_blocks=40, block_size=16, max_model_len=512, max_num_seqs=16,
+                        max_num_batched_tokens=256)
+    cfg = AdmissionConfig(policy="peak", max_queued_requests=3)
+    ref = run_vllm(w, cfg, shape, CPU_TINY, model_dir, sample_interval_s=0.5)
+    e = _stepped_vllm(cfg, shape, CPU_TINY, model_dir)
+    e.start(w.arrival_s[0])
+    rejections = []
+    for i in range(len(w)):
+        e.advance(w.arrival_s[i])
+        e.signals()                                # a scrape: changes nothing
+        rejections += e.take_rejections()
+        e.add_requests(Requests([w.arrival_s[i]], [w.prompt_tokens[i]], [w.output_tokens[i]],
+                                [w.max_tokens[i]]))
+    e.drain()
+    rejections += e.take_rejections()
+    assert e.results() == ref.per_request
+    assert e.totals() == ref.totals.as_dict()
+    full = [r for r in rejections if r[1] == "queue_full"]
+    assert full and all(r[3] is not None and r[3] > 0 for r in full)
+    assert len(rejections) == ref.totals.rejected
+    assert e.signals()["active_blocks"] == 0
+
+
+def test_a_fleet_drives_vllm_schedulers_through_the_same_contract(model_dir):
+    from kvadmit.simulate.fleet import FleetSetup, run_fleet
+    from kvadmit.simulate.metrics import Slo
+    from kvadmit.simulate.policies import parse_policy
+    w = synthetic(30, rate=40.0, seed=6, prompt_mean=120, output_mean=30, max_tokens_cap=128,
+                  max_model_len=512)
+    shape = EngineShape(num_blocks=40, block_size=16, max_model_len=512, max_num_seqs=16,
+                        max_num_batched_tokens=256)
+    setup = FleetSetup((parse_policy("auto"), parse_policy("vllm-default")), "round-robin")
+    base = AdmissionConfig()
+
+    def make_engine(policy, s):
+        return _stepped_vllm(None if policy.vllm_own else policy.config(base), s, CPU_TINY,
+                             model_dir)
+
+    run = run_fleet(w, setup, shape, CPU_TINY, base, Slo(2.0, 0.1), make_engine=make_engine)
+    assert run.placed == [i % 2 for i in range(len(w))]
+    pr = run.per_request
+    for i in range(len(w)):
+        assert pr["rejected"][i] is None and pr["output_tokens"][i] == w.output_tokens[i], i
+    assert [x["routed"] for x in run.instances] == [15, 15]
+    assert all(x["free_blocks_at_end"] == 40 for x in run.instances)

@@ -669,3 +669,26 @@ def test_refusals_are_read_through_the_admission_object(model_dir):
     eng.run()
     assert eng.log.stop_reasons[low] == "kvadmit:shed"
     assert eng.log.stop_reasons[full] == "kvadmit:queue_full" and len(eng.log.outputs[high]) == 10
+
+
+def test_the_cores_clock_is_injected_once_and_read_exactly(model_dir):
+    """The adapter's clock is given (`set_clock`; the constructor's `clock`), not
+    swapped by assigning a field: a replay's virtual time reaches the core as is."""
+    eng = engine(model_dir, {"policy": "peak"})
+    adm = eng.scheduler.kvadmit
+    with pytest.raises(AttributeError):
+        adm.clock = lambda: 0.0
+    with pytest.raises(TypeError, match="clock=5.0: must be a callable"):
+        adm.set_clock(5.0)
+    t = [12.5]
+    adm.set_clock(lambda: t[0])
+    eng.add([5] * 10, 4)
+    t[0] = 13.0
+    eng.step()                                      # 10 prompt tokens at 13.0
+    t[0] = 13.25
+    eng.step()                                      # that step took 0.25 s exactly
+    assert adm.bridge.observed_steps == 1
+    from kvadmit import AdmissionCore
+    ref = AdmissionCore(adm.config, adm.usable_blocks, adm.core.block_size)
+    ref.observe_step(10, 10, 0.25)
+    assert adm.core.stats()["step_time_fit"] == ref.stats()["step_time_fit"]

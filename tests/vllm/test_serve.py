@@ -444,3 +444,53 @@ def test_overload_soak_leaves_nothing_behind(server):
     n_cancelled = sum(r[0] == "cancelled" for r in results)
     assert (after.get("kvadmit_aborted_total", 0) - before.get("kvadmit_aborted_total", 0)
             >= n_cancelled), results
+
+
+def test_stale_and_abandoned_requests_never_reach_prefill(server):
+    """Issue 22 item 4 over HTTP: while a long request holds the pool, a request held
+    behind it with llm-d's TTL header (200 ms) is refused as `expired` (400, not
+    retryable) once its TTL passes, and one whose client disconnects while it is held
+    is aborted; neither is ever prefilled (vLLM's prompt-token counter grows by the
+    long request's prompt alone), and the counters add up at idle. (The long request
+    runs about 1 s here; both held ones end within 0.5 s of its start.)"""
+    import httpx
+    base, model, _ = server
+    before = wait_idle(base)
+    pool = ThreadPoolExecutor(3)
+    long = pool.submit(complete, base, model, 40, 460, 900)   # 16 of the 24 blocks
+    deadline = time.time() + 60
+    while metrics(base).get("vllm:num_requests_running", 0) < 1:
+        assert time.time() < deadline and not long.done()
+        time.sleep(0.05)
+    body = {"model": model, "prompt": [(i * 5) % 997 + 3 for i in range(40)], "max_tokens": 440,
+            "ignore_eos": True}                     # 15 blocks: the peak rule holds it
+
+    def stale():
+        t0 = time.time()
+        r = httpx.post(base + "/v1/completions", json=body, timeout=60,
+                       headers={"x-llm-d-inference-ttl": "200ms"})
+        return r, time.time() - t0, long.done()
+
+    def abandoned():
+        try:                                        # held: nothing comes; the client leaves
+            with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True},
+                              timeout=httpx.Timeout(60, read=0.3)) as s:
+                for _ in s.iter_bytes():
+                    pass
+        except httpx.ReadTimeout:
+            return "left", long.done()
+        return "served", long.done()
+
+    stale_f, abandoned_f = pool.submit(stale), pool.submit(abandoned)
+    r, waited, long_done = stale_f.result()
+    assert r.status_code == 400 and "kvadmit:expired" in r.text and "ttl_s=0.2 s" in r.text, \
+        (r.text, waited, long_done)
+    assert 0.2 <= waited < 10 and not long_done
+    assert abandoned_f.result() == ("left", False)
+    assert long.result().usage.completion_tokens == 460
+    after = wait_idle(base)
+    assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == 40
+    assert after['kvadmit_rejected_total{reason="expired"}'] - \
+        before.get('kvadmit_rejected_total{reason="expired"}', 0) == 1
+    assert after["kvadmit_aborted_total"] - before.get("kvadmit_aborted_total", 0) == 1
+    assert_counters_add_up(after)

@@ -152,16 +152,7 @@ def around_abort_on_queued_limit(original, self, recv_req, *args, **kwargs):
     if adapter is None:
         return original(self, recv_req, *args, **kwargs)
     outcome = adapter.on_enqueue(recv_req)
-    for victim, rejection in outcome.shed:
-        for i, queued in enumerate(self.waiting_queue):
-            if queued is victim:
-                self.waiting_queue.pop(i)
-                break
-        self._release_aborted_request(victim)
-        coordinator = getattr(self, "beam_coordinator", None)
-        if coordinator is not None:
-            coordinator.retire_group(victim)
-        send_rejection(self, victim, rejection)
+    drop_waiting(self, outcome.shed)
     if outcome.rejection is not None:
         send_rejection(self, recv_req, outcome.rejection)
         return True
@@ -169,6 +160,21 @@ def around_abort_on_queued_limit(original, self, recv_req, *args, **kwargs):
     if aborted:
         adapter.forget(recv_req)
     return aborted
+
+
+def drop_waiting(scheduler, dropped) -> None:
+    """Waiting requests the core dropped, [(Req, Refusal)] (shed for an arrival, or
+    past their TTL): out of SGLang's queue, released, their clients answered."""
+    for victim, rejection in dropped:
+        for i, queued in enumerate(scheduler.waiting_queue):
+            if queued is victim:
+                scheduler.waiting_queue.pop(i)
+                break
+        scheduler._release_aborted_request(victim)
+        coordinator = getattr(scheduler, "beam_coordinator", None)
+        if coordinator is not None:
+            coordinator.retire_group(victim)
+        send_rejection(scheduler, victim, rejection)
 
 
 def send_rejection(scheduler, req, rejection) -> None:
@@ -182,7 +188,8 @@ def send_rejection(scheduler, req, rejection) -> None:
 
 def around_get_next_batch_to_run(original, self, *args, **kwargs):
     """AROUND Scheduler.get_next_batch_to_run (once per scheduler step), the step
-    sequence every adapter runs (kvadmit.bridge.EngineBridge.step): the ledger is
+    sequence every engine runs (the core's `AdmissionCore.step` / `step_done`, through
+    kvadmit.bridge.EngineBridge.step): the ledger is
     brought up to date with SGLang's batches, then the step's report (its time,
     the KV pool in use) goes to the bridge; after SGLang has chosen the batch (and
     its retractions) the bridge notes what it runs and steps the core, at the
@@ -194,8 +201,9 @@ def around_get_next_batch_to_run(original, self, *args, **kwargs):
     bound = _bind(original, self, args, kwargs)
     adapter.begin_step(bound.get("running_batch"), bound.get("last_batch"),
                        getattr(self, "chunked_req", None), self.waiting_queue, now=now)
-    adapter.step(self.token_to_kv_pool_allocator.available_size()
-                 + self.tree_cache.evictable_size(), now)
+    step_plan = adapter.step(self.token_to_kv_pool_allocator.available_size()
+                             + self.tree_cache.evictable_size(), now)
+    drop_waiting(self, step_plan.expired)          # stale work: before SGLang admits
     plan = original(self, *args, **kwargs)
     adapter.end_step(now, batch=getattr(plan, "batch_to_run", None))
     return plan

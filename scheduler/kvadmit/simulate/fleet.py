@@ -1,7 +1,9 @@
-"""A fleet: N native engines behind a router, on one virtual clock.
+"""A fleet: N engines behind a router, on one virtual clock.
 
-Each instance is a `NativeEngine` (its own policy and config) stepped with its
-step API. The driver's time advances in sync ticks (a quarter of the scrape
+Each instance is a stepped engine (`kvadmit.simulate.stepped.SteppedEngine`: by
+default the compiled `NativeEngine`; `make_engine` may give vLLM's scheduler,
+`kvadmit.simulate.vllm_engine.VllmEngine`), its own policy and config, driven only
+through that contract. The driver's time advances in sync ticks (a quarter of the scrape
 interval): at each tick every engine runs the steps that start before it, and
 the driver collects what the engines answered (finished, refused with a reason
 and a Retry-After); at every scrape (each fourth tick) the router gets each
@@ -26,13 +28,16 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from kvadmit._native import NativeEngine, Requests
+from typing import Callable, Optional
+
+from kvadmit._native import Requests
 from kvadmit.config import AdmissionConfig
 from kvadmit.simulate.engine import EngineShape, native_engine
 from kvadmit.simulate.metrics import Slo, summarize
 from kvadmit.simulate.policies import PolicySpec
 from kvadmit.simulate.record import Totals
 from kvadmit.simulate.routers import ROUTERS, Refusal, Request, make_router
+from kvadmit.simulate.stepped import SteppedEngine
 from kvadmit.simulate.steptime import StepTimeModel
 from kvadmit.simulate.workload import Workload
 
@@ -114,7 +119,7 @@ class _Outbox:
             self.ids.extend(hash_ids)
             self.off.append(len(self.ids))
 
-    def flush(self, eng: NativeEngine) -> None:
+    def flush(self, eng: SteppedEngine) -> None:
         if not self.arr:
             return
         eng.add_requests(Requests(
@@ -147,11 +152,21 @@ def _last_scrape_tick(t0: float, tick: float, t: float, k_from: int) -> int:
     return k
 
 
+# An instance's engine: (its policy, its shape) -> a stepped engine with no requests yet.
+EngineFactory = Callable[[PolicySpec, EngineShape], SteppedEngine]
+
+
 def run_fleet(workload: Workload, setup: FleetSetup, shape: EngineShape, step: StepTimeModel,
-              base: AdmissionConfig, slo: Slo, progress=None) -> FleetRun:
+              base: AdmissionConfig, slo: Slo, progress=None,
+              make_engine: Optional[EngineFactory] = None) -> FleetRun:
+    """Replays an open-loop workload through the fleet. ``make_engine(policy, shape)``
+    builds each instance (default: the native engine model, `native_engine`)."""
     check_open_loop(workload)
     t_wall = time.perf_counter()
-    fleet = _Fleet(workload, setup, shape, step, base, slo)
+    if make_engine is None:
+        def make_engine(p: PolicySpec, s: EngineShape) -> SteppedEngine:
+            return native_engine(workload, p.config(base), s, step)
+    fleet = _Fleet(workload, setup, shape, make_engine, slo)
     fleet.run(progress)
     return _assemble(workload, fleet.engines, fleet.owner, fleet.final_reason, fleet.counts,
                      fleet.attempts, fleet.placed, fleet.t0, time.perf_counter() - t_wall)
@@ -163,11 +178,10 @@ class _Fleet:
     between sync ticks at which every engine runs to the tick and answers."""
 
     def __init__(self, workload: Workload, setup: FleetSetup, shape: EngineShape,
-                 step: StepTimeModel, base: AdmissionConfig, slo: Slo):
+                 make_engine: EngineFactory, slo: Slo):
         n_inst, n = len(setup.policies), len(workload)
         self.workload, self.setup, self.n = workload, setup, n
-        self.engines = [native_engine(workload, p.config(base), p.shape(shape), step)
-                        for p in setup.policies]
+        self.engines: list[SteppedEngine] = [make_engine(p, p.shape(shape)) for p in setup.policies]
         self.oracle = [p.oracle for p in setup.policies]
         prefix = [p.shape(shape).prefix_caching and workload.hash_ids is not None
                   for p in setup.policies]

@@ -83,6 +83,19 @@ class RunRecord:
         self._sample_dt = sample_interval_s
         self._next_sample = t0
 
+    def extend(self, k: int) -> None:
+        """k more requests (a stepped engine's `add_requests`)."""
+        self.n += k
+        for col, v in ((self.arrival, -1.0), (self.first_token, -1.0), (self.finish, -1.0),
+                       (self.output_tokens, 0), (self.preemptions_of, 0), (self.max_computed, 0),
+                       (self.reason, None), (self.state, PENDING)):
+            col.extend([v] * k)
+
+    def start(self, t0: float) -> None:
+        """The run's clock starts at t0 (a stepped engine's `start`): the makespan and
+        the timeline count from it."""
+        self.t0 = self._next_sample = t0
+
     @property
     def done(self) -> int:
         return self.finished + self.rejected

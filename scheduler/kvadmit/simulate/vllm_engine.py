@@ -34,9 +34,16 @@ Everything else is pseudo-random per request (seeded, deterministic).
 kvadmit's refusals (at arrival, and waiting requests shed) come from the scheduler's
 `VllmAdmission.take_refused()` (kvadmit.vllm.admission), not from the outputs.
 
-kvadmit's core runs on the virtual clock: the scheduler's injectable clock
-(`scheduler.kvadmit.clock`) reads the arrival time (at add_request) or the step's start (at
-schedule), as the native engine passes them. vLLM's own timestamps stay real.
+kvadmit's core runs on the virtual clock, given to the scheduler's adapter once
+(`VllmAdmission.set_clock`): it reads the arrival time (at add_request) or the
+step's start (at schedule), as the native engine passes them. vLLM's own
+timestamps stay real.
+
+`VllmEngine` is the engine on the stepped-engine contract
+(`kvadmit.simulate.stepped.SteppedEngine`: start / add_requests / advance / drain,
+as the native engine's); `run_vllm` (`VllmReplay`) is the one-engine driver over
+it, and a fleet (`kvadmit.simulate.fleet.run_fleet`, ``make_engine``) may drive
+several.
 
 Where it differs from the native engine (by design, this is vLLM's behaviour):
 - (none in admission: `EngineShape.reserve_full_input` sets vLLM's
@@ -59,9 +66,11 @@ import time
 
 import numpy as np
 
+from kvadmit._native import Requests
 from kvadmit.config import AdmissionConfig
 from kvadmit.simulate.engine import EngineShape, RawRun
-from kvadmit.simulate.record import IN_ENGINE, RunRecord
+from kvadmit.simulate.record import DONE, IN_ENGINE, REJECTED, RunRecord, Totals
+from kvadmit.simulate.stepped import first_arrival, replay
 from kvadmit.simulate.steptime import StepTimeModel
 from kvadmit.simulate.workload import Workload
 
@@ -71,8 +80,8 @@ PROGRESS_EVERY = 200
 
 
 class _VirtualTime:
-    """The clock kvadmit's vLLM scheduler runs on during a replay (its
-    `kvadmit.clock`), so the core's time (drain rate, max_queue_delay_s, step
+    """The clock kvadmit's vLLM scheduler runs on during a replay (given to
+    `VllmAdmission.set_clock`), so the core's time (drain rate, max_queue_delay_s, step
     times, sessions) is the virtual one: arrivals at their arrival time,
     admissions at the step's start, as the native engine passes them."""
 
@@ -115,94 +124,201 @@ def run_vllm(workload: Workload, config: AdmissionConfig | None, shape: EngineSh
     the pseudo-random prompt tokens; ``engine_args`` are further vLLM `EngineArgs`
     fields (e.g. ``{"scheduler_reserve_full_isl": False}``: admit a waiting request
     when its first chunk fits, as the native engine does, instead of vLLM 0.32's
-    default of requiring its whole input to fit)."""
-    return VllmReplay(workload, config, shape, step, model_dir, sample_interval_s, seed,
-                      engine_args).run(progress)
+    default of requiring its whole input to fit).
+
+    A driver over the stepped-engine contract (`kvadmit.simulate.stepped`): every
+    request added up front, then start at the first arrival and drain."""
+    replay = VllmReplay(workload, config, shape, step, model_dir, sample_interval_s, seed,
+                        engine_args)
+    return replay.run(progress)
 
 
 class VllmReplay:
-    """One replay (see the module's docstring): the engine, the arrival queue,
-    the virtual clock and the run's record."""
+    """One engine replaying one workload (see the module's docstring): a `VllmEngine`
+    with the workload's requests added, started at the first arrival and drained."""
 
     def __init__(self, workload: Workload, config: AdmissionConfig | None, shape: EngineShape,
                  step: StepTimeModel, model_dir: str, sample_interval_s: float | None = None,
                  seed: int = 0, engine_args: dict | None = None):
-        import kvadmit.vllm.scheduler as kvadmit_sched
-        from kvadmit.vllm.inprocess import InProcessEngine
-
         if workload.hash_block_tokens and workload.hash_block_tokens % shape.block_size:
             raise ValueError(f"workload {workload.name}: prefix-id blocks of {workload.hash_block_tokens} "
                              f"tokens are not a multiple of block_size={shape.block_size}")
         if sample_interval_s is None:
             sample_interval_s = max(workload.open_loop_span_s() / 500.0, 0.05)
+        n = len(workload)
+        self.t0 = first_arrival(workload.arrival_s, workload.parent) if n else 0.0
+        self.workload = workload
+        self.engine = VllmEngine(config, shape, step, model_dir, sample_interval_s, seed,
+                                 engine_args, hash_block_tokens=workload.hash_block_tokens)
+        self.engine.add_requests(workload.requests(hash_ids=shape.prefix_caching))
+
+    def run(self, progress=None) -> RawRun:
+        wall0 = time.perf_counter()
+        replay(self.engine, self.t0, progress)
+        return self.engine.raw_run(time.perf_counter() - wall0)
+
+
+class VllmEngine:
+    """vLLM's V1 scheduler in-process on a virtual clock, stepped by a driver
+    (`kvadmit.simulate.stepped.SteppedEngine`): `start`, `add_requests` and
+    `advance` in turns, `drain`; `results`, `totals`, `timeline`. ``config`` None:
+    vLLM's own scheduler, else kvadmit's. ``hash_block_tokens``: tokens a prefix-block
+    id stands for (requests added with hash ids, under prefix caching)."""
+
+    clock: float = 0.0      # the engine's time: the end of its last step, or where it idled to
+
+    def __init__(self, config: AdmissionConfig | None, shape: EngineShape, step: StepTimeModel,
+                 model_dir: str, sample_interval_s: float, seed: int = 0,
+                 engine_args: dict | None = None, hash_block_tokens: int = 0):
         if not (math.isfinite(sample_interval_s) and sample_interval_s > 0):
             raise ValueError(f"sample_interval_s={sample_interval_s}: must be > 0")
         if not shape.chunked_prefill and shape.max_num_batched_tokens < shape.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens={shape.max_num_batched_tokens}: without chunked prefill it "
                 f"must be >= max_model_len={shape.max_model_len}, or a long prompt never fits a step")
-        n = len(workload)
-        is_open = [workload.is_open(i) for i in range(n)]
-        if n and not any(is_open):
-            raise ValueError("no request has a fixed arrival time (every one has a parent)")
-        self.children: list[list[int]] = [[] for _ in range(n)]
-        for i, p in enumerate(workload.parent or ()):
-            if p >= i:
-                raise ValueError(f"parent[{i}]={p}: must be -1 or an earlier request's index")
-            if p >= 0:
-                self.children[p].append(i)
-        self.workload, self.shape, self.step_time, self.seed = workload, shape, step, seed
+        if hash_block_tokens < 0 or (hash_block_tokens and hash_block_tokens % shape.block_size):
+            raise ValueError(f"hash_block_tokens={hash_block_tokens}: must be 0 or a multiple of "
+                             f"block_size={shape.block_size}")
+        self.shape, self.step_time, self.seed = shape, step, seed
         self.kvadmit = config is not None
-        self.delay = workload.delay_s or [0.0] * n
-        self.prio = workload.priority or [0] * n
-
-        engine_args = dict(engine_args or {})
-        engine_args.setdefault("scheduler_reserve_full_isl", shape.reserve_full_input)
-        engine_args.setdefault("watermark", shape.watermark)
-        if shape.max_num_active_seqs:
-            engine_args.setdefault("max_num_active_seqs", shape.max_num_active_seqs)
-        model_len = _model_max_len(model_dir)
-        if model_len is not None and shape.max_model_len > model_len:
-            # The model is never run: let the context exceed what its config declares.
-            engine_args["hf_overrides"] = {**engine_args.get("hf_overrides", {}),
-                                           "max_position_embeddings": shape.max_model_len}
-        self.eng = InProcessEngine(
-            model_dir, scheduler_cls=kvadmit_sched.KvadmitScheduler if config is not None else None,
-            num_blocks=shape.num_blocks + 1, block_size=shape.block_size,
-            max_model_len=shape.max_model_len, max_num_seqs=shape.max_num_seqs,
-            max_num_batched_tokens=shape.max_num_batched_tokens,
-            additional_config={"kvadmit": config.to_dict()} if config is not None else None,
-            enable_prefix_caching=shape.prefix_caching, enable_chunked_prefill=shape.chunked_prefill,
-            engine_args=engine_args)
+        self.eng = _in_process_engine(config, shape, model_dir, engine_args)
         self.sched = self.eng.scheduler
         self.pool = self.sched.kv_cache_manager.block_pool
         self.nb = self.pool.num_gpu_blocks - 1            # usable blocks (== shape.num_blocks)
         self.vocab = self.eng.vllm_config.model_config.get_vocab_size()
-        self.hbt = (workload.hash_block_tokens
-                    if shape.prefix_caching and workload.hash_ids is not None else 0)
-        # kvadmit on the scheduler (kvadmit.vllm.admission.VllmAdmission; None: vLLM's own)
+        self.hbt = hash_block_tokens if shape.prefix_caching else 0
+        self.req = _Requests()
+        self.children: list[list[int]] = []
+        self.heap: list[tuple[float, int]] = []
+        self.clock = 0.0
+        self.rec = RunRecord(0, self.nb, 0.0, sample_interval_s)
+        self.rejections: list[tuple[int, str, float, float | None]] = []
+        self._started = False
+        self._horizon = -math.inf
+        # kvadmit on the scheduler (kvadmit.vllm.admission.VllmAdmission; None: vLLM's own),
+        # on the virtual clock
+        self.vt = _VirtualTime(0.0)
         self.kvadmit_state = getattr(self.sched, "kvadmit", None)
         if self.kvadmit_state is not None:
             self.kvadmit_state.watch_refusals()
-        self.heap = [(workload.arrival_s[i], i) for i in range(n) if is_open[i]]
-        heapq.heapify(self.heap)
-        self.clock = self.heap[0][0] if self.heap else 0.0
-        self.rec = RunRecord(n, self.nb, self.clock, sample_interval_s)
-        self.vt = _VirtualTime(self.clock)
-        if config is not None:
-            self.kvadmit_state.clock = self.vt.now
+            self.kvadmit_state.set_clock(self.vt.now)
+
+    # -- the stepped-engine contract ---------------------------------------------
+    def add_requests(self, requests: Requests) -> None:
+        """Appends `kvadmit.Requests` (checked when built), as `NativeEngine.add_requests`:
+        here only what depends on the engine's state (a refused batch adds nothing)."""
+        base = len(self.req)
+        rows = [requests.row(i) for i in range(len(requests))]
+        last = self.req.last_open
+        for i, r in enumerate(rows):
+            par, t = r["parent"], r["arrival_s"]
+            if par >= base + i:
+                raise ValueError(f"parent[{i}]={par}: must be -1 or an earlier request's index")
+            if 0 <= par < base and self.rec.state[par] in (DONE, REJECTED):
+                raise ValueError(f"parent[{i}]={par}: already finished or refused at "
+                                 f"{self.rec.finish[par]}; add a turn before its parent ends")
+            if par < 0 and t < last:
+                raise ValueError(f"arrival_s[{i}]={t}: arrivals must not decrease (the engine's "
+                                 f"last is {last})")
+            if par < 0 and self._started and t < self._horizon:
+                raise ValueError(f"arrival_s[{i}]={t}: before the engine's horizon "
+                                 f"{self._horizon} (the last advance's until)")
+            if par < 0:
+                last = t
+        for r in rows:
+            self.req.append(r)
+        self.children.extend([] for _ in rows)
+        self.rec.extend(len(rows))
+        for i in range(base, base + len(rows)):
+            p = self.req.parent[i]
+            if p >= 0:
+                self.children[p].append(i)
+            else:
+                heapq.heappush(self.heap, (self.req.arrival[i], i))
+
+    def start(self, t0: float) -> None:
+        if self._started:
+            raise RuntimeError("start twice")
+        if not math.isfinite(t0):
+            raise ValueError(f"t0={t0}: must be finite")
+        if self.heap and self.heap[0][0] < t0:
+            raise ValueError(f"t0={t0}: after the first arrival {self.heap[0][0]}")
+        self._started = True
+        self.clock = self.vt.t = self._horizon = t0
+        self.rec.start(t0)
+
+    def advance(self, until: float) -> bool:
+        if not self._started:
+            raise RuntimeError("advance before start")
+        if not until >= self._horizon:
+            raise ValueError(f"until={until}: before the last advance's until {self._horizon}")
+        idle = self._loop(until)
+        self._horizon = until
+        return idle
+
+    def drain(self, progress=None) -> None:
+        if not self._started:
+            raise RuntimeError("drain before start")
+        self._loop(math.inf, progress)
+        self._horizon = max(self._horizon, self.clock)
+        self._check_idle()
+
+    def take_rejections(self) -> list:
+        out, self.rejections = self.rejections, []
+        return out
+
+    def signals(self) -> dict:
+        """As `NativeEngine.signals`; vLLM's own scheduler has no forecast: its
+        headroom is the free blocks, its pressure the blocks in use, no queue delay."""
+        running, waiting = self.sched.get_request_counts()
+        free = self.pool.get_num_free_blocks()
+        used = self.nb - free
+        state = self.kvadmit_state
+        sig = (state.core.router_signals() if state is not None else
+               {"kv_headroom_blocks": free, "admission_pressure": used / self.nb,
+                "predicted_queue_delay_s": 0.0})
+        sig.update(num_requests_waiting=waiting, num_requests_running=running,
+                   kv_cache_usage_perc=used / self.nb, active_blocks=used, num_blocks=self.nb,
+                   finished=self.rec.finished, rejected=self.rec.rejected,
+                   preemptions=self.rec.preemptions,
+                   prefix_hit_tokens=self.eng.log.prefix_hit_tokens,
+                   prefix_query_tokens=self.eng.log.prefix_query_tokens, clock_s=self.clock)
+        return sig
+
+    def results(self) -> dict:
+        return self.rec.per_request()
+
+    def totals(self) -> dict:
+        return self.rec.totals(
+            self.clock, self.pool.get_num_free_blocks(),
+            # vLLM's own prefix-cache counters (queries and hits at each admission,
+            # including re-admissions after preemption): 0 without prefix caching.
+            prefix_hit_tokens=self.eng.log.prefix_hit_tokens,
+            prefix_query_tokens=self.eng.log.prefix_query_tokens,
+            held_for_blocks=0).as_dict()    # vLLM does not say why a waiting request did not start
+
+    def timeline(self) -> dict:
+        return self.rec.timeline
+
+    def raw_run(self, wall: float) -> RawRun:
+        """The drained run as the simulator's `RawRun`."""
+        extra = {"scheduler": "kvadmit" if self.kvadmit else "vllm",
+                 "vllm_num_gpu_blocks": self.pool.num_gpu_blocks}
+        if self.kvadmit:
+            extra["core"] = self.kvadmit_state.core.stats()
+        return RawRun("vllm", self.results(), Totals.from_engine(self.totals()), self.timeline(),
+                      wall, extra=extra)
 
     # -- requests ---------------------------------------------------------------
     def tokens_of(self, i: int) -> tuple[list[int], list[int] | None]:
         """Request i's prompt tokens, and the output tokens the fake model emits
         (None: pseudo-random) where its prefix-block ids cover the output."""
-        w = self.workload
-        p, o = w.prompt_tokens[i], w.output_tokens[i]
-        if not self.hbt:
+        q = self.req
+        p, o = q.prompt[i], q.out[i]
+        ids = q.hash_ids_of(i)
+        if not self.hbt or ids is None:
             return _own_tokens(self.seed, i, p, self.vocab), None
-        ids = w.hash_ids_of(i)
-        hashed = w.hashed_tokens[i] if w.hashed_tokens is not None else p
-        h = max(0, min(hashed, len(ids) * self.hbt, p + o))
+        h = max(0, min(q.hashed[i], len(ids) * self.hbt, p + o))
         toks: list[int] = []
         for k in range(-(-h // self.hbt)):
             toks.extend(_block_tokens(int(ids[k]), self.hbt, self.vocab))
@@ -210,46 +326,41 @@ class VllmReplay:
         toks.extend(_own_tokens(self.seed, i, p + o - h, self.vocab))
         return toks[:p], toks[p:]
 
-    def reject(self, i: int, why: str, t: float) -> None:
+    def reject(self, i: int, why: str, t: float, retry_after_s: float | None = None) -> None:
         self.rec.reject(i, why, t)
+        self.rejections.append((i, why, t, retry_after_s))
         self.release_children(i, t)
 
     def release_children(self, i: int, t: float) -> None:
         for c in self.children[i]:
-            heapq.heappush(self.heap, (t + self.delay[c], c))
+            heapq.heappush(self.heap, (t + self.req.delay[c], c))
 
-    def take_rejections(self) -> None:
+    def take_refused(self) -> None:
         """kvadmit's refusals (and priority sheds) since the last look, at the clock."""
-        for rid, reason in self.kvadmit_state.take_refused():
+        for rid, refusal in self.kvadmit_state.take_refusals():
             i = int(rid)
             if self.rec.state[i] == IN_ENGINE:
-                self.reject(i, reason, self.clock)
+                self.reject(i, refusal.reason, self.clock, refusal.retry_after_s)
 
     def arrivals(self) -> None:
         """Every request due by the clock reaches vLLM (or its front end's refusal)."""
-        w = self.workload
+        q = self.req
         while self.heap and self.heap[0][0] <= self.clock:
             t, i = heapq.heappop(self.heap)
             self.rec.arrive(i, t)
-            p, m = w.prompt_tokens[i], w.max_tokens[i]
+            p, m = q.prompt[i], q.maxtok[i]
             if p + m > self.shape.max_model_len:
                 # vLLM's front end refuses it (HTTP 400) before it reaches the engine.
                 self.reject(i, "context_length", t)
                 continue
             prompt_ids, out_ids = self.tokens_of(i)
             self.vt.t = t
-            fields = {}
-            if w.ttft_slo_s is not None:
-                fields["ttft_slo_s"] = w.ttft_slo_s[i]
-            if w.tpot_slo_s is not None:
-                fields["tpot_slo_s"] = w.tpot_slo_s[i]
-            if w.session is not None:
-                fields["session"] = w.session[i]
-            self.eng.add(prompt_ids, m, priority=self.prio[i], request_id=str(i),
-                         output_tokens=w.output_tokens[i], output_token_ids=out_ids,
+            fields = q.fields(i)
+            self.eng.add(prompt_ids, m, priority=q.prio[i], request_id=str(i),
+                         output_tokens=q.out[i], output_token_ids=out_ids,
                          extra_args={"kvadmit": fields} if fields else None)
             if self.kvadmit_state is not None:
-                self.take_rejections()
+                self.take_refused()
 
     # -- steps ------------------------------------------------------------------
     def step(self) -> tuple[bool, bool]:
@@ -258,7 +369,7 @@ class VllmReplay:
         self.vt.t = self.clock
         out = eng.step()
         if self.kvadmit_state is not None:
-            self.take_rejections()
+            self.take_refused()
         tokens = out.total_num_scheduled_tokens
         preempted = out.preempted_req_ids or ()
         for rid in preempted:
@@ -271,7 +382,7 @@ class VllmReplay:
             rec.step(tokens, dt, self.nb - eng.last_free_blocks)
             for rid, k in out.num_scheduled_tokens.items():
                 i = int(rid)
-                rec.compute(i, computed[rid] - k, computed[rid], self.workload.prompt_tokens[i])
+                rec.compute(i, computed[rid] - k, computed[rid], self.req.prompt[i])
         for o in eng.last_outputs:
             i = int(o.request_id)
             if rec.state[i] != IN_ENGINE:
@@ -288,26 +399,31 @@ class VllmReplay:
                 rec.sample(self.clock, self.nb - self.pool.get_num_free_blocks(), running, waiting)
         return tokens > 0, bool(tokens or preempted or eng.last_outputs)
 
-    def wait(self) -> str:
-        """Nothing ran: moves the clock to what comes next ("moved"), or says that
-        everything is done ("done") or that requests are left with nothing to run."""
+    def wait(self, until: float = math.inf) -> str:
+        """Nothing ran: moves the clock to what comes next ("moved"; to `until` if that
+        comes first: "until"), or says that everything is done ("done") or that
+        requests are left with nothing to run ("stalled")."""
         # Only requests held outside a full agent window wait: sleep until an idle
         # session leaves it (the adapter expires it at the next schedule()).
         state = self.kvadmit_state
         expiry = state.core.next_session_expiry() if state is not None else math.inf
         if expiry < math.inf and (not self.heap or expiry <= self.heap[0][0]) and expiry > self.clock:
-            self.clock = expiry
-            return "moved"
-        if self.heap:
-            self.clock = max(self.clock, self.heap[0][0])
-            return "moved"
-        return "stalled" if self.sched.has_requests() else "done"
+            nxt = expiry
+        elif self.heap:
+            nxt = max(self.clock, self.heap[0][0])
+        else:
+            return "stalled" if self.sched.has_requests() else "done"
+        if nxt >= until:
+            self.clock = max(self.clock, until)
+            return "until"
+        self.clock = nxt
+        return "moved"
 
-    def run(self, progress=None) -> RawRun:
-        rec, n = self.rec, len(self.workload)
-        wall0 = time.perf_counter()
+    def _loop(self, until: float, progress=None) -> bool:
+        """Steps until the clock reaches `until` (no step starts at or after it) or,
+        with nothing left to arrive, everything is done: True then."""
         since = stalls = 0
-        while True:
+        while self.clock < until:
             self.arrivals()
             if self.sched.has_requests():
                 ran, moved = self.step()
@@ -316,14 +432,18 @@ class VllmReplay:
                     since += 1
                     if progress is not None and since >= PROGRESS_EVERY:
                         since = 0
-                        progress(rec.done, n)
+                        progress(self.rec.done, len(self.req))
                     continue
                 if moved:
                     stalls = 0
                     continue              # preemptions or flushed outputs, no time passed
-            waited = self.wait()
+            waited = self.wait(until)
             if waited == "done":
-                break
+                if until < math.inf:
+                    self.clock = max(self.clock, until)
+                if progress is not None:
+                    progress(self.rec.done, len(self.req))
+                return True
             if waited == "stalled":
                 stalls += 1
                 if stalls > 3:
@@ -331,12 +451,9 @@ class VllmReplay:
                     raise RuntimeError(
                         f"vLLM engine stuck at t={self.clock:.3f}s: {waiting} waiting, {running} "
                         f"running, {self.pool.get_num_free_blocks()} free blocks, nothing schedulable")
-        wall = time.perf_counter() - wall0
-        if progress is not None:
-            progress(rec.done, n)
-        return self.result(wall)
+        return False
 
-    def result(self, wall: float) -> RawRun:
+    def _check_idle(self) -> None:
         rec = self.rec
         missing = rec.unfinished()
         if missing:
@@ -346,15 +463,69 @@ class VllmReplay:
         if free != self.nb or self.sched.get_num_unfinished_requests():
             raise AssertionError(f"leak: {self.nb - free} of {self.nb} blocks still used at idle, "
                                  f"{self.sched.get_num_unfinished_requests()} requests still in vLLM")
-        totals = rec.totals(
-            self.clock, free,
-            # vLLM's own prefix-cache counters (queries and hits at each admission,
-            # including re-admissions after preemption): 0 without prefix caching.
-            prefix_hit_tokens=self.eng.log.prefix_hit_tokens,
-            prefix_query_tokens=self.eng.log.prefix_query_tokens,
-            held_for_blocks=0)          # vLLM does not say why a waiting request did not start
-        extra = {"scheduler": "kvadmit" if self.kvadmit else "vllm",
-                 "vllm_num_gpu_blocks": self.pool.num_gpu_blocks}
-        if self.kvadmit:
-            extra["core"] = self.kvadmit_state.core.stats()
-        return RawRun("vllm", rec.per_request(), totals, rec.timeline, wall, extra=extra)
+
+
+def _in_process_engine(config: AdmissionConfig | None, shape: EngineShape, model_dir: str,
+                       engine_args: dict | None):
+    """vLLM's scheduler (kvadmit's with ``config``) of this shape, without a model."""
+    import kvadmit.vllm.scheduler as kvadmit_sched
+    from kvadmit.vllm.inprocess import InProcessEngine
+
+    engine_args = dict(engine_args or {})
+    engine_args.setdefault("scheduler_reserve_full_isl", shape.reserve_full_input)
+    engine_args.setdefault("watermark", shape.watermark)
+    if shape.max_num_active_seqs:
+        engine_args.setdefault("max_num_active_seqs", shape.max_num_active_seqs)
+    model_len = _model_max_len(model_dir)
+    if model_len is not None and shape.max_model_len > model_len:
+        # The model is never run: let the context exceed what its config declares.
+        engine_args["hf_overrides"] = {**engine_args.get("hf_overrides", {}),
+                                       "max_position_embeddings": shape.max_model_len}
+    return InProcessEngine(
+        model_dir, scheduler_cls=kvadmit_sched.KvadmitScheduler if config is not None else None,
+        num_blocks=shape.num_blocks + 1, block_size=shape.block_size,
+        max_model_len=shape.max_model_len, max_num_seqs=shape.max_num_seqs,
+        max_num_batched_tokens=shape.max_num_batched_tokens,
+        additional_config={"kvadmit": config.to_dict()} if config is not None else None,
+        enable_prefix_caching=shape.prefix_caching, enable_chunked_prefill=shape.chunked_prefill,
+        engine_args=engine_args)
+
+
+class _Requests:
+    """The requests a `VllmEngine` was given, by index in the order added."""
+
+    def __init__(self):
+        self.arrival: list[float] = []
+        self.prompt: list[int] = []
+        self.out: list[int] = []
+        self.maxtok: list[int] = []
+        self.prio: list[int] = []
+        self.hashed: list[int] = []
+        self.parent: list[int] = []
+        self.delay: list[float] = []
+        self.ids: list = []              # per request: its prefix-block ids (None: none given)
+        self.extra: list[dict] = []      # per request: kvadmit's request fields
+        self.last_open = -math.inf       # the latest fixed arrival
+
+    def __len__(self) -> int:
+        return len(self.prompt)
+
+    def hash_ids_of(self, i: int):
+        return self.ids[i]
+
+    def fields(self, i: int) -> dict:
+        return self.extra[i]
+
+    def append(self, row: dict) -> None:
+        """One of `Requests.row`'s rows. Its SLO targets, session and TTL reach kvadmit
+        as request fields where given (a negative one is the config's default: none sent)."""
+        fields = {k: row[k] for k in ("ttft_slo_s", "tpot_slo_s", "session", "ttl_s")
+                  if row[k] >= 0}
+        if row["parent"] < 0:
+            self.last_open = row["arrival_s"]
+        for col, v in ((self.arrival, row["arrival_s"]), (self.prompt, row["prompt_tokens"]),
+                       (self.out, row["output_tokens"]), (self.maxtok, row["max_new_tokens"]),
+                       (self.prio, row["priority"]), (self.hashed, row["hashed_tokens"]),
+                       (self.parent, row["parent"]), (self.delay, row["delay_s"]),
+                       (self.ids, row["hash_ids"]), (self.extra, fields)):
+            col.append(v)

@@ -88,7 +88,7 @@ class VllmAdmission:
     ``cfg`` is the configuration as this engine runs it (the mixin's fit)."""
 
     def __init__(self, sched, cfg: AdmissionConfig, vllm_settings: VllmSettings, *,
-                 single_full_attention_group: bool):
+                 single_full_attention_group: bool, clock: Callable[[], float] = time.monotonic):
         self._sched = sched
         self.config = cfg
         self.vllm_settings = vllm_settings
@@ -100,9 +100,9 @@ class VllmAdmission:
                                   sched.vllm_config.model_config.max_model_len)
         # The SLO guard predicts prefill time from the engine's token budget a step.
         self.core.set_step_budget(sched.vllm_config.scheduler_config.max_num_batched_tokens)
-        # The core's clock (drain rate, queue delay, step times, sessions): injectable,
-        # so the simulator can run it on virtual time.
-        self.clock: Callable[[], float] = time.monotonic
+        # The core's clock (drain rate, queue delay, step times, sessions): injected,
+        # so the simulator runs it on virtual time (`set_clock`).
+        self._clock: Callable[[], float] = clock
         self.vocab_size = sched.vllm_config.model_config.get_vocab_size()   # prompt ids are checked
         # vLLM's priority queue: ties of (priority, arrival_time) go by request id (None: FCFS).
         self.request_id_ties = RequestIdTies() if sched.policy == SchedulingPolicy.PRIORITY else None
@@ -128,10 +128,23 @@ class VllmAdmission:
         self.metrics: Any | None = process_metrics()   # Prometheus counters, if any
         # Refused: (client index, output), sent by the next update_from_output.
         self.pending_refusals: list[tuple[int, Any]] = []
-        self._refusal_log: list[tuple[str, str]] | None = None   # watch_refusals
+        self._refusal_log: list[tuple[str, Refusal]] | None = None   # watch_refusals
         # Samples of parallel-sampling requests that arrived before their siblings:
         # parent id -> [Request]; the request arrives once all n are here.
         self.samples_awaiting_siblings: dict[str, list] = {}
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock every call to the core reads its `now` from (seconds):
+        time.monotonic, or the one given to `set_clock`."""
+        return self._clock
+
+    def set_clock(self, clock: Callable[[], float]) -> None:
+        """Runs the core on ``clock`` from now on (a replay's virtual time). The one
+        way to change it: the core's time is monotone, so give it before any request."""
+        if not callable(clock):
+            raise TypeError(f"clock={clock!r}: must be a callable returning seconds")
+        self._clock = clock
 
     @property
     def slots(self):
@@ -252,7 +265,8 @@ class VllmAdmission:
             self.request_id_ties.remove(request_id)
 
     def shed(self, shed) -> None:
-        """Waiting requests the core shed for an arrival: finished, with their refusal."""
+        """Waiting requests the core dropped (shed for an arrival, or past their TTL):
+        finished, with their refusal."""
         for victim, refusal in shed:
             self.forget_order(victim.request_id)
             self._sched.finish_requests(victim.request_id, RequestStatus.FINISHED_ABORTED)
@@ -266,7 +280,7 @@ class VllmAdmission:
             logger.log(logging.WARNING if refusal.reason == "invalid" else logging.INFO,
                        "%s", refusal.log_line(request.request_id))
         if self._refusal_log is not None:
-            self._refusal_log.append((request.request_id, refusal.reason))
+            self._refusal_log.append((request.request_id, refusal))
         self.pending_refusals.append((request.client_index, EngineCoreOutput(
             request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
             stop_reason=refusal.stop_reason, kv_transfer_params=refusal.to_params())))
@@ -279,6 +293,11 @@ class VllmAdmission:
 
     def take_refused(self) -> list[tuple[str, str]]:
         """[(request id, reason)] refused since the last call (after `watch_refusals`)."""
+        return [(rid, refusal.reason) for rid, refusal in self.take_refusals()]
+
+    def take_refusals(self) -> list[tuple[str, Refusal]]:
+        """[(request id, Refusal)] refused since the last call (after `watch_refusals`):
+        with the client's Retry-After."""
         log = self._refusal_log
         if not log:
             return []
@@ -309,6 +328,7 @@ class VllmAdmission:
         plan = bridge.step(StepReport(
             now=now, used_blocks=self.usable_blocks - self._pool.get_num_free_blocks(),
             slots=slots, computed=computed, generated=generated))
+        self.shed(plan.expired)        # stale work leaves vLLM's queue before it admits
         # vLLM preempts running[-1] first: put the core's victim order in place. (Under
         # its priority scheduling vLLM picks its own victim, the lowest priority and
         # latest arrival, as the core's order does: its running order stays its own.)

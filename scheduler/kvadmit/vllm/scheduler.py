@@ -20,11 +20,12 @@ and back:
 
 Per-request SLO targets and agent sessions come from `SamplingParams.extra_args`
 (kvadmit.request_fields; vLLM's own `session_id` is the session when kvadmit's
-is not given). Every `schedule()` feeds the core the engine's measurements: the
-previous step's duration (`observe_step`: the wall time between two schedule()
-calls, which spans that step's forward pass) and, with `agent_window`, the KV
-blocks in use and the prefix-cache hits of the requests started in the previous
-step (`observe_cache`).
+is not given). Every `schedule()` is one run of the core's step sequence
+(`AdmissionCore.step` / `step_done`, through `EngineBridge.step`): the previous
+step's duration (the wall time between two schedule() calls, which spans that
+step's forward pass), with `agent_window` the KV blocks in use and the prefix-cache
+hits of the requests started in the previous step, and the running requests'
+progress.
 
 Every vLLM private name used here is listed and checked at start-up in
 `kvadmit.vllm.compat` (vLLM 0.32.x and 0.33.x).
