@@ -25,6 +25,11 @@ alone, the pool's utilisation while both offer load (mean used blocks / pool ove
 arrival window, from the engine's timeline) with batch alone.
 
     python bench/noisy_neighbour.py
+    python bench/noisy_neighbour.py --max-model-len 4096 --model-dir DIR --out noisy_neighbour_vllm
+
+The second runs vLLM 0.32's own V1 scheduler in-process instead (fake model outputs on
+the same virtual step clock; DIR: the tiny test model, `kvadmit.vllm.tiny_model`),
+for the runs it can: alone, FCFS, vLLM's priority, flows.
 """
 from __future__ import annotations
 
@@ -44,6 +49,11 @@ from kvadmit.simulate.steptime import get_preset
 from kvadmit.simulate.workload import Workload, _arrivals, _lognormal_int
 
 CHAT, BATCH = 1, 2      # flow ids (the config's keys "1", "2": digits are that integer)
+VLLM_RUNS = ("interactive alone (kvadmit default)", "batch alone (kvadmit default)",
+             "FCFS, no flows (kvadmit default {})",
+             "vLLM priority (overcommit, LIFO, queue_order priority)",
+             "flows, weight 1:1 (kvadmit default + flows)",
+             "flows, weight 1:1, under vLLM's rule (overcommit, LIFO)")
 
 
 def requests(name: str, n: int, rate: float, seed: int, prompt_mean: float, output_mean: float,
@@ -77,7 +87,16 @@ def merge(a: Workload, b: Workload, **cols) -> tuple[Workload, list[int]]:
     return w, src
 
 
-def run(w: Workload, config: AdmissionConfig, shape: EngineShape, step, window_s: float):
+def run(w: Workload, config: AdmissionConfig, shape: EngineShape, step, window_s: float,
+        model_dir: str | None = None):
+    if model_dir is not None:      # vLLM's own scheduler in-process (kvadmit.simulate.vllm_engine)
+        from kvadmit.simulate.vllm_engine import run_vllm
+        raw = run_vllm(w, config, shape, step, model_dir, sample_interval_s=0.05)
+        tl = raw.timeline
+        used = [u for t, u in zip(tl["t"], tl["used_blocks"]) if t <= window_s]
+        assert raw.totals.finished + raw.totals.rejected == len(w), "a request was lost"
+        return raw.per_request, raw.totals, sum(used) / len(used) / shape.num_blocks, \
+            raw.extra.get("flows", {})
     eng = native_engine(w, config, shape, step, sample_interval_s=0.05)
     eng.add_requests(w.requests(hash_ids=False))
     eng.run()
@@ -103,12 +122,18 @@ def main(argv=None) -> int:
     ap.add_argument("--tpot", type=float, default=0.1)
     ap.add_argument("--num-blocks", type=int, default=2048)
     ap.add_argument("--preset", default="h100-8b")
+    ap.add_argument("--max-model-len", type=int, default=8192,
+                    help="the context (vLLM's tiny test model: at most 4096)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                     help="one run of every configuration per seed (its own requests)")
     ap.add_argument("--out", default="noisy_neighbour", help="bench/results/<out>.json")
+    ap.add_argument("--model-dir", default=None,
+                    help="run on vLLM's own scheduler in-process (kvadmit.simulate.vllm_engine, "
+                         "fake model outputs) with this model directory, instead of the native "
+                         "engine: the runs of VLLM_RUNS only")
     args = ap.parse_args(argv)
     step = get_preset(args.preset)
-    shape = EngineShape(num_blocks=args.num_blocks, block_size=16, max_model_len=8192,
+    shape = EngineShape(num_blocks=args.num_blocks, block_size=16, max_model_len=args.max_model_len,
                         max_num_seqs=256, max_num_batched_tokens=8192)
     per_seed = [one_seed(args, shape, step, seed) for seed in args.seeds]
     labels = [r["run"] for r in per_seed[0]["rows"]]
@@ -186,7 +211,9 @@ def one_seed(args, shape, step, seed: int) -> dict:
     rows = []
     alone_goodput = batch_util = None
     for label, w, config, keep in runs:
-        per, totals, util, fstats = run(w, config, shape, step, args.seconds)
+        if args.model_dir is not None and label not in VLLM_RUNS:
+            continue
+        per, totals, util, fstats = run(w, config, shape, step, args.seconds, args.model_dir)
         if keep is None:
             s_i = summarize(per, totals, slo)
             row = {"run": label, "util": util, "preemptions": totals.preemptions,
