@@ -1,14 +1,18 @@
-"""vLLM 0.32 and 0.33: the Gateway API Inference Extension's SLO request headers, and
-llm-d's TTL header, as kvadmit's per-request fields.
+"""vLLM 0.32 and 0.33: the Gateway API Inference Extension's SLO and fairness request
+headers, and llm-d's TTL header, as kvadmit's per-request fields.
 
 GIE (and llm-d) carry a request's targets in `x-slo-ttft-ms` and `x-slo-tpot-ms`, and
 llm-d its time to live in `x-llm-d-inference-ttl` (seconds, or a duration such as
 `30s`, `1500ms`, `2m`): kvadmit's `ttl_s`, past which a request that has not
-started is dropped unserved (`expired`).
+started is dropped unserved (`expired`). GIE's flow control groups requests into
+flows by `x-gateway-inference-fairness-id`: kvadmit's `flow` (the id as it is: digits
+are that integer, any other text a stable hash), whose fair share of the KV pool
+docs/flows.md describes.
 vLLM passes no header to the engine, so this ASGI middleware (installed when the
 API server app is built, as the Retry-After one, vllm_retry_after.py) writes them into the JSON body
 of completion and chat-completion requests as the flat `vllm_xargs` keys kvadmit
-reads (`kvadmit_ttft_slo_s`, `kvadmit_tpot_slo_s`, `kvadmit_ttl_s`, seconds). A field the body already
+reads (`kvadmit_ttft_slo_s`, `kvadmit_tpot_slo_s`, `kvadmit_ttl_s` in seconds,
+`kvadmit_flow`). A field the body already
 sets wins; a malformed header is passed on as it is, so kvadmit refuses it as
 `invalid` naming the field. Other requests pass through untouched.
 """
@@ -22,7 +26,8 @@ from kvadmit_patches import add_app_middleware
 TARGET = "vllm.entrypoints.launchers.app.init_entrypoints_middleware"
 VERSIONS = ("0.32.0", "0.33.0")     # the same hook as vllm_retry_after.py
 HEADERS = {b"x-slo-ttft-ms": "ttft_slo_s", b"x-slo-tpot-ms": "tpot_slo_s",
-           b"x-llm-d-inference-ttl": "ttl_s"}
+           b"x-llm-d-inference-ttl": "ttl_s", b"x-gateway-inference-fairness-id": "flow"}
+TEXT_HEADERS = (b"x-gateway-inference-fairness-id",)    # passed on as text
 MS_HEADERS = (b"x-slo-ttft-ms", b"x-slo-tpot-ms")
 # A duration's unit suffix -> seconds (as Go's time.ParseDuration writes the common ones).
 UNITS = (("ms", 1e-3), ("s", 1.0), ("m", 60.0), ("h", 3600.0))
@@ -30,13 +35,16 @@ PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 def slo_fields(headers) -> dict:
-    """The flat kvadmit fields the headers ask for, in seconds."""
+    """The flat kvadmit fields the headers ask for: times in seconds, the flow as text."""
     out = {}
     for name, value in headers:
         field = HEADERS.get(name.lower())
         if field is None:
             continue
         text = value.decode("latin-1").strip()
+        if name.lower() in TEXT_HEADERS:
+            out[FLAT_PREFIX + field] = text     # "" too: kvadmit's field check names it
+            continue
         try:
             out[FLAT_PREFIX + field] = (float(text) / 1000.0 if name.lower() in MS_HEADERS
                                         else duration_s(text))

@@ -3,6 +3,9 @@
 import asyncio
 import json
 
+import pytest
+
+from kvadmit.request_fields import FieldError, flow_int, from_extra_args, session_int
 from kvadmit_patches.vllm_slo_headers import SloHeaderMiddleware, slo_fields, with_fields
 
 
@@ -22,6 +25,17 @@ def test_the_ttl_header_is_seconds_or_a_duration():
     assert (ttl(b"30"), ttl(b"30s"), ttl(b"1500ms"), ttl(b"2m"), ttl(b"1h")) == \
         (30.0, 30.0, 1.5, 120.0, 3600.0)
     assert ttl(b"soon") == "soon"             # passed on: kvadmit refuses it, naming ttl_s
+
+
+def test_the_fairness_header_is_the_flow_field():
+    def flow(v):
+        return slo_fields([(b"X-Gateway-Inference-Fairness-Id", v)])["kvadmit_flow"]
+    assert (flow(b"tenant-a"), flow(b" 7 ")) == ("tenant-a", "7")
+    fields = from_extra_args(slo_fields([(b"x-gateway-inference-fairness-id", b"tenant-a")]))
+    assert fields.flow == flow_int("tenant-a") == session_int("tenant-a")
+    assert from_extra_args(slo_fields([(b"x-gateway-inference-fairness-id", b"7")])).flow == 7
+    with pytest.raises(FieldError, match="flow=''"):     # an empty header: refused as invalid
+        from_extra_args(slo_fields([(b"x-gateway-inference-fairness-id", b"")]))
 
 
 def run(scope, chunks):

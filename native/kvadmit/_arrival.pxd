@@ -18,6 +18,7 @@ cdef struct ArrivalRecord:
     double arrival_tie        # tie-break: the order of equal priorities (queue_order priority)
     double ttl_s              # seconds it may wait before it first starts; past it, it is
                               # dropped unserved (negative: the config's max_queue_age_s; 0: none)
+    int64_t flow              # its flow (tenant, workload) for the fair share (-1: none)
 
 
 cdef ArrivalRecord record_of(object record) except *

@@ -53,6 +53,8 @@ cdef int check_record(const ArrivalRecord* r, Py_ssize_t row=-1) except -1:
     if not (isfinite(r.ttl_s) and r.ttl_s <= MAX_TTL_S):
         raise ValueError(f"{_name('ttl_s', row)}={r.ttl_s}: must be at most {MAX_TTL_S:g} s "
                          f"(negative: the config's max_queue_age_s; 0: none)")
+    if r.flow < -1:
+        raise ValueError(f"{_name('flow', row)}={r.flow}: must be a flow id >= 0 (-1: none)")
     if not isfinite(r.arrival_time) or not isfinite(r.arrival_tie):
         raise ValueError(f"{_name('arrival_time', row)}={r.arrival_time}, "
                          f"{_name('arrival_tie', row)}={r.arrival_tie}: must be finite")

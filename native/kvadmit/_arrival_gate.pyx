@@ -413,6 +413,23 @@ cdef class ArrivalGate:
             "max_queued_tokens", self.max_queued_tokens,
             self._retry_after(0, over_tokens))
 
+    cdef Rejection c_refuse_flow_full(self, int64_t over_reqs, int64_t over_tokens,
+                                      int64_t waiting, int64_t queued_tokens, int64_t queued,
+                                      int64_t cap):
+        """The refusal of an arrival over its flow's own cap `cap` (kvadmit._flows):
+        `over_reqs` requests (if > 0), else `over_tokens` prefill tokens; `waiting` /
+        `queued_tokens`: its flow's queue now, `queued`: the arrival's prefill. The
+        core appends the flow's name."""
+        if over_reqs > 0:
+            return self.c_refuse(
+                R_QUEUE_FULL, f"flow queue full: {waiting} of its requests waiting, its "
+                f"max_queued_requests={cap}", "max_queued_requests", cap,
+                self._retry_after(over_reqs, 0))
+        return self.c_refuse(
+            R_QUEUED_TOKENS, f"flow queue full: {queued_tokens} prompt tokens of its requests "
+            f"waiting + {queued} exceeds its max_queued_tokens={cap}", "max_queued_tokens", cap,
+            self._retry_after(0, over_tokens) if queued <= cap else None)
+
     cdef Rejection c_refuse_shed(self, int64_t priority, int64_t victim_priority, bint over_reqs):
         """The refusal of a waiting request (`victim_priority`) shed for an arrival of
         `priority` over the request cap (`over_reqs`) or the token cap."""

@@ -35,6 +35,8 @@ cdef class AdmissionCore(CoreView):
     cdef void _stopped(self, int32_t s) noexcept nogil
     cdef void _judging(self, int32_t s) noexcept nogil
     cdef Rejection _make_room(self, int32_t s, double now, list shed)
+    cdef Rejection _flow_full(self, int32_t s)
+    cdef Rejection _of_flow(self, Rejection refused, int32_t f)
     cdef int64_t c_plan_shortfall(self, const int64_t* want, const int64_t* computed,
                                   const int64_t* held, int64_t n, int64_t free_blocks,
                                   int64_t budget, int64_t lookahead, char* paused,

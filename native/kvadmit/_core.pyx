@@ -24,6 +24,7 @@ from kvadmit._arrival cimport ArrivalRecord, check_record, record_of
 from kvadmit._arrival_gate cimport ArrivalGate, ArrivalResult, Rejection, R_INVALID, R_QUEUE_FULL
 from kvadmit._core_view cimport CoreView, check_now
 from kvadmit._decision cimport Decision
+from kvadmit._flows cimport FL_PREEMPTED, FL_REFUSED, FlowTable
 from kvadmit._ledger cimport Ledger, ST_RUNNING, ST_WAITING
 from kvadmit._policies cimport make_policy
 from kvadmit._shortfall cimport ShortfallPlanner
@@ -65,7 +66,8 @@ cdef class AdmissionCore(CoreView):
         self.gate = ArrivalGate(config)
         self.slo_guard = SloGuard(config)
         self.agent_window = AgentWindow(config, num_blocks)
-        self.queue = WaitingQueue(config, self.ledger, self.agent_window)
+        self.flows = FlowTable(config, self.ledger)
+        self.queue = WaitingQueue(config, self.ledger, self.agent_window, self.flows)
         self.shortfall = ShortfallPlanner(config.pause_on_shortfall, block_size,
                                           config.queue_order == "priority",
                                           config.priority_preemption_threshold)
@@ -146,15 +148,19 @@ cdef class AdmissionCore(CoreView):
         check_now(now)
         self._tick(now)
         self._n_arrived += 1
+        cdef int32_t f = 0
+        if r.flow >= 0:
+            f = self.flows.c_index(r.flow)
+            self.queue.c_flows_on()
         cdef Rejection refused = self.gate.c_refuse_context(r.prompt_tokens, r.max_new_tokens,
                                                             self.max_model_len)
         if refused is not None:
-            return ArrivalResult(False, -1, refused, [])
+            return ArrivalResult(False, -1, self._of_flow(refused, f), [])
         cdef double ttl = r.ttl_s if r.ttl_s >= 0 else self.gate.max_queue_age_s
         cdef int32_t s = self.ledger.add(
             r, self.slo_guard.c_ttft_target(r.ttft_slo_s),
             self.slo_guard.c_tpot_target(r.tpot_slo_s), now,
-            r.session if self.agent_window.enabled else -1, now + ttl if ttl > 0 else INFINITY)
+            r.session if self.agent_window.enabled else -1, now + ttl if ttl > 0 else INFINITY, f)
         self.agent_window.c_track(self.ledger.session(s), now)
         cdef list shed = []
         self._judging(s)
@@ -163,10 +169,21 @@ cdef class AdmissionCore(CoreView):
             refused = self._make_room(s, now, shed)
         if refused is not None:
             self.ledger.release(s)
-            return ArrivalResult(False, -1, refused, [])
+            return ArrivalResult(False, -1, self._of_flow(refused, f), [])
         self.ledger.enqueue(s, True)
         self._enqueue(s)
+        if self.flows.on and self.ledger.flow_live(f) == 1:
+            self.flows.c_activate(f)
         return ArrivalResult(True, s, None, shed)
+
+    cdef Rejection _of_flow(self, Rejection refused, int32_t f):
+        """A refusal of a request of flow f (once flows are on): counted for the flow,
+        and its message names the flow."""
+        if self.flows.on:
+            self.flows.c_count(f, FL_REFUSED)
+            if f > 0:
+                refused.message = f"{refused.message} (flow {self.flows.c_name(f)})"
+        return refused
 
     def expire(self, double now):
         """Drops the waiting requests that have not started within their TTL (their
@@ -191,8 +208,9 @@ cdef class AdmissionCore(CoreView):
             self._dequeue(v)
             self._judging(v)
             # (ttl is now + ttl - now: equal to the config's within rounding)
-            out.append((v, self.gate.c_refuse_expired(
-                now - arrived, ttl, abs(ttl - self.gate.max_queue_age_s) > 1e-6)))
+            out.append((v, self._of_flow(self.gate.c_refuse_expired(
+                now - arrived, ttl, abs(ttl - self.gate.max_queue_age_s) > 1e-6),
+                self.ledger.flow_ix(v))))
             self.ledger.release(v)
         return out
 
@@ -208,6 +226,9 @@ cdef class AdmissionCore(CoreView):
         refusal of s."""
         cdef int64_t queued = self.ledger.queued_of(s), priority = self.ledger.priority(s)
         cdef int64_t over_reqs = 0, over_tokens = 0
+        cdef Rejection full = self._flow_full(s) if self.flows.on else None
+        if full is not None:
+            return full
         if self.gate.max_queued_requests > 0:
             over_reqs = self.queue.c_size() + 1 - self.gate.max_queued_requests
         if self.gate.max_queued_tokens > 0:
@@ -222,11 +243,25 @@ cdef class AdmissionCore(CoreView):
                 self._dequeue(v)
                 self._judging(v)
                 self.ledger.release(v)
-                shed.append((v, self.gate.c_refuse_shed(priority, self.ledger.priority(v),
-                                                        over_reqs > 0)))
+                shed.append((v, self._of_flow(self.gate.c_refuse_shed(
+                    priority, self.ledger.priority(v), over_reqs > 0), self.ledger.flow_ix(v))))
             return None
         return self.gate.c_refuse_full(over_reqs, over_tokens, self.queue.c_size(),
                                        self.ledger.queued_tokens(), queued)
+
+    cdef Rejection _flow_full(self, int32_t s):
+        """The refusal of s over its flow's own queue caps (None: within them). A flow's
+        cap is its alone: nothing is shed for it."""
+        cdef int32_t f = self.ledger.flow_ix(s)
+        cdef int64_t cap = self.flows.c_cap_reqs(f), waiting = self.ledger.flow_waiting(f)
+        cdef int64_t queued = self.ledger.queued_of(s), tokens = self.ledger.flow_queued(f)
+        if cap > 0 and waiting + 1 > cap:
+            return self.gate.c_refuse_flow_full(waiting + 1 - cap, 0, waiting, tokens, queued, cap)
+        cap = self.flows.c_cap_tokens(f)
+        if cap > 0 and tokens + queued > cap:
+            return self.gate.c_refuse_flow_full(0, tokens + queued - cap, waiting, tokens, queued,
+                                                cap)
+        return None
 
     # ------------------------------------------------------------------
     # Admission
@@ -309,6 +344,8 @@ cdef class AdmissionCore(CoreView):
         self.slo_guard.c_started(self.ledger.tpot(s))
         self.agent_window.c_started(session)
         self.policy.c_on_admit(s)
+        if self.flows.on:
+            self.flows.c_charge(s)
         if self.ledger.pred_total(s) == 0:
             self.ledger.set_prediction(s, self.ledger.generated(s) + self.policy.c_expected_output(s))
         self._n_admitted += 1
@@ -334,6 +371,8 @@ cdef class AdmissionCore(CoreView):
         check_now(now)
         cdef int32_t s = <int32_t>slot
         self._tick(now)
+        if self.flows.on:
+            self.flows.c_charge(s, -1)
         cdef bint activated = self.ledger.cancel_start(s)   # it shares nothing until admitted again
         self._stopped(s)
         self._enqueue(s)
@@ -384,6 +423,8 @@ cdef class AdmissionCore(CoreView):
 
     cdef void c_on_step(self, double now) noexcept nogil:
         self._tick(now)
+        if self.flows.on:
+            self.flows.c_accrue(now)
         self.ledger.next_step()
         self.policy.c_on_step(self.ledger.n_running() == 0 and self.queue.c_empty())
         self.shortfall.c_new_step()
@@ -402,6 +443,8 @@ cdef class AdmissionCore(CoreView):
         self._stopped(s)
         self._enqueue(s)
         self._n_preempted += 1
+        if self.flows.on:
+            self.flows.c_count(self.ledger.flow_ix(s), FL_PREEMPTED)
         self.policy.c_on_preempt()
 
     def finish(self, int64_t slot, double now):

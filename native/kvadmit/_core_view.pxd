@@ -7,6 +7,7 @@ from libc.stdint cimport int64_t
 from kvadmit._agent_window cimport AgentWindow
 from kvadmit._arrival_gate cimport ArrivalGate
 from kvadmit._decision cimport Decision
+from kvadmit._flows cimport FlowTable
 from kvadmit._ledger cimport Ledger
 from kvadmit._policies cimport Policy
 from kvadmit._shortfall cimport ShortfallPlanner
@@ -37,6 +38,7 @@ cdef class CoreView:
     cdef readonly ArrivalGate gate         # caps, refusals, drain rate and Retry-After
     cdef readonly SloGuard slo_guard       # TPOT hold, TTFT prediction, the step-time fit
     cdef readonly AgentWindow agent_window # sessions, W, idle expiry, the pause log
+    cdef readonly FlowTable flows          # flows: weights, caps, KV usage (the fair order)
     cdef int _victim                       # victim order (an index into VICTIMS)
     cdef bint _victim_by_priority          # queue_order "priority": victims within classes, least important first
     # counters and the latest time seen

@@ -154,6 +154,15 @@ cdef class CoreView:
                 self.queue.c_size(), queued, 0, self._now),
         }
 
+    def flow_stats(self):
+        """Per flow, by its name (its key in the config's flows, else its id; None:
+        requests without a flow, once any request had one): weight, admitted, held,
+        refused, preempted, waiting, running, queued_tokens, kv_block_steps,
+        kv_block_seconds, kv_share (its share of the block-seconds) and
+        usage_per_weight (the fair order's key). Empty until a request with a flow
+        arrives."""
+        return self.flows.stats()
+
     def stats(self):
         """Counters since construction, and the router signals."""
         return {

@@ -39,6 +39,10 @@ cdef class Ledger:
     cdef vector[double] _ttft, _tpot, _arrive_t
     cdef vector[double] _engine_t, _engine_tie   # the engine's arrival time and tie-break
     cdef vector[double] _expire_at   # when it is dropped if it has not started (INFINITY: never)
+    cdef vector[int64_t] _flow       # its flow id (-1: none)
+    cdef vector[int32_t] _flow_ix    # its flow's index in kvadmit._flows.FlowTable (0: no flow)
+    # per flow index: requests live (waiting or running), waiting, and their prefill tokens
+    cdef vector[int64_t] _f_live, _f_waiting, _f_queued
     # the running set, in no particular order, and its sums
     cdef vector[int32_t] _running
     cdef vector[int32_t] _run_pos    # per slot: its index in running (-1: not running)
@@ -107,6 +111,26 @@ cdef class Ledger:
         return self._engine_tie[s]
     cdef inline double expire_at(self, int32_t s) noexcept nogil:
         return self._expire_at[s]
+    cdef inline int64_t flow(self, int32_t s) noexcept nogil:
+        return self._flow[s]
+    cdef inline int32_t flow_ix(self, int32_t s) noexcept nogil:
+        return self._flow_ix[s]
+    cdef inline int64_t flow_live(self, int32_t f) noexcept nogil:
+        return self._f_live[f]
+    cdef inline int64_t flow_waiting(self, int32_t f) noexcept nogil:
+        return self._f_waiting[f]
+    cdef inline int64_t flow_queued(self, int32_t f) noexcept nogil:
+        return self._f_queued[f]
+    cdef inline int64_t n_flows(self) noexcept nogil:
+        return self._f_live.size()
+    cdef inline void add_flow(self) noexcept nogil:
+        """Room for one more flow index (kvadmit._flows.FlowTable assigns them)."""
+        self._f_live.push_back(0)
+        self._f_waiting.push_back(0)
+        self._f_queued.push_back(0)
+    cdef inline int64_t held_blocks(self, int32_t s) noexcept nogil:
+        """KV blocks a request's tokens so far fill (the fair share's cost unit)."""
+        return cdiv(self.tokens(s), self.block_size)
     cdef inline int64_t n_running(self) noexcept nogil:
         return self._running.size()
     cdef inline int32_t running_at(self, size_t i) noexcept nogil:
@@ -154,11 +178,12 @@ cdef class Ledger:
     cdef inline void set_counts(self, int32_t s, int64_t computed, int64_t generated) noexcept nogil:
         """The engine's counts for s: tokens with KV computed, tokens generated (the
         queued sum follows a waiting request's, the running context a running one's)."""
+        cdef int64_t before = self.queued_of(s)
         if self._state[s] == ST_WAITING:
-            self._queued -= self.queued_of(s)
             self._computed[s] = computed
             self._generated[s] = generated
-            self._queued += self.queued_of(s)
+            self._queued += self.queued_of(s) - before
+            self._f_queued[self._flow_ix[s]] += self.queued_of(s) - before
             return
         self._computed[s] = computed
         self._run_ctx += generated - self._generated[s]
@@ -189,7 +214,7 @@ cdef class Ledger:
         self._pred_total[s] = total
 
     cdef int32_t add(self, const ArrivalRecord* r, double ttft, double tpot, double arrive_t,
-                     int64_t session, double expire_at)
+                     int64_t session, double expire_at, int32_t flow_ix)
     cdef void enqueue(self, int32_t s, bint sheddable) noexcept nogil
     cdef void dequeue(self, int32_t s) noexcept nogil
     cdef void start(self, int32_t s, bint activated) noexcept nogil

@@ -29,14 +29,16 @@ cdef class Ledger:
         self._step = self._seq = 0
         self._reserve_sum = self._run_ctx = self._queued = 0
         self._n_len_obs = 0
+        self.add_flow()      # index 0: requests without a flow
         self._len_abs_err = self._len_pred_sum = self._len_actual_sum = 0.0
 
     cdef int32_t add(self, const ArrivalRecord* r, double ttft, double tpot, double arrive_t,
-                     int64_t session, double expire_at):
+                     int64_t session, double expire_at, int32_t flow_ix):
         """A slot holding an arrival's record, the next in arrival order, not yet
         queued (its state is waiting so the policies may read it); ``ttft`` /
         ``tpot`` its targets, ``session`` its session and ``expire_at`` when it is
-        dropped unstarted, as the core resolved them."""
+        dropped unstarted, as the core resolved them; ``flow_ix`` its flow's index
+        (0: no flow; see kvadmit._flows)."""
         cdef int32_t s
         if not self._free_slots.empty():
             s = self._free_slots.back()
@@ -54,6 +56,7 @@ cdef class Ledger:
             self._engine_t.push_back(0.0); self._engine_tie.push_back(0.0)
             self._expire_at.push_back(0.0)
             self._session.push_back(-1); self._activated_by.push_back(0)
+            self._flow.push_back(-1); self._flow_ix.push_back(0)
         self._prompt[s] = r.prompt_tokens
         self._cached[s] = r.cached_tokens
         self._computed[s] = self._generated[s] = 0
@@ -71,6 +74,9 @@ cdef class Ledger:
         self._engine_tie[s] = r.arrival_tie
         self._expire_at[s] = expire_at
         self._session[s] = session
+        self._flow[s] = r.flow
+        self._flow_ix[s] = flow_ix
+        self._f_live[flow_ix] += 1
         self._state[s] = ST_WAITING  # provisional, so the policies may read it
         return s
 
@@ -80,11 +86,15 @@ cdef class Ledger:
         self._state[s] = ST_WAITING
         self._queued += self.queued_of(s)
         self._sheddable[s] = sheddable
+        self._f_waiting[self._flow_ix[s]] += 1
+        self._f_queued[self._flow_ix[s]] += self.queued_of(s)
 
     cdef void dequeue(self, int32_t s) noexcept nogil:
         """s leaves the queue (to start, or to be released)."""
         self._queued -= self.queued_of(s)
         self._sheddable[s] = 0
+        self._f_waiting[self._flow_ix[s]] -= 1
+        self._f_queued[self._flow_ix[s]] -= self.queued_of(s)
 
     cdef void start(self, int32_t s, bint activated) noexcept nogil:
         """The dequeued s starts running (`activated`: its admission activated its
@@ -142,12 +152,14 @@ cdef class Ledger:
         """The slot is free again (s is neither queued nor running)."""
         self._state[s] = ST_FREE
         self._free_slots.push_back(s)
+        self._f_live[self._flow_ix[s]] -= 1
 
     cdef void set_cached(self, int32_t s, int64_t cached_tokens) noexcept nogil:
         """The prefix-cache hit of the queued s (tokens)."""
-        self._queued -= self.queued_of(s)
+        cdef int64_t before = self.queued_of(s)
         self._cached[s] = cached_tokens
-        self._queued += self.queued_of(s)
+        self._queued += self.queued_of(s) - before
+        self._f_queued[self._flow_ix[s]] += self.queued_of(s) - before
 
     cdef int check_state(self, int64_t s, int want) except -1:
         """A live slot in state `want` (ST_WAITING or ST_RUNNING)."""
@@ -215,7 +227,7 @@ cdef class Ledger:
             "generated_tokens": self._generated[slot], "max_new_tokens": self._max_new[slot],
             "priority": self._priority[slot], "arrival": self._arrival[slot],
             "arrival_time": self._engine_t[slot], "arrival_tie": self._engine_tie[slot],
-            "session": self._session[slot], "ttft_target_s": self._ttft[slot],
+            "session": self._session[slot], "flow": self._flow[slot], "ttft_target_s": self._ttft[slot],
             "tpot_target_s": self._tpot[slot], "expire_at": self._expire_at[slot],
             "blocks": self._blocks[slot], "bypassed": self._bypassed[slot],
             "preemptions": self._preempts[slot],

@@ -7,6 +7,7 @@ from libcpp.map cimport map as cmap
 from libcpp.vector cimport vector
 
 from kvadmit._agent_window cimport AgentWindow
+from kvadmit._flows cimport FlowTable
 from kvadmit._ledger cimport Ledger
 
 cdef enum:  # indexes into DECISIONS
@@ -24,6 +25,7 @@ cdef enum:
 
 cdef extern from *:
     """
+    #include <map>
     // The waiting queue's key, smallest served first: (order key, the engine's arrival
     // time, its tie-break, arrival seq). The engine's arrival time and tie-break order
     // requests of equal priority under queue_order "priority" (vLLM: arrival_time, then
@@ -37,6 +39,12 @@ cdef extern from *:
             return second < o.second;
         }
     };
+    // The fair walk's cursor into one flow's waiting requests: where it is, and the
+    // flow's normalised usage plus what the requests before it would add.
+    struct kvadmit_FlowCursor {
+        std::map<kvadmit_QKey, int32_t>::iterator it, end;
+        double tag, weight;
+    };
     """
     cdef cppclass QKey "kvadmit_QKey":
         int64_t first
@@ -44,6 +52,11 @@ cdef extern from *:
         double tie
         int64_t second
         bint operator<(const QKey&)
+    cdef cppclass FlowCursor "kvadmit_FlowCursor":
+        cmap[QKey, int32_t].iterator it
+        cmap[QKey, int32_t].iterator end
+        double tag
+        double weight
 
 
 cdef class Judge:
@@ -61,6 +74,12 @@ cdef class WaitingQueue:
     cdef cmap[QKey, int32_t] _shed_order   # never-admitted waiting, by (priority, arrival)
     cdef cmap[QKey, int32_t] _expiry       # never-admitted waiting with a TTL, by expiry time
     cdef int64_t _held[N_DECISIONS]        # (request, step) pairs held at the queue head
+    # flows (kvadmit._flows): once on, each flow's waiting requests in queue order too;
+    # while two or more flows wait, the queue's order is the fair walk over them
+    cdef FlowTable flows
+    cdef bint _fair
+    cdef cmap[int32_t, cmap[QKey, int32_t]] _by_flow
+    cdef vector[FlowCursor] _cursors
 
     cdef inline int64_t c_size(self) noexcept nogil:
         return self._waiting.size()
@@ -108,9 +127,17 @@ cdef class WaitingQueue:
         k.second = self.ledger.arrival(s)
         return k
 
+    cdef inline bint _walking(self) noexcept nogil:
+        """Whether the order is the fair walk now (two or more flows wait)."""
+        return self._fair and self._by_flow.size() > 1
+
+    cdef void c_flows_on(self) noexcept nogil
+    cdef void _walk_begin(self) noexcept nogil
+    cdef int32_t _walk_next(self) noexcept nogil
     cdef void c_add(self, int32_t s) noexcept nogil
     cdef void c_remove(self, int32_t s) noexcept nogil
     cdef void c_ahead_of(self, QKey key, int64_t* reqs, int64_t* tokens) noexcept nogil
+    cdef void c_ahead_of_slot(self, int32_t s, int64_t* reqs, int64_t* tokens) noexcept nogil
     cdef void c_count_passed(self, int32_t s) noexcept nogil
     cdef int32_t c_scan(self, Judge judge, int64_t free_blocks, bint check_blocks,
                         bint paused, double unpassable_from) noexcept nogil

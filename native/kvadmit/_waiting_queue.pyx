@@ -12,6 +12,7 @@ from libcpp.map cimport map as cmap
 from libcpp.vector cimport vector
 
 from kvadmit._agent_window cimport AgentWindow
+from kvadmit._flows cimport FL_HELD, FlowTable
 from kvadmit._ledger cimport Ledger
 
 DECISIONS = ("admit", "hold_blocks", "hold_capacity", "hold_slo", "hold_agent", "hold_paused")
@@ -27,9 +28,11 @@ cdef class WaitingQueue:
     """Queued slots in service order, over a ledger (the agent window's held
     sessions never block the queue)."""
 
-    def __init__(self, config, Ledger ledger, AgentWindow agent_window):
+    def __init__(self, config, Ledger ledger, AgentWindow agent_window, FlowTable flows):
         self.ledger = ledger
         self.agent_window = agent_window
+        self.flows = flows
+        self._fair = False
         self._priority_order = config.queue_order == "priority"
         self._deadline_order = config.queue_order == "deadline"
         self._bypass = config.bypass_head_of_line
@@ -41,9 +44,65 @@ cdef class WaitingQueue:
         for i in range(N_DECISIONS):
             self._held[i] = 0
 
+    cdef void c_flows_on(self) noexcept nogil:
+        """The first request with a flow arrived: from now on each flow's waiting
+        requests are kept in queue order too (those waiting now: no flow)."""
+        if self._fair:
+            return
+        self._fair = True
+        cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
+        while it != self._waiting.end():
+            self._by_flow[self.ledger.flow_ix(deref(it).second)][deref(it).first] = deref(it).second
+            inc(it)
+
+    cdef void _walk_begin(self) noexcept nogil:
+        """Starts the fair walk: one cursor at each waiting flow's first request."""
+        cdef cmap[int32_t, cmap[QKey, int32_t]].iterator f = self._by_flow.begin()
+        cdef FlowCursor c
+        self._cursors.clear()
+        while f != self._by_flow.end():
+            c.it = deref(f).second.begin()
+            c.end = deref(f).second.end()
+            c.tag = self.flows.c_vtime(deref(f).first)
+            c.weight = self.flows.c_weight(deref(f).first)
+            self._cursors.push_back(c)
+            inc(f)
+
+    cdef int32_t _walk_next(self) noexcept nogil:
+        """The fair walk's next request (-1: none left): of the flows' next requests,
+        the one of the most important order key (priority under queue_order
+        priority), among equal keys the one whose flow's usage per weight, with the
+        blocks of its requests the walk has passed, is least (then queue order).
+        Start-time fair queuing: each request's tag is its flow's usage plus the
+        blocks of the flow's requests ahead of it, over the flow's weight."""
+        cdef size_t i, best = 0, n = self._cursors.size()
+        if n == 0:
+            return -1
+        cdef QKey kb, ki
+        for i in range(1, n):
+            ki = deref(self._cursors[i].it).first
+            kb = deref(self._cursors[best].it).first
+            if ki.first != kb.first:
+                if ki.first < kb.first:
+                    best = i
+            elif self._cursors[i].tag != self._cursors[best].tag:
+                if self._cursors[i].tag < self._cursors[best].tag:
+                    best = i
+            elif ki < kb:
+                best = i
+        cdef int32_t s = deref(self._cursors[best].it).second
+        self._cursors[best].tag += self.ledger.held_blocks(s) / self._cursors[best].weight
+        inc(self._cursors[best].it)
+        if self._cursors[best].it == self._cursors[best].end:
+            self._cursors[best] = self._cursors.back()
+            self._cursors.pop_back()
+        return s
+
     cdef void c_add(self, int32_t s) noexcept nogil:
         """The ledger-enqueued s takes its place (and in shedding's order if sheddable)."""
         self._waiting[self.c_key(s)] = s
+        if self._fair:
+            self._by_flow[self.ledger.flow_ix(s)][self.c_key(s)] = s
         if self.ledger.sheddable(s):
             self._shed_order[self._shed_key(s)] = s
             if self.ledger.expire_at(s) < INFINITY:
@@ -52,6 +111,12 @@ cdef class WaitingQueue:
     cdef void c_remove(self, int32_t s) noexcept nogil:
         """s leaves the queue (before the ledger's dequeue clears its sheddable mark)."""
         self._waiting.erase(self.c_key(s))
+        cdef cmap[int32_t, cmap[QKey, int32_t]].iterator f
+        if self._fair:
+            f = self._by_flow.find(self.ledger.flow_ix(s))
+            deref(f).second.erase(self.c_key(s))
+            if deref(f).second.empty():
+                self._by_flow.erase(f)
         if self.ledger.sheddable(s):
             self._shed_order.erase(self._shed_key(s))
             self._expiry.erase(self._expiry_key(s))
@@ -73,11 +138,56 @@ cdef class WaitingQueue:
                 tokens[0] += self.ledger.queued_of(deref(it).second)
             inc(it)
 
+    cdef void c_ahead_of_slot(self, int32_t s, int64_t* reqs, int64_t* tokens) noexcept nogil:
+        """c_ahead_of for the not yet queued s: under the fair walk (flows waiting
+        other than its own), the requests the walk would serve before it: those of a
+        more important order key, or of the same one with a smaller tag (its flow's
+        usage per weight plus the blocks of its flow's requests ahead of it)."""
+        cdef int32_t f = self.ledger.flow_ix(s)
+        cdef QKey key = self.c_key(s)
+        if not self._fair or self._by_flow.empty() or \
+                (self._by_flow.size() == 1 and deref(self._by_flow.begin()).first == f):
+            self.c_ahead_of(key, reqs, tokens)
+            return
+        cdef double tag = self.flows.c_vtime(f), t
+        cdef cmap[int32_t, cmap[QKey, int32_t]].iterator g = self._by_flow.find(f)
+        cdef cmap[QKey, int32_t].iterator it
+        cdef int32_t r
+        if g != self._by_flow.end():
+            it = deref(g).second.begin()
+            while it != deref(g).second.end() and deref(it).first < key:
+                tag += self.ledger.held_blocks(deref(it).second) / self.flows.c_weight(f)
+                inc(it)
+        reqs[0] = tokens[0] = 0
+        g = self._by_flow.begin()
+        while g != self._by_flow.end():
+            t = self.flows.c_vtime(deref(g).first)
+            it = deref(g).second.begin()
+            while it != deref(g).second.end():
+                r = deref(it).second
+                if deref(it).first.first > key.first or (deref(it).first.first == key.first and (
+                        t > tag or (t == tag and not (deref(it).first < key)))):
+                    break                      # this flow's later ones come after s too
+                if not self._agent_held(r):
+                    reqs[0] += 1
+                    tokens[0] += self.ledger.queued_of(r)
+                t += self.ledger.held_blocks(r) / self.flows.c_weight(deref(g).first)
+                inc(it)
+            inc(g)
+
     cdef void c_count_passed(self, int32_t s) noexcept nogil:
         """s is admitted: each request ahead of it (not held outside the agent
         window) counts a bypass."""
         cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
         cdef int32_t passed
+        if self._walking():
+            self._walk_begin()
+            passed = self._walk_next()
+            while passed != s and passed >= 0:
+                if not self._agent_held(passed):
+                    self.ledger.bypass(passed)
+                passed = self._walk_next()
+            return
         while deref(it).second != s:
             passed = deref(it).second
             if not self._agent_held(passed):
@@ -102,8 +212,31 @@ cdef class WaitingQueue:
         cdef int d
         cdef bint head = True
         cdef int64_t scanned = 0
-        while it != self._waiting.end():
-            s = deref(it).second
+        cdef bint walk = self._walking()
+        # the fair walk: the least and second-least holding (blocks per weight) among
+        # the flows of the held requests passed so far, and the least one's flow
+        cdef double bar1 = INFINITY, bar2 = INFINITY, mine
+        cdef int32_t bar1_flow = -1, f
+        if walk:
+            self._walk_begin()
+        while True:
+            if walk:
+                s = self._walk_next()
+                if s < 0:
+                    break
+                f = self.ledger.flow_ix(s)
+                mine = self.flows.c_holding(f)
+                if mine > (bar2 if f == bar1_flow else bar1):
+                    # it would pass a held request of a flow holding less: skipped
+                    head = False
+                    scanned += 1
+                    if scanned >= self._lookahead:
+                        return -1
+                    continue
+            elif it == self._waiting.end():
+                break
+            else:
+                s = deref(it).second
             d = judge.c_decide(s, free_blocks, check_blocks)
             if d == D_ADMIT:
                 return s
@@ -119,8 +252,16 @@ cdef class WaitingQueue:
                     scanned += 1
                     if scanned >= self._lookahead:
                         return -1
+                if walk:
+                    if f == bar1_flow:
+                        pass
+                    elif mine < bar1:
+                        bar2, bar1, bar1_flow = bar1, mine, f
+                    elif mine < bar2:
+                        bar2 = mine
             head = False
-            inc(it)
+            if not walk:
+                inc(it)
         return -1
 
     cdef void _count_hold(self, int32_t s, int d) noexcept nogil:
@@ -128,6 +269,8 @@ cdef class WaitingQueue:
         pairs in which the request at the head of the queue could not start."""
         if self.ledger.note_held(s):
             self._held[d] += 1
+            if self._fair:
+                self.flows.c_count(self.ledger.flow_ix(s), FL_HELD)
 
     cdef void c_pick_expired(self, double now, vector[int32_t]* picked) noexcept nogil:
         """The never-started waiting requests whose TTL has run out at `now`, the
@@ -161,9 +304,17 @@ cdef class WaitingQueue:
         return True
 
     def slots(self):
-        """Waiting slots in service order."""
+        """Waiting slots in service order (the fair walk's while two flows wait)."""
         cdef list out = []
         cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
+        cdef int32_t s
+        if self._walking():
+            self._walk_begin()
+            s = self._walk_next()
+            while s >= 0:
+                out.append(s)
+                s = self._walk_next()
+            return out
         while it != self._waiting.end():
             out.append(deref(it).second)
             inc(it)

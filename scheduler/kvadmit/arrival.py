@@ -27,6 +27,7 @@ class ArrivalRecord:
     arrival_tie: float = 0.0    # tie-break: the order of equal priorities (queue_order priority)
     ttl_s: float = -1.0         # seconds it may wait before it first starts, else it is dropped
                                 # unserved (negative: the config's max_queue_age_s; 0: none)
+    flow: int = -1              # its flow (tenant, workload) for the fair share (-1: none)
 
     def __post_init__(self) -> None:
         _check_record(self)

@@ -40,6 +40,17 @@ def bool_rule(doc: str) -> dict:
     return {"kind": "bool", "doc": doc}
 
 
+MAX_FLOW_WEIGHT = 1e6
+# A flow's settings in `flows`: each key's (lo, hi) and kind.
+FLOW_KEYS = {"weight": ("float", 0.0, MAX_FLOW_WEIGHT),
+             "max_queued_requests": ("int", 0, 1_000_000_000),
+             "max_queued_tokens": ("int", 0, 10**15)}
+
+
+def flows_rule(doc: str) -> dict:
+    return {"kind": "flows", "doc": doc}
+
+
 @dataclass(frozen=True)
 class AdmissionConfig:
     """Validated kvadmit settings. Build with `from_dict` / `from_json`."""
@@ -75,6 +86,15 @@ class AdmissionConfig:
         0.0, 86400.0, "a waiting request that has not started this long after it arrived is "
         "dropped unserved, before any prefill (reason expired); a request's own ttl_s overrides "
         "it (0: none)"))
+    flows: dict = field(default_factory=dict, metadata=flows_rule(
+        "per-flow settings, by flow id (a string as the x-gateway-inference-fairness-id header "
+        "or the flow field gives it; digits: that integer): {\"<flow>\": {\"weight\": w, "
+        "\"max_queued_requests\": n, \"max_queued_tokens\": t}}, each key optional; flows of "
+        "the same priority share the KV pool by weight (block-steps), and a flow's caps refuse "
+        "its arrivals beyond them (0: no cap). See docs/flows.md"))
+    flow_default_weight: float = field(default=1.0, metadata=float_rule(
+        0.0, MAX_FLOW_WEIGHT, "weight of a flow not in flows (and of requests without a flow, "
+        "as one flow)", lo_open=True))
     shed_lower_priority: bool = field(default=False, metadata=bool_rule(
         "when a cap is hit, evict strictly lower-priority waiting requests instead of refusing"))
     priority_preemption_threshold: int = field(default=0, metadata=int_rule(
@@ -235,6 +255,10 @@ class AdmissionConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def __hash__(self) -> int:       # `flows` is a dict: hash it as sorted items
+        return hash(tuple((f.name, json.dumps(getattr(self, f.name), sort_keys=True))
+                          for f in dataclasses.fields(self)))
+
     def replace(self, **changes: Any) -> "AdmissionConfig":
         return dataclasses.replace(self, **changes)
 
@@ -266,7 +290,8 @@ def key_table(cls) -> str:
     """A settings dataclass's keys as a Markdown table: key, default, allowed values, meaning."""
     rows = ["| key | default | allowed | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
-        rows.append(f"| `{f.name}` | `{json.dumps(f.default)}` | {_allowed(f.metadata)} | "
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        rows.append(f"| `{f.name}` | `{json.dumps(default)}` | {_allowed(f.metadata)} | "
                     f"{f.metadata['doc']} |")
     return "\n".join(rows)
 
@@ -338,6 +363,10 @@ def _allowed(rule: Mapping[str, Any]) -> str:
         return " \\| ".join(f"`{o}`" for o in rule["options"])
     if kind == "bool":
         return "`true` \\| `false`"
+    if kind == "flows":
+        return "object: flow -> {" + ", ".join(
+            f"`{k}`: {'(' if k == 'weight' else '['}{lo}, {hi}]"
+            for k, (_, lo, hi) in FLOW_KEYS.items()) + "}"
     left = "(" if rule.get("lo_open") else "["
     return f"{left}{rule['lo']}, {rule['hi']}]"
 
@@ -353,6 +382,8 @@ def _check(f: dataclasses.Field, value: Any) -> None:
     elif kind == "bool":
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: must be true or false")
+    elif kind == "flows":
+        _check_flows(f.name, value)
     elif kind == "int":
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{where}: must be an integer in [{rule['lo']}, {rule['hi']}]")
@@ -365,3 +396,41 @@ def _check(f: dataclasses.Field, value: Any) -> None:
             raise ConfigError(f"{where}: must be a number in {span}")
         if value > hi or value < lo or (rule["lo_open"] and value == lo):
             raise ConfigError(f"{where}: out of range {span}")
+
+
+def _check_flows(name: str, value: Any) -> None:
+    """The `flows` object: flow ids (non-empty strings) to objects of FLOW_KEYS, each in range."""
+    from kvadmit.request_fields import FieldError, flow_int
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"kvadmit config: {name}={value!r}: must be an object of flow id -> "
+                          f"{{{', '.join(FLOW_KEYS)}}}")
+    ids: dict[int, str] = {}
+    for key, spec in value.items():
+        where = f"kvadmit config: {name}[{key!r}]"
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"{where}: a flow id must be a non-empty string")
+        try:
+            fid = flow_int(key, f"{name}[{key!r}]")
+        except FieldError as e:
+            raise ConfigError(f"kvadmit config: {e}") from None
+        if fid in ids:
+            raise ConfigError(f"{where}: the same flow as {ids[fid]!r}")
+        ids[fid] = key
+        if not isinstance(spec, Mapping):
+            raise ConfigError(f"{where}={spec!r}: must be an object with keys "
+                              f"{', '.join(FLOW_KEYS)}")
+        for k, v in spec.items():
+            if k not in FLOW_KEYS:
+                raise ConfigError(f"{where}: unknown key {k!r}; known: {', '.join(FLOW_KEYS)}")
+            kind, lo, hi = FLOW_KEYS[k]
+            at = f"{where}.{k}={v!r}"
+            if kind == "int":
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise ConfigError(f"{at}: must be an integer in [{lo}, {hi}] (0: no cap)")
+                if not lo <= v <= hi:
+                    raise ConfigError(f"{at}: out of range [{lo}, {hi}] (0: no cap)")
+            else:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                    raise ConfigError(f"{at}: must be a number in ({lo}, {hi:g}]")
+                if not lo < v <= hi:
+                    raise ConfigError(f"{at}: out of range ({lo}, {hi:g}]")

@@ -22,8 +22,9 @@ time by which the first token is due; `ttft_target` turns it into a TTFT target
 at arrival, the tighter of it and ttft_slo_s), `session` (an agent/session
 id, integer or string) and `ttl_s` (seconds it may wait before it starts; past it,
 it is dropped unserved as `expired`; 0: none; not given: the config's
-max_queue_age_s). A bad value raises `FieldError` naming the field; the
-adapter refuses the request as `invalid`.
+max_queue_age_s) and `flow` (its tenant or workload for the fair share of the
+KV pool, integer or string; see docs/flows.md). A bad value raises `FieldError`
+naming the field; the adapter refuses the request as `invalid`.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from typing import Any, Mapping, NamedTuple
 
 KEY = "kvadmit"
 FLAT_PREFIX = "kvadmit_"
-FIELDS = ("ttft_slo_s", "tpot_slo_s", "deadline_s", "session", "ttl_s")
+FIELDS = ("ttft_slo_s", "tpot_slo_s", "deadline_s", "session", "ttl_s", "flow")
 MAX_TTFT_S = 86400.0          # as config default_ttft_slo_s
 MAX_TTL_S = 86400.0           # as config max_queue_age_s
 MAX_TPOT_S = 3600.0           # as config default_tpot_slo_s
@@ -60,6 +61,7 @@ class RequestFields(NamedTuple):
     session: int = -1
     deadline_s: float | None = None
     ttl_s: float = -1.0         # -1: the config's max_queue_age_s; 0: none
+    flow: int = -1              # its flow for the fair share (-1: none)
 
 
 NONE = RequestFields()
@@ -121,6 +123,17 @@ def session_int(value: Any, name: str = "session") -> int:
     raise FieldError(f"kvadmit field {name}={value!r}: must be an integer or a string")
 
 
+def flow_int(value: Any, name: str = "flow") -> int:
+    """A flow id as the core's integer, as session_int makes it, except that a string
+    of decimal digits is that integer: the header x-gateway-inference-fairness-id:
+    7, the field flow: "7" or 7 and the config's flows key "7" are one flow."""
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value < SESSION_INT_LIMIT:
+        raise FieldError(f"kvadmit field {name}={value!r}: an integer flow must be in [0, 2**62)")
+    return session_int(value, name)
+
+
 def _seconds(value: Any, name: str, hi: float, zero: str = "no target") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise FieldError(f"kvadmit field {name}={value!r}: must be a number of seconds in "
@@ -166,7 +179,8 @@ def parse(values: Mapping[str, Any], now_unix: float | None = None,
     if "session" in values:
         session = session_int(values["session"], name("session"))
     ttl = _seconds(values["ttl_s"], name("ttl_s"), MAX_TTL_S, "none") if "ttl_s" in values else -1.0
-    return RequestFields(ttft, tpot, session, deadline, ttl)
+    flow = flow_int(values["flow"], name("flow")) if "flow" in values else -1
+    return RequestFields(ttft, tpot, session, deadline, ttl, flow)
 
 
 def ttft_target(fields: RequestFields, default_ttft_s: float, now_unix: float | None = None) -> float:

@@ -156,6 +156,22 @@ def test_gie_slo_headers_become_kvadmits_fields(server):
     assert e.value.status_code == 400 and "kvadmit_tpot_slo_s" in str(e.value)
 
 
+def test_gie_fairness_header_becomes_kvadmits_flow(server):
+    """x-gateway-inference-fairness-id (GIE's flow id) reaches kvadmit as the request's
+    flow field: a flow id runs, an empty one is a 400 naming kvadmit_flow."""
+    base, model, _ = server
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+
+    def ask(flow):
+        return client.completions.create(model=model, prompt=list(range(5, 45)), max_tokens=4,
+                                         extra_headers={"x-gateway-inference-fairness-id": flow})
+
+    assert ask("tenant-a").usage.completion_tokens == 4
+    with pytest.raises(openai.APIStatusError) as e:
+        ask("")
+    assert e.value.status_code == 400 and "kvadmit_flow" in str(e.value)
+
+
 @pytest.mark.parametrize("bad_id, words", [
     (1024, "prompt_token_ids[2]=1024: outside the model's vocabulary [0, 1024)"),
     (99999, "prompt_token_ids[2]=99999"),

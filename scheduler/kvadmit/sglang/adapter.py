@@ -370,7 +370,7 @@ class SGLangAdmission:
                              max_new_tokens=self._max_new(req), priority=self._priority(req),
                              ttft_slo_s=self._ttft_target(fields, now),
                              tpot_slo_s=fields.tpot_slo_s, session=fields.session,
-                             ttl_s=fields.ttl_s)
+                             ttl_s=fields.ttl_s, flow=fields.flow)
 
     def _check_body(self, req) -> None:
         """Refuses (FieldError) what would crash the scheduler further on: a prompt token

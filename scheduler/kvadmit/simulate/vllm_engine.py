@@ -306,6 +306,7 @@ class VllmEngine:
                  "vllm_num_gpu_blocks": self.pool.num_gpu_blocks}
         if self.kvadmit:
             extra["core"] = self.kvadmit_state.core.stats()
+            extra["flows"] = self.kvadmit_state.core.flow_stats()
         return RawRun("vllm", self.results(), Totals.from_engine(self.totals()), self.timeline(),
                       wall, extra=extra)
 
@@ -517,9 +518,10 @@ class _Requests:
         return self.extra[i]
 
     def append(self, row: dict) -> None:
-        """One of `Requests.row`'s rows. Its SLO targets, session and TTL reach kvadmit
-        as request fields where given (a negative one is the config's default: none sent)."""
-        fields = {k: row[k] for k in ("ttft_slo_s", "tpot_slo_s", "session", "ttl_s")
+        """One of `Requests.row`'s rows. Its SLO targets, session, TTL and flow reach
+        kvadmit as request fields where given (a negative one is the config's default or
+        none: none sent)."""
+        fields = {k: row[k] for k in ("ttft_slo_s", "tpot_slo_s", "session", "ttl_s", "flow")
                   if row[k] >= 0}
         if row["parent"] < 0:
             self.last_open = row["arrival_s"]

@@ -248,6 +248,7 @@ class VllmAdmission:
                              max_new_tokens=request.max_tokens, priority=request.priority,
                              ttft_slo_s=ttft_target(fields, self.config.default_ttft_slo_s),
                              tpot_slo_s=fields.tpot_slo_s, session=session, ttl_s=fields.ttl_s,
+                             flow=fields.flow,
                              arrival_time=arrival_time, arrival_tie=arrival_tie)
 
     def _check_body(self, request) -> None:
