@@ -174,24 +174,10 @@ cdef class NativeEngine:
         if self._ran and not self._stepping:
             raise RuntimeError("add_requests after run")
         cdef Py_ssize_t n = requests.records.size(), i, base = self._arr.size()
-        cdef int64_t par, h0 = self._hids.size()
-        cdef double t, last = self._arr[self._open.back()] if not self._open.empty() else -1e300
-        for i in range(n):
-            par = requests.parent[i]
-            t = requests.arrival_s[i]
-            if par >= base + i:
-                raise ValueError(f"parent[{i}]={par}: must be -1 or an earlier request's index")
-            if 0 <= par < base and (self._rstate[par] == RQ_DONE or self._rstate[par] == RQ_REJECTED):
-                raise ValueError(f"parent[{i}]={par}: already finished or refused at "
-                                 f"{self._t_done[par]}; add a turn before its parent ends")
-            if par < 0 and t < last:
-                raise ValueError(f"arrival_s[{i}]={t}: arrivals must not decrease (the engine's "
-                                 f"last is {last})")
-            if par < 0 and self._stepping and t < self._horizon:
-                raise ValueError(f"arrival_s[{i}]={t}: before the engine's horizon "
-                                 f"{self._horizon} (the last advance's until)")
-            if par < 0:
-                last = t
+        cdef int64_t h0 = self._hids.size()
+        requests.check_append(
+            base, self._arr[self._open.back()] if not self._open.empty() else -INFINITY,
+            self._horizon if self._stepping else -INFINITY, self._ended_at)
         for i in range(n):
             if requests.parent[i] < 0:
                 self._open.push_back(base + i)
@@ -208,6 +194,11 @@ cdef class NativeEngine:
         if self._prefix:
             self._hids.insert(self._hids.end(), requests.hash_ids.begin(), requests.hash_ids.end())
         self._extend_request_state(base)
+
+    def _ended_at(self, Py_ssize_t r):
+        """When request r finished or was refused (None: it has not)."""
+        return self._t_done[r] if self._rstate[r] == RQ_DONE or self._rstate[r] == RQ_REJECTED \
+            else None
 
     cdef void _extend_request_state(self, Py_ssize_t base):
         """The per-request state of the requests added from index `base` on."""

@@ -103,6 +103,35 @@ cdef class Requests:
             for i in range(n):
                 self.hash_offsets.push_back(0)
 
+    def check_append(self, Py_ssize_t base, double last_arrival, double horizon, ended):
+        """Checks the rows against the engine they are added to (ValueError naming the
+        row), what depends on its state: the engine holds `base` requests, a turn's
+        parent is an earlier request that has not ended (``ended(i)``: the time
+        request i ended, None while it has not; its children were released then),
+        and fixed arrivals come neither before `last_arrival` (the engine's last)
+        nor before `horizon` (the last advance's until; -inf when not stepped)."""
+        cdef Py_ssize_t i
+        cdef int64_t par
+        cdef double t, last = last_arrival
+        for i in range(<Py_ssize_t>self.records.size()):
+            par = self.parent[i]
+            t = self.arrival_s[i]
+            if par >= base + i:
+                raise ValueError(f"parent[{i}]={par}: must be -1 or an earlier request's index")
+            if 0 <= par < base:
+                done = ended(par)
+                if done is not None:
+                    raise ValueError(f"parent[{i}]={par}: already finished or refused at "
+                                     f"{done}; add a turn before its parent ends")
+            if par < 0:
+                if t < last:
+                    raise ValueError(f"arrival_s[{i}]={t}: arrivals must not decrease (the "
+                                     f"engine's last is {last})")
+                if t < horizon:
+                    raise ValueError(f"arrival_s[{i}]={t}: before the engine's horizon "
+                                     f"{horizon} (the last advance's until)")
+                last = t
+
     def __len__(self):
         return self.records.size()
 

@@ -208,23 +208,11 @@ class VllmEngine:
         """Appends `kvadmit.Requests` (checked when built), as `NativeEngine.add_requests`:
         here only what depends on the engine's state (a refused batch adds nothing)."""
         base = len(self.req)
+        requests.check_append(base, self.req.last_open,
+                              self._horizon if self._started else -math.inf,
+                              lambda p: self.rec.finish[p] if self.rec.state[p] in (DONE, REJECTED)
+                              else None)
         rows = [requests.row(i) for i in range(len(requests))]
-        last = self.req.last_open
-        for i, r in enumerate(rows):
-            par, t = r["parent"], r["arrival_s"]
-            if par >= base + i:
-                raise ValueError(f"parent[{i}]={par}: must be -1 or an earlier request's index")
-            if 0 <= par < base and self.rec.state[par] in (DONE, REJECTED):
-                raise ValueError(f"parent[{i}]={par}: already finished or refused at "
-                                 f"{self.rec.finish[par]}; add a turn before its parent ends")
-            if par < 0 and t < last:
-                raise ValueError(f"arrival_s[{i}]={t}: arrivals must not decrease (the engine's "
-                                 f"last is {last})")
-            if par < 0 and self._started and t < self._horizon:
-                raise ValueError(f"arrival_s[{i}]={t}: before the engine's horizon "
-                                 f"{self._horizon} (the last advance's until)")
-            if par < 0:
-                last = t
         for r in rows:
             self.req.append(r)
         self.children.extend([] for _ in rows)
