@@ -201,16 +201,14 @@ cdef class AdmissionCore(CoreView):
         cdef vector[int32_t] picked
         self.queue.c_pick_expired(now, &picked)
         cdef int32_t v
-        cdef double arrived, ttl
+        cdef double own
         for v in picked:
-            arrived = self.ledger.arrive_t(v)
-            ttl = self.ledger.expire_at(v) - arrived
+            own = self.ledger.ttl_s(v)        # negative: it had the config's
             self._dequeue(v)
             self._judging(v)
-            # (ttl is now + ttl - now: equal to the config's within rounding)
             out.append((v, self._of_flow(self.gate.c_refuse_expired(
-                now - arrived, ttl, abs(ttl - self.gate.max_queue_age_s) > 1e-6),
-                self.ledger.flow_ix(v))))
+                now - self.ledger.arrive_t(v), own if own >= 0 else self.gate.max_queue_age_s,
+                own >= 0), self.ledger.flow_ix(v))))
             self.ledger.release(v)
         return out
 

@@ -39,6 +39,7 @@ cdef class Ledger:
     cdef vector[double] _ttft, _tpot, _arrive_t
     cdef vector[double] _engine_t, _engine_tie   # the engine's arrival time and tie-break
     cdef vector[double] _expire_at   # when it is dropped if it has not started (INFINITY: never)
+    cdef vector[double] _ttl_s       # its record's own ttl_s (negative: the config's default)
     cdef vector[int64_t] _flow       # its flow id (-1: none)
     cdef vector[int32_t] _flow_ix    # its flow's index in kvadmit._flows.FlowTable (0: no flow)
     # per flow index: requests live (waiting or running), waiting, and their prefill tokens
@@ -111,6 +112,8 @@ cdef class Ledger:
         return self._engine_tie[s]
     cdef inline double expire_at(self, int32_t s) noexcept nogil:
         return self._expire_at[s]
+    cdef inline double ttl_s(self, int32_t s) noexcept nogil:
+        return self._ttl_s[s]
     cdef inline int64_t flow(self, int32_t s) noexcept nogil:
         return self._flow[s]
     cdef inline int32_t flow_ix(self, int32_t s) noexcept nogil:
