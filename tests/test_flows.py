@@ -259,7 +259,7 @@ def test_every_refusal_of_a_request_with_a_flow_names_it():
     assert slot == low and shed.reason == "shed" and shed.message.endswith(f"(flow {B})")
     rej = core.arrive(ArrivalRecord(8, 4, flow=C, priority=9), now=0.0).rejection
     assert rej.reason == "queue_full" and rej.message.endswith(f"(flow {C})")
-    expired = core.expire(10.0)
+    expired = core.drop_waiting(10.0)
     assert sorted(r.message.endswith(f"(flow {A})") + 2 * r.message.endswith(f"(flow {B})")
                   for _, r in expired) == [0, 1, 2]     # the one without a flow names none
     assert not any("(flow none)" in r.message for _, r in expired)

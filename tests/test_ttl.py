@@ -21,15 +21,15 @@ def test_a_request_past_its_ttl_is_dropped_with_its_own_reason():
     own = arrive(core, 0.0, ttl_s=2.0)        # its own TTL
     default = arrive(core, 0.0)               # the config's 10 s
     never = arrive(core, 0.0, ttl_s=0.0)      # 0: none
-    assert core.expire(1.99) == []
-    [(slot, rej)] = core.expire(2.0)
+    assert core.drop_waiting(1.99) == []
+    [(slot, rej)] = core.drop_waiting(2.0)
     assert slot == own and rej.reason == "expired" and rej.retry_after_s is None
     assert (rej.limit, rej.limit_value) == ("ttl_s", 2.0)
     assert "waited 2 s in the queue without starting, past its ttl_s=2 s" in rej.message
     assert core.waiting() == [default, never] and core.state(own) == "free"
-    [(slot, rej)] = core.expire(12.0)
+    [(slot, rej)] = core.drop_waiting(12.0)
     assert slot == default and (rej.limit, rej.limit_value) == ("max_queue_age_s", 10.0)
-    assert core.expire(1e6) == [] and core.waiting() == [never]
+    assert core.drop_waiting(1e6) == [] and core.waiting() == [never]
     assert core.stats()["rejected"]["expired"] == 2
     refusal = Refusal.of(rej)
     assert not refusal.retryable and refusal.status == 400
@@ -40,7 +40,7 @@ def test_a_request_that_started_never_expires():
     s = arrive(core, 0.0, ttl_s=1.0)
     core.admit(s, 0.5)
     core.preempt(s, 0.6)                      # waiting again, with work done
-    assert core.expire(5.0) == [] and core.waiting() == [s]
+    assert core.drop_waiting(5.0) == [] and core.waiting() == [s]
 
 
 def test_ttl_input_is_checked():

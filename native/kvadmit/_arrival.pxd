@@ -19,6 +19,8 @@ cdef struct ArrivalRecord:
     double ttl_s              # seconds it may wait before it first starts; past it, it is
                               # dropped unserved (negative: the config's max_queue_age_s; 0: none)
     int64_t flow              # its flow (tenant, workload) for the fair share (-1: none)
+    bint sheddable            # best-effort: served after all others, first to give way, and
+                              # dropped while others wait for KV (GIE's negative priority)
 
 
 cdef ArrivalRecord record_of(object record) except *

@@ -82,7 +82,9 @@ cdef class ArrivalGate:
     cdef Rejection c_refuse_flow_full(self, int64_t over_reqs, int64_t over_tokens,
                                       int64_t waiting, int64_t queued_tokens, int64_t queued,
                                       int64_t cap)
-    cdef Rejection c_refuse_shed(self, int64_t priority, int64_t victim_priority, bint over_reqs)
+    cdef Rejection c_refuse_shed(self, int64_t priority, int64_t victim_priority,
+                                 bint sheddable, bint over_reqs)
+    cdef Rejection c_refuse_sheddable(self, bint queued)
     cdef Rejection c_refuse_expired(self, double waited_s, double ttl_s, bint own_ttl)
     cdef bint _drain_rates(self, double* reqs_per_s,
                            double* tokens_per_s) noexcept nogil

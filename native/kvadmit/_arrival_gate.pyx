@@ -430,15 +430,27 @@ cdef class ArrivalGate:
             f"waiting + {queued} exceeds its max_queued_tokens={cap}", "max_queued_tokens", cap,
             self._retry_after(0, over_tokens) if queued <= cap else None)
 
-    cdef Rejection c_refuse_shed(self, int64_t priority, int64_t victim_priority, bint over_reqs):
-        """The refusal of a waiting request (`victim_priority`) shed for an arrival of
-        `priority` over the request cap (`over_reqs`) or the token cap."""
+    cdef Rejection c_refuse_shed(self, int64_t priority, int64_t victim_priority,
+                                 bint sheddable, bint over_reqs):
+        """The refusal of a waiting request (`victim_priority`; `sheddable`: it is, the
+        arrival is not) shed for an arrival of `priority` over the request cap
+        (`over_reqs`) or the token cap."""
         return self.c_refuse(
             R_SHED,
+            "shed from a full queue: sheddable, for a request that is not" if sheddable else
             f"shed from a full queue by a higher-priority request (priority {priority} "
             f"< {victim_priority})",
             "max_queued_requests" if over_reqs else "max_queued_tokens",
             self.max_queued_requests if over_reqs else self.max_queued_tokens,
+            self._retry_default)
+
+    cdef Rejection c_refuse_sheddable(self, bint queued):
+        """The refusal of a sheddable request while the latest scan held one that is
+        not (the pool is saturated: GIE's rule drops sheddable work then), at arrival
+        or from the queue (`queued`). Retryable: the saturation passes."""
+        return self.c_refuse(
+            R_SHED, ("sheddable: dropped from the queue" if queued else "sheddable: refused")
+            + " while requests that are not sheddable wait for KV", "sheddable", True,
             self._retry_default)
 
     cdef Rejection c_refuse_expired(self, double waited_s, double ttl_s, bint own_ttl):

@@ -28,7 +28,7 @@ cdef class AdmissionCore(CoreView):
         return self.shortfall.enabled
 
     cdef ArrivalResult c_arrive(self, const ArrivalRecord* r, double now)
-    cdef list c_expire(self, double now)
+    cdef list c_drop_waiting(self, double now)
     cdef inline void _tick(self, double now) noexcept nogil
     cdef void _enqueue(self, int32_t s) noexcept nogil
     cdef void _dequeue(self, int32_t s) noexcept nogil

@@ -165,6 +165,8 @@ cdef class AdmissionCore(CoreView):
         cdef list shed = []
         self._judging(s)
         refused = self.decision.c_refusal(s)
+        if refused is None and self.ledger.sheddable(s) and self.queue.c_saturated():
+            refused = self.gate.c_refuse_sheddable(False)
         if refused is None:
             refused = self._make_room(s, now, shed)
         if refused is not None:
@@ -185,22 +187,32 @@ cdef class AdmissionCore(CoreView):
                 refused.message = f"{refused.message} (flow {self.flows.c_name(f)})"
         return refused
 
-    def expire(self, double now):
-        """Drops the waiting requests that have not started within their TTL (their
-        ``ttl_s``, else the config's max_queue_age_s) as of `now`: [(slot, Rejection)]
-        (reason expired), their slots freed. Engines call it at each step's start,
-        before admitting, so stale work never reaches prefill."""
+    def drop_waiting(self, double now):
+        """Drops the waiting requests that must not reach prefill as of `now`:
+        [(slot, Rejection)], their slots freed. Those that have not started within
+        their TTL (their ``ttl_s``, else the config's max_queue_age_s; reason expired)
+        and, while the latest scan held a request that is not sheddable, every
+        sheddable one that has not started (reason shed: saturated, GIE's rule).
+        Engines call it at each step's start, before admitting."""
         check_now(now)
         self._tick(now)
-        return self.c_expire(now)
+        return self.c_drop_waiting(now)
 
-    cdef list c_expire(self, double now):
+    cdef list c_drop_waiting(self, double now):
         cdef list out = []
+        cdef vector[int32_t] picked
+        cdef int32_t v
+        if self.queue.c_saturated():
+            self.queue.c_pick_sheddable(&picked)
+            for v in picked:
+                self._dequeue(v)
+                self._judging(v)
+                out.append((v, self._of_flow(self.gate.c_refuse_sheddable(True),
+                                             self.ledger.flow_ix(v))))
+                self.ledger.release(v)
         if now < self.queue.c_next_expiry():
             return out
-        cdef vector[int32_t] picked
         self.queue.c_pick_expired(now, &picked)
-        cdef int32_t v
         cdef double own
         for v in picked:
             own = self.ledger.ttl_s(v)        # negative: it had the config's
@@ -220,9 +232,10 @@ cdef class AdmissionCore(CoreView):
 
     cdef Rejection _make_room(self, int32_t s, double now, list shed):
         """Room in the queue for the new request s under the caps: none needed, or
-        strictly less important waiting requests shed (appended to `shed`); else the
-        refusal of s."""
-        cdef int64_t queued = self.ledger.queued_of(s), priority = self.ledger.priority(s)
+        less important waiting requests shed (appended to `shed`: sheddable ones for
+        any other arrival, and under shed_lower_priority strictly lower priorities
+        too); else the refusal of s."""
+        cdef int64_t queued = self.ledger.queued_of(s)
         cdef int64_t over_reqs = 0, over_tokens = 0
         cdef Rejection full = self._flow_full(s) if self.flows.on else None
         if full is not None:
@@ -235,14 +248,17 @@ cdef class AdmissionCore(CoreView):
             return None
         cdef vector[int32_t] picked
         cdef int32_t v
-        if self.gate.shed_lower_priority and self.queue.c_pick_shed(priority, over_reqs,
-                                                                    over_tokens, &picked):
+        cdef bint lower = self.gate.shed_lower_priority
+        if (lower or not self.ledger.sheddable(s)) and self.queue.c_pick_shed(
+                s, not lower, over_reqs, over_tokens, &picked):
             for v in picked:
                 self._dequeue(v)
                 self._judging(v)
-                self.ledger.release(v)
                 shed.append((v, self._of_flow(self.gate.c_refuse_shed(
-                    priority, self.ledger.priority(v), over_reqs > 0), self.ledger.flow_ix(v))))
+                    self.ledger.priority(s), self.ledger.priority(v),
+                    self.ledger.sheddable(v) and not self.ledger.sheddable(s), over_reqs > 0),
+                    self.ledger.flow_ix(v))))
+                self.ledger.release(v)
             return None
         return self.gate.c_refuse_full(over_reqs, over_tokens, self.queue.c_size(),
                                        self.ledger.queued_tokens(), queued)

@@ -6,7 +6,7 @@ from libc.stdint cimport int32_t, int64_t, INT64_MAX
 
 from kvadmit._curves cimport cdiv
 from kvadmit._victims cimport victim_order
-from kvadmit._ledger cimport ST_WAITING, less_important
+from kvadmit._ledger cimport ST_WAITING
 
 from kvadmit._ledger import STATES
 
@@ -77,9 +77,9 @@ cdef class CoreView:
         self.ledger.check_state(slot, ST_WAITING)
         if not self._victim_by_priority:
             return []
-        cdef int64_t p = self.ledger.priority(<int32_t>slot), margin = self.policy.priority_margin
+        cdef int64_t margin = self.policy.priority_margin
         return [r for r in reversed(victim_order(self.ledger, self._victim, True))
-                if less_important(self.ledger.priority(<int32_t>r), p, margin)]
+                if self.ledger.ranks_below(<int32_t>r, <int32_t>slot, margin)]
 
     def state(self, int64_t slot):
         if slot < 0 or slot >= self.ledger.n_slots():
@@ -101,8 +101,9 @@ cdef class CoreView:
             raise ValueError(f"prompt_tokens={prompt_tokens}: must be >= 1")
         check_now(now)
         cdef int64_t ahead, ahead_tokens
-        # its place: behind every waiting request (the least priority, no deadline)
-        self.queue.c_ahead_of(self.queue.c_order_key(INT64_MAX // 2, now, 0.0, 0.0, 0.0,
+        # its place: behind every waiting request but sheddable ones (the least
+        # priority, no deadline)
+        self.queue.c_ahead_of(self.queue.c_order_key(False, INT64_MAX // 2, now, 0.0, 0.0, 0.0,
                                                      self.ledger.next_seq()), &ahead, &ahead_tokens)
         cdef double delay = self.gate.c_peek_predicted_delay(ahead, ahead_tokens, prompt_tokens, now)
         return self.slo_guard.c_predict_ttft(ahead_tokens, prompt_tokens, delay, self.ledger.n_running(),

@@ -14,7 +14,7 @@ from libc.stdint cimport int32_t, int64_t
 from kvadmit._agent_window cimport AgentWindow
 from kvadmit._arrival_gate cimport ArrivalGate, Rejection, R_KV_CAPACITY
 from kvadmit._curves cimport cdiv
-from kvadmit._ledger cimport Ledger, less_important
+from kvadmit._ledger cimport Ledger
 from kvadmit._policies cimport Policy
 from kvadmit._slo_guard cimport SloGuard
 from kvadmit._waiting_queue cimport (D_ADMIT, D_HOLD_AGENT, D_HOLD_BLOCKS, D_HOLD_CAPACITY,
@@ -56,17 +56,16 @@ cdef class Decision(Judge):
         as it needs it: the victim order and the pause plan go lowest priority first.
         Equal or higher priorities are never displaced, nor lower ones within
         priority_preemption_threshold of it (SGLang's preemption threshold)."""
-        if not self.by_priority or not self.c_lower_priority_runs(self.ledger.priority(s)):
+        if not self.by_priority or not self.c_lower_priority_runs(s):
             return False
         return self.policy.c_fits_taking_lower(s, free_blocks)
 
-    cdef bint c_lower_priority_runs(self, int64_t priority) noexcept nogil:
-        """Whether a running request has a strictly lower priority (a larger value, by
-        more than priority_preemption_threshold)."""
+    cdef bint c_lower_priority_runs(self, int32_t s) noexcept nogil:
+        """Whether a running request is less important than s (sheddable where s is
+        not, or a larger priority value by more than priority_preemption_threshold)."""
         cdef size_t i
         for i in range(self.ledger.n_running()):
-            if less_important(self.ledger.priority(self.ledger.running_at(i)), priority,
-                              self.policy.priority_margin):
+            if self.ledger.ranks_below(self.ledger.running_at(i), s, self.policy.priority_margin):
                 return True
         return False
 

@@ -34,7 +34,8 @@ cdef class Ledger:
     cdef vector[int64_t] _held_step  # the step its last hold was counted in
     cdef vector[int64_t] _session    # its agent session (-1: none)
     cdef vector[int32_t] _bypassed, _preempts
-    cdef vector[char] _state, _sheddable
+    cdef vector[char] _state, _unstarted
+    cdef vector[char] _sheddable     # its record's class: served after, and gives way to, all others
     cdef vector[char] _activated_by  # its admission activated its session
     cdef vector[double] _ttft, _tpot, _arrive_t
     cdef vector[double] _engine_t, _engine_tie   # the engine's arrival time and tie-break
@@ -96,8 +97,18 @@ cdef class Ledger:
         return self._session[s]
     cdef inline int32_t bypassed(self, int32_t s) noexcept nogil:
         return self._bypassed[s]
+    cdef inline bint unstarted(self, int32_t s) noexcept nogil:
+        """Waiting and never admitted: shedding and its TTL may drop it."""
+        return self._unstarted[s]
     cdef inline bint sheddable(self, int32_t s) noexcept nogil:
         return self._sheddable[s]
+    cdef inline bint ranks_below(self, int32_t r, int32_t s, int64_t margin) noexcept nogil:
+        """Whether r is less important than s, so s may take its KV or its queue
+        place: r sheddable and s not, else (the same class) r's priority value larger
+        than s's by more than `margin` (see less_important)."""
+        if self._sheddable[r] != self._sheddable[s]:
+            return self._sheddable[r]
+        return less_important(self._priority[r], self._priority[s], margin)
     cdef inline bint activated_by(self, int32_t s) noexcept nogil:
         return self._activated_by[s]
     cdef inline double ttft(self, int32_t s) noexcept nogil:
@@ -218,7 +229,7 @@ cdef class Ledger:
 
     cdef int32_t add(self, const ArrivalRecord* r, double ttft, double tpot, double arrive_t,
                      int64_t session, double expire_at, int32_t flow_ix)
-    cdef void enqueue(self, int32_t s, bint sheddable) noexcept nogil
+    cdef void enqueue(self, int32_t s, bint unstarted) noexcept nogil
     cdef void dequeue(self, int32_t s) noexcept nogil
     cdef void start(self, int32_t s, bint activated) noexcept nogil
     cdef void stop(self, int32_t s) noexcept nogil

@@ -51,7 +51,7 @@ cdef class Ledger:
             self._held_step.push_back(-1)
             self._blocks.push_back(0); self._pred_total.push_back(0); self._shared.push_back(0)
             self._bypassed.push_back(0); self._preempts.push_back(0); self._run_pos.push_back(-1)
-            self._state.push_back(ST_FREE); self._sheddable.push_back(0)
+            self._state.push_back(ST_FREE); self._unstarted.push_back(0); self._sheddable.push_back(0)
             self._ttft.push_back(0.0); self._tpot.push_back(0.0); self._arrive_t.push_back(0.0)
             self._engine_t.push_back(0.0); self._engine_tie.push_back(0.0)
             self._expire_at.push_back(0.0)
@@ -63,6 +63,7 @@ cdef class Ledger:
         self._computed[s] = self._generated[s] = 0
         self._max_new[s] = r.max_new_tokens
         self._priority[s] = r.priority
+        self._sheddable[s] = r.sheddable
         self._arrival[s] = self._seq
         self._seq += 1
         self._admit_seq[s] = self._admit_step[s] = self._held_step[s] = -1
@@ -82,19 +83,19 @@ cdef class Ledger:
         self._state[s] = ST_WAITING  # provisional, so the policies may read it
         return s
 
-    cdef void enqueue(self, int32_t s, bint sheddable) noexcept nogil:
-        """s waits in the queue (`sheddable`: it was never admitted, so priority
-        shedding may evict it)."""
+    cdef void enqueue(self, int32_t s, bint unstarted) noexcept nogil:
+        """s waits in the queue (`unstarted`: it was never admitted, so shedding and
+        its TTL may drop it)."""
         self._state[s] = ST_WAITING
         self._queued += self.queued_of(s)
-        self._sheddable[s] = sheddable
+        self._unstarted[s] = unstarted
         self._f_waiting[self._flow_ix[s]] += 1
         self._f_queued[self._flow_ix[s]] += self.queued_of(s)
 
     cdef void dequeue(self, int32_t s) noexcept nogil:
         """s leaves the queue (to start, or to be released)."""
         self._queued -= self.queued_of(s)
-        self._sheddable[s] = 0
+        self._unstarted[s] = 0
         self._f_waiting[self._flow_ix[s]] -= 1
         self._f_queued[self._flow_ix[s]] -= self.queued_of(s)
 
@@ -227,7 +228,7 @@ cdef class Ledger:
             "state": STATES[<int>self._state[slot]], "prompt_tokens": self._prompt[slot],
             "cached_tokens": self._cached[slot], "computed_tokens": self._computed[slot],
             "generated_tokens": self._generated[slot], "max_new_tokens": self._max_new[slot],
-            "priority": self._priority[slot], "arrival": self._arrival[slot],
+            "priority": self._priority[slot], "sheddable": bool(self._sheddable[slot]), "arrival": self._arrival[slot],
             "arrival_time": self._engine_t[slot], "arrival_tie": self._engine_tie[slot],
             "session": self._session[slot], "flow": self._flow[slot], "ttft_target_s": self._ttft[slot],
             "tpot_target_s": self._tpot[slot], "expire_at": self._expire_at[slot],

@@ -386,7 +386,7 @@ cdef class NativeEngine:
             self._slot_req[res.slot] = r
             self._slot[r] = <int32_t>res.slot
             self._rstate[r] = RQ_WAITING
-        self._drop_shed(self.core.c_expire(self._clock))   # stale work, before admission
+        self._drop_shed(self.core.c_drop_waiting(self._clock))   # stale work, before admission
         return 0
 
     cdef int _drop_shed(self, list shed) except -1:

@@ -32,7 +32,7 @@ from libcpp.deque cimport deque
 from libcpp.vector cimport vector
 
 from kvadmit._curves cimport Curve, cdiv, curve_longer, peak_blocks_sorted
-from kvadmit._ledger cimport Ledger, less_important
+from kvadmit._ledger cimport Ledger
 from kvadmit._length_model cimport OutputLengthModel, c_next_quantile
 
 POLICIES = ("overcommit", "reserve", "peak", "predict", "adaptive", "auto")
@@ -210,12 +210,12 @@ cdef class ReservePolicy(Policy):
         return self.ledger.reserve_blocks(s) <= self.num_blocks
 
     cdef bint c_fits_taking_lower(self, int32_t s, int64_t free_blocks) noexcept nogil:
-        cdef int64_t p = self.ledger.priority(s), lower = 0
+        cdef int64_t lower = 0
         cdef int32_t r
         cdef size_t i
         for i in range(self.ledger.n_running()):
             r = self.ledger.running_at(i)
-            if less_important(self.ledger.priority(r), p, self.priority_margin):
+            if self.ledger.ranks_below(r, s, self.priority_margin):
                 lower += self.ledger.reserve_blocks(r)
         return self.ledger.reserve_load() - lower + self.ledger.reserve_blocks(s) <= self.num_blocks
 
@@ -239,13 +239,12 @@ cdef class PeakPolicy(Policy):
     cdef bint c_fits_taking_lower(self, int32_t s, int64_t free_blocks) noexcept nogil:
         """The peak of the curves of s and of the running requests of its priority or
         higher fits (those of lower priority are left out)."""
-        cdef int64_t p = self.ledger.priority(s)
         cdef vector[Curve] kept
         cdef int32_t r
         cdef size_t i
         for i in range(self.ledger.n_running()):
             r = self.ledger.running_at(i)
-            if not less_important(self.ledger.priority(r), p, self.priority_margin):
+            if not self.ledger.ranks_below(r, s, self.priority_margin):
                 kept.push_back(self._curve(r))
         sort(kept.begin(), kept.end(), curve_longer)
         cdef Curve c = self._curve(s)
@@ -285,13 +284,13 @@ cdef class PredictPolicy(Policy):
     cdef bint c_fits_taking_lower(self, int32_t s, int64_t free_blocks) noexcept nogil:
         """SGLang's rule with the blocks of running requests of lower priority free and
         their offsets gone."""
-        cdef int64_t p = self.ledger.priority(s), held = 0
+        cdef int64_t held = 0
         cdef double offsets = self._offsets()
         cdef int32_t r
         cdef size_t i
         for i in range(self.ledger.n_running()):
             r = self.ledger.running_at(i)
-            if less_important(self.ledger.priority(r), p, self.priority_margin):
+            if self.ledger.ranks_below(r, s, self.priority_margin):
                 held += cdiv(self.ledger.computed(r), self.block_size)
                 offsets -= self._offset(r)
         return <double>(self.ledger.queued_of(s) + min(self.ledger.max_new(s) - self.ledger.generated(s), self._clip_tokens)) \

@@ -8,7 +8,8 @@
 #   length    fewest generated tokens first, then the longest prompt.
 # Under queue_order "priority" every order is taken within priority classes: the
 # least important class (largest priority value) gives its KV back first, so a
-# request is never preempted while one of strictly lower priority runs.
+# request is never preempted while one of strictly lower priority runs. Under every
+# queue order sheddable requests give theirs back before any other.
 
 from libc.stdint cimport int32_t, int64_t
 from libcpp.algorithm cimport sort
@@ -20,6 +21,7 @@ VICTIMS = ("lifo", "priority", "lcf", "length")
 
 
 cdef struct VictimKey:
+    int64_t kc      # sheddable (1) after every other (0)
     int64_t k0      # the priority class first (queue_order "priority"), else 0
     int64_t k1
     int64_t k2
@@ -29,6 +31,8 @@ cdef struct VictimKey:
 
 cdef bint victim_key_less(const VictimKey& a, const VictimKey& b) noexcept nogil:
     """Orders running requests from most protected to first victim."""
+    if a.kc != b.kc:
+        return a.kc < b.kc
     if a.k0 != b.k0:
         return a.k0 < b.k0
     if a.k1 != b.k1:
@@ -42,6 +46,7 @@ cdef bint victim_key_less(const VictimKey& a, const VictimKey& b) noexcept nogil
 
 cdef inline VictimKey victim_key(Ledger L, int order, int32_t s, bint by_priority) noexcept nogil:
     cdef VictimKey k
+    k.kc = L.sheddable(s)
     k.k0 = L.priority(s) if by_priority else 0
     k.slot = s
     if order == V_LIFO:

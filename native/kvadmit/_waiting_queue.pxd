@@ -26,13 +26,14 @@ cdef enum:
 cdef extern from *:
     """
     #include <map>
-    // The waiting queue's key, smallest served first: (order key, the engine's arrival
-    // time, its tie-break, arrival seq). The engine's arrival time and tie-break order
+    // The waiting queue's key, smallest served first: (class: sheddable after all
+    // others, order key, the engine's arrival time, its tie-break, arrival seq). The engine's arrival time and tie-break order
     // requests of equal priority under queue_order "priority" (vLLM: arrival_time, then
     // request id); elsewhere they are 0 and the arrival seq decides.
     struct kvadmit_QKey {
-        int64_t first; double time; double tie; int64_t second;
+        int64_t cls; int64_t first; double time; double tie; int64_t second;
         bool operator<(const kvadmit_QKey& o) const {
+            if (cls != o.cls) return cls < o.cls;
             if (first != o.first) return first < o.first;
             if (time != o.time) return time < o.time;
             if (tie != o.tie) return tie < o.tie;
@@ -47,6 +48,7 @@ cdef extern from *:
     };
     """
     cdef cppclass QKey "kvadmit_QKey":
+        int64_t cls
         int64_t first
         double time
         double tie
@@ -74,6 +76,7 @@ cdef class WaitingQueue:
     cdef cmap[QKey, int32_t] _shed_order   # never-admitted waiting, by (priority, arrival)
     cdef cmap[QKey, int32_t] _expiry       # never-admitted waiting with a TTL, by expiry time
     cdef int64_t _held[N_DECISIONS]        # (request, step) pairs held at the queue head
+    cdef bint _saturated                   # the latest scan held a request that is not sheddable
     # flows (kvadmit._flows): once on, each flow's waiting requests in queue order too;
     # while two or more flows wait, the queue's order is the fair walk over them
     cdef FlowTable flows
@@ -87,13 +90,20 @@ cdef class WaitingQueue:
     cdef inline bint c_empty(self) noexcept nogil:
         return self._waiting.empty()
 
+    cdef inline bint c_saturated(self) noexcept nogil:
+        """Whether the latest scan held a request that is not sheddable: the pool is
+        saturated for it, and sheddable work gives way (queue, arrivals)."""
+        return self._saturated
+
     cdef inline bint _agent_held(self, int32_t s) noexcept nogil:
         return self.agent_window.c_holds(self.ledger.session(s))
 
-    cdef inline QKey c_order_key(self, int64_t priority, double arrive_t, double ttft,
-                                 double engine_t, double engine_tie, int64_t arrival) noexcept nogil:
+    cdef inline QKey c_order_key(self, bint sheddable, int64_t priority, double arrive_t,
+                                 double ttft, double engine_t, double engine_tie,
+                                 int64_t arrival) noexcept nogil:
         """The queue's key of a request with these numbers (see QKey)."""
         cdef QKey k
+        k.cls = sheddable
         k.first = priority if self._priority_order else 0
         if self._deadline_order:   # microseconds; no target: an hour after arrival
             k.first = <int64_t>((arrive_t + (ttft if ttft > 0 else 3600.0)) * 1e6)
@@ -103,12 +113,12 @@ cdef class WaitingQueue:
         return k
 
     cdef inline QKey c_key(self, int32_t s) noexcept nogil:
-        return self.c_order_key(self.ledger.priority(s), self.ledger.arrive_t(s), self.ledger.ttft(s),
+        return self.c_order_key(self.ledger.sheddable(s), self.ledger.priority(s), self.ledger.arrive_t(s), self.ledger.ttft(s),
                                 self.ledger.engine_t(s), self.ledger.engine_tie(s), self.ledger.arrival(s))
 
     cdef inline QKey _expiry_key(self, int32_t s) noexcept nogil:
         cdef QKey k
-        k.first = 0
+        k.cls = k.first = 0
         k.time = self.ledger.expire_at(s)
         k.tie = 0.0
         k.second = self.ledger.arrival(s)
@@ -119,8 +129,10 @@ cdef class WaitingQueue:
         return deref(self._expiry.begin()).first.time if not self._expiry.empty() else INFINITY
 
     cdef inline QKey _shed_key(self, int32_t s) noexcept nogil:
-        """Shedding's order: the least important (largest) evicted first."""
+        """Shedding's order: the least important (sheddable, then the largest priority
+        value) evicted first."""
         cdef QKey k
+        k.cls = self.ledger.sheddable(s)
         k.first = self.ledger.priority(s)
         k.time = self.ledger.engine_t(s) if self._priority_order else 0.0
         k.tie = self.ledger.engine_tie(s) if self._priority_order else 0.0
@@ -143,5 +155,6 @@ cdef class WaitingQueue:
                         bint paused, double unpassable_from) noexcept nogil
     cdef void _count_hold(self, int32_t s, int d) noexcept nogil
     cdef void c_pick_expired(self, double now, vector[int32_t]* picked) noexcept nogil
-    cdef bint c_pick_shed(self, int64_t priority, int64_t over_reqs, int64_t over_tokens,
-                          vector[int32_t]* picked) noexcept nogil
+    cdef bint c_pick_shed(self, int32_t s, bint sheddable_only, int64_t over_reqs,
+                          int64_t over_tokens, vector[int32_t]* picked) noexcept nogil
+    cdef void c_pick_sheddable(self, vector[int32_t]* picked) noexcept nogil

@@ -70,8 +70,8 @@ cdef class WaitingQueue:
 
     cdef int32_t _walk_next(self) noexcept nogil:
         """The fair walk's next request (-1: none left): of the flows' next requests,
-        the one of the most important order key (priority under queue_order
-        priority), among equal keys the one whose flow's usage per weight, with the
+        the one of the most important key (its class, then priority under
+        queue_order priority), among equal keys the one whose flow's usage per weight, with the
         blocks of its requests the walk has passed, is least (then queue order).
         Start-time fair queuing: each request's tag is its flow's usage plus the
         blocks of the flow's requests ahead of it, over the flow's weight."""
@@ -82,8 +82,8 @@ cdef class WaitingQueue:
         for i in range(1, n):
             ki = deref(self._cursors[i].it).first
             kb = deref(self._cursors[best].it).first
-            if ki.first != kb.first:
-                if ki.first < kb.first:
+            if ki.cls != kb.cls or ki.first != kb.first:
+                if ki.cls < kb.cls or (ki.cls == kb.cls and ki.first < kb.first):
                     best = i
             elif self._cursors[i].tag != self._cursors[best].tag:
                 if self._cursors[i].tag < self._cursors[best].tag:
@@ -99,17 +99,17 @@ cdef class WaitingQueue:
         return s
 
     cdef void c_add(self, int32_t s) noexcept nogil:
-        """The ledger-enqueued s takes its place (and in shedding's order if sheddable)."""
+        """The ledger-enqueued s takes its place (and in shedding's and expiry's order if never started)."""
         self._waiting[self.c_key(s)] = s
         if self._fair:
             self._by_flow[self.ledger.flow_ix(s)][self.c_key(s)] = s
-        if self.ledger.sheddable(s):
+        if self.ledger.unstarted(s):
             self._shed_order[self._shed_key(s)] = s
             if self.ledger.expire_at(s) < INFINITY:
                 self._expiry[self._expiry_key(s)] = s
 
     cdef void c_remove(self, int32_t s) noexcept nogil:
-        """s leaves the queue (before the ledger's dequeue clears its sheddable mark)."""
+        """s leaves the queue (before the ledger's dequeue clears its unstarted mark)."""
         self._waiting.erase(self.c_key(s))
         cdef cmap[int32_t, cmap[QKey, int32_t]].iterator f
         if self._fair:
@@ -117,7 +117,7 @@ cdef class WaitingQueue:
             deref(f).second.erase(self.c_key(s))
             if deref(f).second.empty():
                 self._by_flow.erase(f)
-        if self.ledger.sheddable(s):
+        if self.ledger.unstarted(s):
             self._shed_order.erase(self._shed_key(s))
             self._expiry.erase(self._expiry_key(s))
 
@@ -201,11 +201,15 @@ cdef class WaitingQueue:
         this step, and they have the first claim on blocks as they free up. A held
         request that arrived at or before `unpassable_from` is passed by no later
         one (the core: it has waited max_queue_delay_s; bypass alone lets a large
-        request be passed for as long as small ones fit)."""
+        request be passed for as long as small ones fit). A sheddable request is
+        not reached once one that is not has been held (they come after all
+        others): the scan notes the saturation (c_saturated)."""
+        self._saturated = False
         if self._waiting.empty():
             return -1
         if paused:
             self._count_hold(deref(self._waiting.begin()).second, D_HOLD_PAUSED)
+            self._saturated = not self.ledger.sheddable(deref(self._waiting.begin()).second)
             return -1
         cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
         cdef int32_t s
@@ -237,11 +241,15 @@ cdef class WaitingQueue:
                 break
             else:
                 s = deref(it).second
+            if self._saturated and self.ledger.sheddable(s):
+                return -1
             d = judge.c_decide(s, free_blocks, check_blocks)
             if d == D_ADMIT:
                 return s
             if head:
                 self._count_hold(s, d)
+            if d != D_HOLD_AGENT and not self.ledger.sheddable(s):
+                self._saturated = True
             # A request outside the agent window never blocks the queue; any other
             # held request does, unless bypass lets later ones pass it.
             if d != D_HOLD_AGENT:
@@ -281,18 +289,20 @@ cdef class WaitingQueue:
             picked.push_back(deref(it).second)
             inc(it)
 
-    cdef bint c_pick_shed(self, int64_t priority, int64_t over_reqs, int64_t over_tokens,
-                          vector[int32_t]* picked) noexcept nogil:
-        """The strictly less important never-admitted waiting requests whose eviction
-        makes room for an arrival of `priority` (least important first, into
-        `picked`); False, picking none, if evicting them all is not enough."""
+    cdef bint c_pick_shed(self, int32_t s, bint sheddable_only, int64_t over_reqs,
+                          int64_t over_tokens, vector[int32_t]* picked) noexcept nogil:
+        """The never-admitted waiting requests less important than the arrival s
+        (`sheddable_only`: the sheddable ones) whose eviction makes room for it (least
+        important first, into `picked`); False, picking none, if evicting them all is
+        not enough."""
         cdef cmap[QKey, int32_t].reverse_iterator it = self._shed_order.rbegin()
         cdef int64_t reqs = over_reqs, toks = over_tokens
         cdef int32_t v
         picked.clear()
         while (reqs > 0 or toks > 0) and it != self._shed_order.rend():
             v = deref(it).second
-            if self.ledger.priority(v) <= priority:
+            if not self.ledger.ranks_below(v, s, 0) or \
+                    (sheddable_only and not self.ledger.sheddable(v)):
                 break
             picked.push_back(v)
             reqs -= 1
@@ -302,6 +312,14 @@ cdef class WaitingQueue:
             picked.clear()
             return False
         return True
+
+    cdef void c_pick_sheddable(self, vector[int32_t]* picked) noexcept nogil:
+        """Every never-admitted sheddable waiting request (least important first)."""
+        cdef cmap[QKey, int32_t].reverse_iterator it = self._shed_order.rbegin()
+        picked.clear()
+        while it != self._shed_order.rend() and self.ledger.sheddable(deref(it).second):
+            picked.push_back(deref(it).second)
+            inc(it)
 
     def slots(self):
         """Waiting slots in service order (the fair walk's while two flows wait)."""

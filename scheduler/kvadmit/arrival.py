@@ -28,6 +28,8 @@ class ArrivalRecord:
     ttl_s: float = -1.0         # seconds it may wait before it first starts, else it is dropped
                                 # unserved (negative: the config's max_queue_age_s; 0: none)
     flow: int = -1              # its flow (tenant, workload) for the fair share (-1: none)
+    sheddable: bool = False     # best-effort: served after all others, first to give way, and
+                                # dropped while others wait for KV (GIE's negative priority)
 
     def __post_init__(self) -> None:
         _check_record(self)

@@ -68,10 +68,11 @@ class StepPlan:
     which needs the engine's per-request token arithmetic)."""
     # Running slots from most protected to first victim (engines preempt from the end).
     victim_order: list
-    # Waiting requests past their TTL, no longer tracked: [(obj, Refusal)] (reason
-    # expired). The engine takes them out of its queue and answers their clients
-    # before it admits anything (`EngineBridge.expire`).
-    expired: list = field(default_factory=list)
+    # Waiting requests that must not reach prefill, no longer tracked: [(obj,
+    # Refusal)], past their TTL (reason expired) or sheddable while others wait for
+    # KV (reason shed). The engine takes them out of its queue and answers their
+    # clients before it admits anything (`EngineBridge.drop_waiting`).
+    dropped: list = field(default_factory=list)
 
 
 class EngineBridge:
@@ -168,11 +169,11 @@ class EngineBridge:
             slots.append(one.slot)
         return Arrival(slots=slots, shed=shed)
 
-    def expire(self, now: float) -> list:
-        """The waiting requests whose TTL ran out by ``now`` without starting, no longer
-        tracked: [(obj, Refusal)] (reason expired). The engine aborts them and answers
-        their clients before it admits anything this step."""
-        return [(self.untrack(s), self.refusal(rejection)) for s, rejection in self.core.expire(now)]
+    def drop_waiting(self, now: float) -> list:
+        """The waiting requests that must not reach prefill as of ``now``, no longer
+        tracked: [(obj, Refusal)] (`AdmissionCore.drop_waiting`). The engine aborts them
+        and answers their clients before it admits anything this step."""
+        return [(self.untrack(s), self.refusal(rejection)) for s, rejection in self.core.drop_waiting(now)]
 
     # -- leaving -------------------------------------------------------------
     def leave(self, key: Hashable, finished: bool,
@@ -214,7 +215,7 @@ class EngineBridge:
             # cached prefixes (the native engine does); vLLM's and SGLang's eviction is
             # their own, so the log is emptied here, or it would grow for the server's life.
             core.take_paused_sessions()
-        return StepPlan(victim_order=order, expired=self.expire(report.now))
+        return StepPlan(victim_order=order, dropped=self.drop_waiting(report.now))
 
     def step_done(self, tokens: float, context: float, now: float,
                   hit_tokens: int = 0, query_tokens: int = 0) -> None:

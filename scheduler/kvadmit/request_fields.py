@@ -22,8 +22,10 @@ time by which the first token is due; `ttft_target` turns it into a TTFT target
 at arrival, the tighter of it and ttft_slo_s), `session` (an agent/session
 id, integer or string) and `ttl_s` (seconds it may wait before it starts; past it,
 it is dropped unserved as `expired`; 0: none; not given: the config's
-max_queue_age_s) and `flow` (its tenant or workload for the fair share of the
-KV pool, integer or string; see docs/flows.md). A bad value raises `FieldError`
+max_queue_age_s), `flow` (its tenant or workload for the fair share of the
+KV pool, integer or string; see docs/flows.md) and `sheddable` (true: best-effort
+traffic, served after all other and dropped while other waits for KV; see
+docs/capacity.md). A bad value raises `FieldError`
 naming the field; the adapter refuses the request as `invalid`.
 """
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any, Mapping, NamedTuple
 
 KEY = "kvadmit"
 FLAT_PREFIX = "kvadmit_"
-FIELDS = ("ttft_slo_s", "tpot_slo_s", "deadline_s", "session", "ttl_s", "flow")
+FIELDS = ("ttft_slo_s", "tpot_slo_s", "deadline_s", "session", "ttl_s", "flow", "sheddable")
 MAX_TTFT_S = 86400.0          # as config default_ttft_slo_s
 MAX_TTL_S = 86400.0           # as config max_queue_age_s
 MAX_TPOT_S = 3600.0           # as config default_tpot_slo_s
@@ -62,6 +64,7 @@ class RequestFields(NamedTuple):
     deadline_s: float | None = None
     ttl_s: float = -1.0         # -1: the config's max_queue_age_s; 0: none
     flow: int = -1              # its flow for the fair share (-1: none)
+    sheddable: bool = False     # best-effort traffic (docs/capacity.md)
 
 
 NONE = RequestFields()
@@ -134,6 +137,18 @@ def flow_int(value: Any, name: str = "flow") -> int:
     return session_int(value, name)
 
 
+def flag(value: Any, name: str) -> bool:
+    """A yes/no field: a JSON boolean, 0/1, or "true"/"false" (HTTP headers and
+    vllm_xargs carry strings and numbers)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")
+    raise FieldError(f"kvadmit field {name}={value!r}: must be true or false")
+
+
 def _seconds(value: Any, name: str, hi: float, zero: str = "no target") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise FieldError(f"kvadmit field {name}={value!r}: must be a number of seconds in "
@@ -180,7 +195,8 @@ def parse(values: Mapping[str, Any], now_unix: float | None = None,
         session = session_int(values["session"], name("session"))
     ttl = _seconds(values["ttl_s"], name("ttl_s"), MAX_TTL_S, "none") if "ttl_s" in values else -1.0
     flow = flow_int(values["flow"], name("flow")) if "flow" in values else -1
-    return RequestFields(ttft, tpot, session, deadline, ttl, flow)
+    sheddable = flag(values["sheddable"], name("sheddable")) if "sheddable" in values else False
+    return RequestFields(ttft, tpot, session, deadline, ttl, flow, sheddable)
 
 
 def ttft_target(fields: RequestFields, default_ttft_s: float, now_unix: float | None = None) -> float:

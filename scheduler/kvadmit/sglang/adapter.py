@@ -370,7 +370,14 @@ class SGLangAdmission:
                              max_new_tokens=self._max_new(req), priority=self._priority(req),
                              ttft_slo_s=self._ttft_target(fields, now),
                              tpot_slo_s=fields.tpot_slo_s, session=fields.session,
-                             ttl_s=fields.ttl_s, flow=fields.flow)
+                             ttl_s=fields.ttl_s, flow=fields.flow,
+                             sheddable=fields.sheddable or self._negative_priority(req))
+
+    def _negative_priority(self, req) -> bool:
+        """GIE's sheddable class, a negative priority, where SGLang's order is GIE's
+        (priority scheduling on, a larger value more important: SGLang's default)."""
+        return (self.config.queue_order == "priority" and not self.low_priority_values_first
+                and req.priority is not None and req.priority < 0)
 
     def _check_body(self, req) -> None:
         """Refuses (FieldError) what would crash the scheduler further on: a prompt token

@@ -203,7 +203,7 @@ def around_get_next_batch_to_run(original, self, *args, **kwargs):
                        getattr(self, "chunked_req", None), self.waiting_queue, now=now)
     step_plan = adapter.step(self.token_to_kv_pool_allocator.available_size()
                              + self.tree_cache.evictable_size(), now)
-    drop_waiting(self, step_plan.expired)          # stale work: before SGLang admits
+    drop_waiting(self, step_plan.dropped)          # stale work: before SGLang admits
     plan = original(self, *args, **kwargs)
     adapter.end_step(now, batch=getattr(plan, "batch_to_run", None))
     return plan

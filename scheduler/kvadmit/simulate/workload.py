@@ -37,6 +37,7 @@ class Workload:
     tpot_slo_s: list[float] | None = None
     ttl_s: list[float] | None = None           # per-request TTL in the queue (None: the config's)
     flow: list[int] | None = None              # per-request flow id for the fair share (-1: none)
+    sheddable: list[bool] | None = None        # per-request best-effort class (None: none is)
     description: str = ""
     meta: dict = field(default_factory=dict)
 
@@ -44,7 +45,7 @@ class Workload:
         n = len(self.arrival_s)
         for name in ("prompt_tokens", "output_tokens", "max_tokens", "priority", "hashed_tokens",
                      "parent", "delay_s", "session", "ttft_slo_s", "tpot_slo_s", "ttl_s",
-                     "flow"):
+                     "flow", "sheddable"):
             col = getattr(self, name)
             if col is not None and len(col) != n:
                 raise ValueError(f"workload {self.name}: {name} has {len(col)} entries, expected {n}")
@@ -61,7 +62,7 @@ class Workload:
             return Requests(self.arrival_s, self.prompt_tokens, self.output_tokens,
                             self.max_tokens, priority=self.priority, ttft_slo_s=self.ttft_slo_s,
                             tpot_slo_s=self.tpot_slo_s, session=self.session, ttl_s=self.ttl_s,
-                            flow=self.flow, parent=self.parent,
+                            flow=self.flow, sheddable=self.sheddable, parent=self.parent,
                             delay_s=self.delay_s, hashed_tokens=self.hashed_tokens,
                             hash_offsets=self.hash_offsets if with_ids else None,
                             hash_ids=self.hash_ids if with_ids else None)

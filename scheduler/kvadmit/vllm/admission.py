@@ -248,7 +248,7 @@ class VllmAdmission:
                              max_new_tokens=request.max_tokens, priority=request.priority,
                              ttft_slo_s=ttft_target(fields, self.config.default_ttft_slo_s),
                              tpot_slo_s=fields.tpot_slo_s, session=session, ttl_s=fields.ttl_s,
-                             flow=fields.flow,
+                             flow=fields.flow, sheddable=fields.sheddable,
                              arrival_time=arrival_time, arrival_tie=arrival_tie)
 
     def _check_body(self, request) -> None:
@@ -328,7 +328,7 @@ class VllmAdmission:
         plan = bridge.step(StepReport(
             now=now, used_blocks=self.usable_blocks - self._pool.get_num_free_blocks(),
             slots=slots, computed=computed, generated=generated))
-        self.shed(plan.expired)        # stale work leaves vLLM's queue before it admits
+        self.shed(plan.dropped)        # stale work leaves vLLM's queue before it admits
         # vLLM preempts running[-1] first: put the core's victim order in place. (Under
         # its priority scheduling vLLM picks its own victim, the lowest priority and
         # latest arrival, as the core's order does: its running order stays its own.)
