@@ -7,12 +7,14 @@ llm-d its time to live in `x-llm-d-inference-ttl` (seconds, or a duration such a
 started is dropped unserved (`expired`). GIE's flow control groups requests into
 flows by `x-gateway-inference-fairness-id`: kvadmit's `flow` (the id as it is: digits
 are that integer, any other text a stable hash), whose fair share of the KV pool
-docs/flows.md describes.
+docs/flows.md describes. GIE's sheddable class (an objective of negative priority)
+does not reach the engine, so a gateway route marks it with `x-kvadmit-sheddable:
+true`: kvadmit's `sheddable` (docs/capacity.md).
 vLLM passes no header to the engine, so this ASGI middleware (installed when the
 API server app is built, as the Retry-After one, vllm_retry_after.py) writes them into the JSON body
 of completion and chat-completion requests as the flat `vllm_xargs` keys kvadmit
 reads (`kvadmit_ttft_slo_s`, `kvadmit_tpot_slo_s`, `kvadmit_ttl_s` in seconds,
-`kvadmit_flow`). A field the body already
+`kvadmit_flow`, `kvadmit_sheddable`). A field the body already
 sets wins; a malformed header is passed on as it is, so kvadmit refuses it as
 `invalid` naming the field. Other requests pass through untouched.
 """
@@ -26,8 +28,9 @@ from kvadmit_patches import add_app_middleware
 TARGET = "vllm.entrypoints.launchers.app.init_entrypoints_middleware"
 VERSIONS = ("0.32.0", "0.33.0")     # the same hook as vllm_retry_after.py
 HEADERS = {b"x-slo-ttft-ms": "ttft_slo_s", b"x-slo-tpot-ms": "tpot_slo_s",
-           b"x-llm-d-inference-ttl": "ttl_s", b"x-gateway-inference-fairness-id": "flow"}
-TEXT_HEADERS = (b"x-gateway-inference-fairness-id",)    # passed on as text
+           b"x-llm-d-inference-ttl": "ttl_s", b"x-gateway-inference-fairness-id": "flow",
+           b"x-kvadmit-sheddable": "sheddable"}
+TEXT_HEADERS = (b"x-gateway-inference-fairness-id", b"x-kvadmit-sheddable")  # passed on as text
 MS_HEADERS = (b"x-slo-ttft-ms", b"x-slo-tpot-ms")
 # A duration's unit suffix -> seconds (as Go's time.ParseDuration writes the common ones).
 UNITS = (("ms", 1e-3), ("s", 1.0), ("m", 60.0), ("h", 3600.0))
@@ -35,7 +38,8 @@ PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 def slo_fields(headers) -> dict:
-    """The flat kvadmit fields the headers ask for: times in seconds, the flow as text."""
+    """The flat kvadmit fields the headers ask for: times in seconds, the flow and
+    sheddable as text."""
     out = {}
     for name, value in headers:
         field = HEADERS.get(name.lower())

@@ -74,3 +74,11 @@ def test_other_requests_pass_untouched():
         scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
         seen = run(scope, [{"type": "http.request", "body": doc, "more_body": False}])
         assert seen["body"] == doc, path
+
+
+def test_the_sheddable_header_is_the_sheddable_field():
+    def sheddable(v):
+        return from_extra_args(slo_fields([(b"X-Kvadmit-Sheddable", v)])).sheddable
+    assert (sheddable(b"true"), sheddable(b" 1 "), sheddable(b"false")) == (True, True, False)
+    with pytest.raises(FieldError, match="kvadmit_sheddable='maybe': must be true or false"):
+        sheddable(b"maybe")
