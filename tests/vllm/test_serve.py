@@ -494,3 +494,41 @@ def test_stale_and_abandoned_requests_never_reach_prefill(server):
         before.get('kvadmit_rejected_total{reason="expired"}', 0) == 1
     assert after["kvadmit_aborted_total"] - before.get("kvadmit_aborted_total", 0) == 1
     assert_counters_add_up(after)
+
+
+def test_sheddable_requests_are_refused_while_another_waits_for_kv(server):
+    """Issue 22 item 3 over HTTP: while a long request holds the pool and another
+    waits behind it, a request marked `x-kvadmit-sheddable: true` is refused at once
+    with 503, Retry-After and kvadmit:shed, as a plain response and as a stream, and
+    never prefilled; the waiting request runs when the long one ends."""
+    import httpx
+    base, model, _ = server
+    before = wait_idle(base)
+    pool = ThreadPoolExecutor(2)
+    long = pool.submit(complete, base, model, 40, 460, 901)   # 16 of the 24 blocks
+    deadline = time.time() + 60
+    while metrics(base).get("vllm:num_requests_running", 0) < 1:
+        assert time.time() < deadline and not long.done()
+        time.sleep(0.05)
+    held = pool.submit(complete, base, model, 40, 440, 902)   # 15 blocks: held
+    while metrics(base).get("kvadmit_waiting_requests", 0) < 1:
+        assert time.time() < deadline and not long.done()
+        time.sleep(0.05)
+    time.sleep(0.2)                                   # a few steps: its hold is seen
+    body = {"model": model, "prompt": [(i * 3) % 997 + 3 for i in range(40)], "max_tokens": 8}
+    headers = {"x-kvadmit-sheddable": "true"}
+    r = httpx.post(base + "/v1/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 503 and "kvadmit:shed" in r.text and "sheddable" in r.text, r.text
+    assert float(r.headers["retry-after"]) >= 1
+    with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True},
+                      headers=headers, timeout=60) as s:
+        assert s.status_code == 503 and "retry-after" in s.headers
+        assert "kvadmit:shed" in s.read().decode()
+    assert not long.done()
+    assert long.result().usage.completion_tokens == 460
+    assert held.result().usage.completion_tokens == 440
+    after = wait_idle(base)
+    assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == 80
+    assert after['kvadmit_rejected_total{reason="shed"}'] - \
+        before.get('kvadmit_rejected_total{reason="shed"}', 0) == 2
+    assert_counters_add_up(after)
