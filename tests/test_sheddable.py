@@ -141,3 +141,15 @@ def test_the_native_engine_serves_others_first_and_loses_nothing():
     done = [i for i in range(n) if r["rejected"][i] is None]
     assert all(r["output_tokens"][i] == 48 for i in done)
     assert e.totals()["free_blocks_at_end"] == 60
+
+
+def test_a_predicted_ttft_does_not_count_sheddable_work_ahead():
+    def core_with(**kw):
+        core = make_core("reserve", num_blocks=10, block_size=4)
+        start(core, arrive(core, 0.0, prompt=20, max_new=20).slot)
+        if kw:
+            arrive(core, 0.1, prompt=32, max_new=4, **kw)
+        core.step_done(64, 64, 0.2)
+        return core.predict_ttft(16, 0.3)
+    alone, behind_batch, behind_chat = core_with(), core_with(sheddable=True), core_with(priority=0)
+    assert behind_batch == alone < behind_chat

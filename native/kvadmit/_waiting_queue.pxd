@@ -77,6 +77,7 @@ cdef class WaitingQueue:
     cdef cmap[QKey, int32_t] _expiry       # never-admitted waiting with a TTL, by expiry time
     cdef int64_t _held[N_DECISIONS]        # (request, step) pairs held at the queue head
     cdef bint _saturated                   # the latest scan held a request that is not sheddable
+    cdef int64_t _n_sheddable              # sheddable requests waiting
     # flows (kvadmit._flows): once on, each flow's waiting requests in queue order too;
     # while two or more flows wait, the queue's order is the fair walk over them
     cdef FlowTable flows

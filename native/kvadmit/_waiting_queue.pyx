@@ -101,6 +101,7 @@ cdef class WaitingQueue:
     cdef void c_add(self, int32_t s) noexcept nogil:
         """The ledger-enqueued s takes its place (and in shedding's and expiry's order if never started)."""
         self._waiting[self.c_key(s)] = s
+        self._n_sheddable += self.ledger.sheddable(s)
         if self._fair:
             self._by_flow[self.ledger.flow_ix(s)][self.c_key(s)] = s
         if self.ledger.unstarted(s):
@@ -111,6 +112,7 @@ cdef class WaitingQueue:
     cdef void c_remove(self, int32_t s) noexcept nogil:
         """s leaves the queue (before the ledger's dequeue clears its unstarted mark)."""
         self._waiting.erase(self.c_key(s))
+        self._n_sheddable -= self.ledger.sheddable(s)
         cdef cmap[int32_t, cmap[QKey, int32_t]].iterator f
         if self._fair:
             f = self._by_flow.find(self.ledger.flow_ix(s))
@@ -125,8 +127,9 @@ cdef class WaitingQueue:
         """Waiting requests (and their prefill tokens) that the queue order serves
         before a request with this key: all of them in arrival order (a new arrival
         is last), else a walk to its position (skipping requests held outside the
-        agent window: they do not block it)."""
-        if not self._priority_order and not self._deadline_order and not self.agent_window.enabled:
+        agent window: they do not block it, and sheddable ones behind it)."""
+        if not self._priority_order and not self._deadline_order and not self.agent_window.enabled \
+                and self._n_sheddable == 0:
             reqs[0] = self._waiting.size()
             tokens[0] = self.ledger.queued_tokens()
             return

@@ -506,11 +506,13 @@ class _Requests:
         return self.extra[i]
 
     def append(self, row: dict) -> None:
-        """One of `Requests.row`'s rows. Its SLO targets, session, TTL and flow reach
-        kvadmit as request fields where given (a negative one is the config's default or
-        none: none sent)."""
+        """One of `Requests.row`'s rows. Its SLO targets, session, TTL, flow and class
+        reach kvadmit as request fields where given (a negative one is the config's
+        default or none, and not sheddable the default: none sent)."""
         fields = {k: row[k] for k in ("ttft_slo_s", "tpot_slo_s", "session", "ttl_s", "flow")
                   if row[k] >= 0}
+        if row["sheddable"]:
+            fields["sheddable"] = True
         if row["parent"] < 0:
             self.last_open = row["arrival_s"]
         for col, v in ((self.arrival, row["arrival_s"]), (self.prompt, row["prompt_tokens"]),
