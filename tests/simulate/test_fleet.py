@@ -184,7 +184,6 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
     (["--instances", "2", "--scrape-interval", "0"], "--scrape-interval 0.0: must be in [0.001, 60]"),
     (["--instances", "2", "--max-retries", "-1"], "--max-retries -1: must be in [0, 100]"),
     (["--instances", "2", "--busy-threshold", "1.5"], "--busy-threshold 1.5: must be in (0, 1]"),
-    (["--instances", "2", "--engine", "vllm"], "native engine model only"),
     (["--instances", "2", "--policies", "nope"], "policy 'nope'"),
 ])
 def test_cli_errors_name_the_flag_and_its_limit(flags, message, capsys):

@@ -340,3 +340,24 @@ def test_a_fleet_drives_vllm_schedulers_through_the_same_contract(model_dir):
         assert pr["rejected"][i] is None and pr["output_tokens"][i] == w.output_tokens[i], i
     assert [x["routed"] for x in run.instances] == [15, 15]
     assert all(x["free_blocks_at_end"] == 40 for x in run.instances)
+
+
+def test_the_cli_runs_a_fleet_of_vllm_schedulers(model_dir, tmp_path, capsys):
+    import json
+
+    from kvadmit.cli import main
+    out = tmp_path / "fleet.json"
+    assert main(["simulate", "--synthetic", "poisson", "--requests", "40", "--rate", "20",
+                 "--engine", "vllm", "--model-dir", str(model_dir), "--num-blocks", "60",
+                 "--block-size", "16", "--max-model-len", "512", "--max-num-seqs", "16",
+                 "--max-num-batched-tokens", "256", "--instances", "2", "--router",
+                 "round-robin", "--policies", "auto", "vllm-default", "--quiet",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "fleet: 2 instances of vLLM" in text
+    rows = json.loads(out.read_text())["runs"][0]["rows"]
+    assert {r["policy"] for r in rows} == {"auto", "vllm-default"}
+    for r in rows:
+        assert r["requests"] == 40 and sum(r["rejected"].values()) == 0
+        per = r["per_instance"]
+        assert [x["routed"] for x in per] == [20, 20] and sum(x["served"] for x in per) == 40

@@ -158,7 +158,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
               f"kvadmit's slo_guard sees); goodput = share of all requests meeting both")
     if args.instances is not None:
         from kvadmit.simulate.fleet_cli import cmd_fleet
-        return cmd_fleet(args, workload, shape, step, base, slo)
+        return cmd_fleet(args, workload, shape, step, base, slo, model_dir)
     cap = None
     if args.load or args.sweep:
         cap = capacity_rps(workload, shape, step)

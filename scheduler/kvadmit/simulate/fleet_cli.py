@@ -53,8 +53,6 @@ def check_fleet_args(args: argparse.Namespace) -> None:
     """Bad fleet flags fail before anything is loaded, naming the flag and its limit."""
     if not 1 <= args.instances <= MAX_INSTANCES:
         raise ValueError(f"--instances {args.instances}: must be in [1, {MAX_INSTANCES}]")
-    if args.engine != "native":
-        raise ValueError("--instances: the fleet runs the native engine model only (not --engine vllm)")
     for r in args.router or []:
         if r not in ROUTERS:
             raise ValueError(f"--router {r!r}: must be one of {', '.join(ROUTERS)}")
@@ -99,13 +97,26 @@ def fmt_row(r: dict) -> str:
             f"{r['retries']:8d} {r['imbalance']:6.2f} {r['wall_s']:6.1f}")
 
 
+def vllm_instances(workload: Workload, step: StepTimeModel, base: AdmissionConfig,
+                   model_dir: str):
+    """`run_fleet`'s make_engine for --engine vllm: each instance vLLM's V1 scheduler
+    in-process on the virtual clock (vLLM's own for a vllm-* policy, else kvadmit's)."""
+    from kvadmit.simulate.vllm_engine import VllmEngine
+    interval = max(workload.open_loop_span_s() / 500.0, 0.05)
+
+    def make_engine(policy, shape):
+        return VllmEngine(None if policy.vllm_own else policy.config(base), shape, step,
+                          model_dir, interval, hash_block_tokens=workload.hash_block_tokens)
+    return make_engine
+
+
 def cmd_fleet(args, workload: Workload, shape: EngineShape, step: StepTimeModel,
-              base: AdmissionConfig, slo: Slo) -> int:
+              base: AdmissionConfig, slo: Slo, model_dir: str | None = None) -> int:
     check_open_loop(workload)          # before the capacity runs, not after
     n = args.instances
     routers = routers_for(args, workload)
     configs = fleets(args)
-    print(f"fleet: {n} instances; routers {', '.join(routers)}; scrape every "
+    print(f"fleet: {n} instances of {'vLLM' if model_dir else 'the native engine model'}; routers {', '.join(routers)}; scrape every "
           f"{args.scrape_interval:g} s; clients retry a refusal up to {args.max_retries} times "
           f"(after its Retry-After, else {args.retry_backoff:g} s)")
     cap = None
@@ -131,7 +142,8 @@ def cmd_fleet(args, workload: Workload, shape: EngineShape, step: StepTimeModel,
             for router in routers:
                 fs = setup(args, policies, router)
                 prog = None if args.quiet else progress_line(f"{fs.label} / {router}", "arrivals routed")
-                run = run_fleet(w, fs, shape, step, base, slo, progress=prog)
+                make = vllm_instances(w, step, base, model_dir) if model_dir else None
+                run = run_fleet(w, fs, shape, step, base, slo, progress=prog, make_engine=make)
                 if prog:
                     prog(None, None)
                 row = {"policy": fs.label, "router": router, "wall_s": run.wall_s,
