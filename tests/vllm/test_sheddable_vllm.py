@@ -46,3 +46,16 @@ def test_while_a_request_waits_for_kv_a_sheddable_one_is_dropped_unprefilled(mod
     assert core.stats()["rejected"]["shed"] == 1
     pool = eng.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
+def test_under_vllms_priority_scheduling_a_better_value_does_not_put_sheddable_first(model_dir):
+    # vLLM's heap puts priority -5 first; kvadmit serves the request that is not
+    # sheddable (priority 3) before it
+    eng = InProcessEngine(model_dir, scheduler_cls=Scheduler, num_blocks=6, block_size=16,
+                          max_model_len=256, additional_config=RESERVE,
+                          scheduling_policy="priority")
+    batch = eng.add([9] * 40, 30, priority=-5, extra_args={"kvadmit_sheddable": 1})
+    chat = eng.add([8] * 40, 30, priority=3)
+    seen = first_scheduled(eng, {batch, chat})
+    assert seen[chat] < seen[batch]
+    assert all(len(eng.log.outputs[r]) == 30 for r in (batch, chat))
