@@ -118,6 +118,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=60.0, help="arrival window")
     ap.add_argument("--interactive-load", type=float, default=0.3)
     ap.add_argument("--batch-offer", type=float, default=10.0, help="x the batch flow's share")
+    ap.add_argument("--interactive-lengths", type=float, nargs=2, default=[600, 150],
+                    metavar=("PROMPT", "OUTPUT"), help="interactive prompt and output means")
+    ap.add_argument("--batch-lengths", type=float, nargs=2, default=[3000, 500],
+                    metavar=("PROMPT", "OUTPUT"), help="batch prompt and output means")
     ap.add_argument("--ttft", type=float, default=1.0)
     ap.add_argument("--tpot", type=float, default=0.1)
     ap.add_argument("--num-blocks", type=int, default=2048)
@@ -167,16 +171,17 @@ def table(rows) -> None:
 
 
 def one_seed(args, shape, step, seed: int) -> dict:
-    probe_i = requests("interactive", 2000, 1.0, seed + 100, 600, 150, shape.max_model_len)
-    probe_b = requests("batch", 2000, 1.0, seed + 200, 3000, 500, shape.max_model_len)
+    (pi, oi), (pb, ob) = args.interactive_lengths, args.batch_lengths
+    probe_i = requests("interactive", 2000, 1.0, seed + 100, pi, oi, shape.max_model_len)
+    probe_b = requests("batch", 2000, 1.0, seed + 200, pb, ob, shape.max_model_len)
     cap_i = capacity_rps(probe_i, shape, step)
     cap_b = capacity_rps(probe_b, shape, step)
     rate_i = args.interactive_load * cap_i
     rate_b = args.batch_offer * 0.5 * cap_b
     inter = requests("interactive", max(2, round(rate_i * args.seconds)), rate_i, seed + 1,
-                     600, 150, shape.max_model_len)
+                     pi, oi, shape.max_model_len)
     batch = requests("batch", max(2, round(rate_b * args.seconds)), rate_b, seed + 2,
-                     3000, 500, shape.max_model_len)
+                     pb, ob, shape.max_model_len)
     slo = Slo(args.ttft, args.tpot)
     print(f"capacity: interactive {cap_i:.2f} req/s, batch {cap_b:.2f} req/s; offered: "
           f"interactive {rate_i:.2f} req/s ({len(inter)}), batch {rate_b:.2f} req/s "

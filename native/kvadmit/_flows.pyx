@@ -34,13 +34,17 @@ from libc.stdint cimport int32_t, int64_t
 
 from kvadmit._ledger cimport Ledger
 
+cdef double HEADROOM_REQUESTS = 4.0   # headroom kept per under-share flow: its requests
+cdef double SIZE_ALPHA = 0.05         # the moving mean of a flow's request size
+
 
 cdef class FlowTable:
     """The flows' weights, caps, usage and counters, by flow index (0: no flow)."""
 
-    def __init__(self, config, Ledger ledger):
+    def __init__(self, config, Ledger ledger, int64_t num_blocks=0):
         from kvadmit.request_fields import flow_int
         self.ledger = ledger
+        self.num_blocks = num_blocks
         self.on = False
         self._default_weight = config.flow_default_weight
         self._configured = {}
@@ -60,6 +64,7 @@ cdef class FlowTable:
         self._block_steps.push_back(0.0)
         self._block_s.push_back(0.0)
         self._holding.push_back(0)
+        self._size.push_back(0.0)
         for i in range(N_FLOW_COUNTERS):
             self._counts.push_back(0)
         if self._id.size() > <size_t>self.ledger.n_flows():
@@ -129,6 +134,39 @@ cdef class FlowTable:
             self._last_t = now
         self._stepped = True
 
+    cdef void c_finished(self, int32_t s) noexcept nogil:
+        """The running s finishes: the blocks it holds feed its flow's request size."""
+        cdef int32_t f = self.ledger.flow_ix(s)
+        cdef double b = self.ledger.held_blocks(s)
+        self._size[f] = b if self._size[f] == 0.0 else self._size[f] + SIZE_ALPHA * (b - self._size[f])
+
+    cdef int64_t c_headroom(self, int32_t f) noexcept nogil:
+        """Blocks a request of flow f must leave free (to the policy's rule and to the
+        blocks it needs now) for the other live flows below their share: for each live
+        flow g holding less of the pool per weight than f does, HEADROOM_REQUESTS of its
+        requests' size (the blocks they held when they finished), at most what g lacks
+        of its weighted share of the pool among the live flows. So an under-share flow's
+        next requests find room at once, instead of waiting for the over-share flow's
+        running requests to finish; a flow alone (no other live flow) keeps nothing
+        back, and nor does the flow holding least."""
+        cdef size_t g, n = self._id.size()
+        cdef double live_weight = 0.0, mine = self.c_holding(f), want, lack, total = 0.0
+        for g in range(n):
+            if self.ledger.flow_live(<int32_t>g) > 0 or <int32_t>g == f:
+                live_weight += self._weight[g]
+        for g in range(n):
+            if <int32_t>g == f or self.ledger.flow_live(<int32_t>g) == 0 or self._size[g] == 0.0:
+                continue
+            if self.c_holding(<int32_t>g) >= mine:
+                continue
+            lack = self.num_blocks * self._weight[g] / live_weight - self._holding[g]
+            want = HEADROOM_REQUESTS * self._size[g]
+            if lack < want:
+                want = lack
+            if want > 0:
+                total += want
+        return <int64_t>total
+
     cdef str c_name(self, int32_t f):
         """How messages and stats name flow f: its key in the config's flows, else its id."""
         if f == 0:
@@ -170,4 +208,5 @@ cdef class FlowTable:
                 "usage_per_weight": self._vtime[i],
             }
         return out
+
 

@@ -237,7 +237,10 @@ cdef class WaitingQueue:
                 break
             else:
                 s = deref(it).second
+            if self._fair:
+                judge.headroom = self.flows.c_headroom(self.ledger.flow_ix(s))
             d = judge.c_decide(s, free_blocks, check_blocks)
+            judge.headroom = 0
             if d == D_ADMIT:
                 return s
             if head:

@@ -19,7 +19,8 @@ spec.loader.exec_module(nn)
 
 def test_flows_keep_the_interactive_goodput_and_the_pool_full():
     args = argparse.Namespace(seconds=60.0, interactive_load=0.3, batch_offer=10.0, ttft=1.0,
-                              tpot=0.1, model_dir=None)
+                              tpot=0.1, model_dir=None, interactive_lengths=[600, 150],
+                              batch_lengths=[3000, 500])
     shape = EngineShape(num_blocks=2048, block_size=16, max_model_len=8192, max_num_seqs=256,
                         max_num_batched_tokens=8192)
     rows = {r["run"]: r for r in nn.one_seed(args, shape, get_preset("h100-8b"), 0)["rows"]}
