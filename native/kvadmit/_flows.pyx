@@ -143,7 +143,8 @@ cdef class FlowTable:
     cdef int64_t c_headroom(self, int32_t f) noexcept nogil:
         """Blocks a request of flow f must leave free (to the policy's rule and to the
         blocks it needs now) for the other live flows below their share: for each live
-        flow g holding less of the pool per weight than f does, HEADROOM_REQUESTS of its
+        flow g with none of its requests waiting and holding less of the pool per weight
+        than f does, HEADROOM_REQUESTS of its
         requests' size (the blocks they held when they finished), at most what g lacks
         of its weighted share of the pool among the live flows. So an under-share flow's
         next requests find room at once, instead of waiting for the over-share flow's
@@ -155,8 +156,10 @@ cdef class FlowTable:
             if self.ledger.flow_live(<int32_t>g) > 0 or <int32_t>g == f:
                 live_weight += self._weight[g]
         for g in range(n):
-            if <int32_t>g == f or self.ledger.flow_live(<int32_t>g) == 0 or self._size[g] == 0.0:
-                continue
+            if <int32_t>g == f or self.ledger.flow_live(<int32_t>g) == 0 or self._size[g] == 0.0 \
+                    or self.ledger.flow_waiting(<int32_t>g) > 0:
+                continue      # not live, size unknown, or its own requests wait: the fair
+                              # order and the bypass rule serve those
             if self.c_holding(<int32_t>g) >= mine:
                 continue
             lack = self.num_blocks * self._weight[g] / live_weight - self._holding[g]
