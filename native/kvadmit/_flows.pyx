@@ -26,7 +26,12 @@
 # own flow holds no more of the pool (blocks per weight, now) than the held one's,
 # so that a bypass never moves KV from the flow holding less to the one holding more
 # (a noisy neighbour's small requests would otherwise take, one by one, the blocks a
-# quiet flow's request waits for). Until the first
+# quiet flow's request waits for). And the headroom (c_headroom): a request of a flow
+# holding more per weight than another live flow with nothing waiting leaves free, to
+# the policy's rule and the blocks check, room for HEADROOM_REQUESTS of that flow's
+# requests (at most what it lacks of its share), so the quiet flow's next arrivals
+# start at once instead of waiting for the noisy one's running requests to finish; a
+# flow alone keeps nothing back. Until the first
 # request with a flow arrives, nothing here runs and the queue is the plain one.
 
 from cython.operator cimport dereference as deref
