@@ -312,16 +312,16 @@ def run_config(args, name: str) -> dict:
     out["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(),
                       "python": platform.python_version()}
     out["wall_s"] = time.time() - t_start
-    path = OUT_DIR / f"{name}.json"
+    path = OUT_DIR / f"{name}{'-' + args.tag if args.tag else ''}.json"
     path.write_text(json.dumps(out, indent=1))
     progress(f"saved {path}")
     return out
 
 
-def report() -> int:
+def report(tag: str = "") -> int:
     rows = []
     for name in configs():
-        p = OUT_DIR / f"{name}.json"
+        p = OUT_DIR / f"{name}{'-' + tag if tag else ''}.json"
         if p.exists():
             rows.append(json.loads(p.read_text()))
     if not rows:
@@ -332,8 +332,8 @@ def report() -> int:
           f"{a['seconds']} s each phase; SLO TTFT {a['ttft']} s, TPOT {a['tpot']} s; "
           f"pool {a['num_blocks']} x 32 tokens")
     for r in rows:
-        if {k: v for k, v in r["args"].items() if k != "report"} != \
-                {k: v for k, v in a.items() if k != "report"}:
+        if {k: v for k, v in r["args"].items() if k not in ("report", "tag")} != \
+                {k: v for k, v in a.items() if k not in ("report", "tag")}:
             print(f"note: {r['config']} ran with other arguments: {r['args']}")
         fin = r["phases"]["batch alone"]["batch_finished_in_window"]
         if fin:
@@ -353,11 +353,12 @@ def report() -> int:
               f"| {b['util']:.3f} | {x['util']:.3f} | {r.get('util_vs_batch_only', float('nan')):.1%} "
               f"| {b['batch_finished_in_window']} / {x['batch_finished_in_window']} "
               f"| {x['preemptions']} |")
-    (RESULTS / "noisy_neighbour_serve.json").write_text(json.dumps(
+    out = RESULTS / f"noisy_neighbour_serve{'_' + tag if tag else ''}.json"
+    out.write_text(json.dumps(
         [{k: r[k] for k in ("config", "doc", "goodput_vs_alone", "util_vs_batch_only",
                             "batch_offer_x_share", "phases",
                             "args", "machine") if k in r} for r in rows], indent=1))
-    print(f"saved {RESULTS / 'noisy_neighbour_serve.json'}")
+    print(f"saved {out}")
     return 0
 
 
@@ -377,10 +378,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--tag", default="", help="a suffix for the result files (another workload)")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))    # stop the server on a kill
     if args.report:
-        return report()
+        return report(args.tag)
     if not args.configs:
         ap.error("give --configs (one or more) or --report")
     for name in args.configs:
