@@ -9,8 +9,8 @@ pool, one step-time model, the same requests in every run:
   (lognormal), SLO TTFT `--ttft` s and TPOT `--tpot` s, at `--interactive-load` x the
   engine's capacity for such requests;
 - batch: Poisson arrivals over the same seconds, prompts mean 3000, outputs mean 500,
-  at 10 x its share: `--batch-offer` (10) x half the engine's capacity for such
-  requests (two flows of weight 1: half the pool each).
+  at 10 x its share: `--batch-offer` (10) x its share of the engine's capacity for
+  such requests (two flows of weight 1: half the pool each; `--weights` sets them).
 
 Runs: the interactive requests alone, the batch requests alone, and both together
 under (a) FCFS, no flows (kvadmit's default `{}`); (b) vLLM-style priority, the
@@ -25,6 +25,7 @@ alone, the pool's utilisation while both offer load (mean used blocks / pool ove
 arrival window, from the engine's timeline) with batch alone.
 
     python bench/noisy_neighbour.py
+    python bench/noisy_neighbour.py --seeds 0 1 2 3 4 5 --interactive-load 0.5 --weights 1 3
     python bench/noisy_neighbour.py --max-model-len 4096 --model-dir DIR --out noisy_neighbour_vllm
 
 The second runs vLLM 0.32's own V1 scheduler in-process instead (fake model outputs on
@@ -118,6 +119,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=60.0, help="arrival window")
     ap.add_argument("--interactive-load", type=float, default=0.3)
     ap.add_argument("--batch-offer", type=float, default=10.0, help="x the batch flow's share")
+    ap.add_argument("--interactive-lengths", type=float, nargs=2, default=[600, 150],
+                    metavar=("PROMPT", "OUTPUT"), help="interactive prompt and output means")
+    ap.add_argument("--batch-lengths", type=float, nargs=2, default=[3000, 500],
+                    metavar=("PROMPT", "OUTPUT"), help="batch prompt and output means")
+    ap.add_argument("--weights", type=float, nargs=2, default=[1.0, 1.0],
+                    metavar=("INTERACTIVE", "BATCH"),
+                    help="the flows' weights (the batch flow's share: its weight over both)")
     ap.add_argument("--ttft", type=float, default=1.0)
     ap.add_argument("--tpot", type=float, default=0.1)
     ap.add_argument("--num-blocks", type=int, default=2048)
@@ -167,16 +175,18 @@ def table(rows) -> None:
 
 
 def one_seed(args, shape, step, seed: int) -> dict:
-    probe_i = requests("interactive", 2000, 1.0, seed + 100, 600, 150, shape.max_model_len)
-    probe_b = requests("batch", 2000, 1.0, seed + 200, 3000, 500, shape.max_model_len)
+    (pi, oi), (pb, ob) = args.interactive_lengths, args.batch_lengths
+    probe_i = requests("interactive", 2000, 1.0, seed + 100, pi, oi, shape.max_model_len)
+    probe_b = requests("batch", 2000, 1.0, seed + 200, pb, ob, shape.max_model_len)
     cap_i = capacity_rps(probe_i, shape, step)
     cap_b = capacity_rps(probe_b, shape, step)
     rate_i = args.interactive_load * cap_i
-    rate_b = args.batch_offer * 0.5 * cap_b
+    wi, wb = getattr(args, "weights", (1.0, 1.0))
+    rate_b = args.batch_offer * wb / (wi + wb) * cap_b
     inter = requests("interactive", max(2, round(rate_i * args.seconds)), rate_i, seed + 1,
-                     600, 150, shape.max_model_len)
+                     pi, oi, shape.max_model_len)
     batch = requests("batch", max(2, round(rate_b * args.seconds)), rate_b, seed + 2,
-                     3000, 500, shape.max_model_len)
+                     pb, ob, shape.max_model_len)
     slo = Slo(args.ttft, args.tpot)
     print(f"capacity: interactive {cap_i:.2f} req/s, batch {cap_b:.2f} req/s; offered: "
           f"interactive {rate_i:.2f} req/s ({len(inter)}), batch {rate_b:.2f} req/s "
@@ -185,7 +195,8 @@ def one_seed(args, shape, step, seed: int) -> dict:
 
     base = AdmissionConfig()
     vllm_rule = {"policy": "overcommit", "victim": "lifo"}
-    flows_cfg = {"flows": {str(CHAT): {"weight": 1}, str(BATCH): {"weight": 1}}}
+    flows_cfg = {"flows": {str(CHAT): {"weight": wi}, str(BATCH): {"weight": wb}}}
+    ratio = f"{wi:g}:{wb:g}"
     both_plain, src = merge(inter, batch)
     both_prio, _ = merge(inter, batch, priority=(0, 1))
     both_flows, _ = merge(inter, batch, flow=(CHAT, BATCH))
@@ -201,17 +212,17 @@ def one_seed(args, shape, step, seed: int) -> dict:
                                     "queue_order": "priority"}), is_inter),
         ("priority (kvadmit default + queue_order priority)", both_prio,
          AdmissionConfig.from_dict({"queue_order": "priority"}), is_inter),
-        ("flows, weight 1:1 (kvadmit default + flows)", both_flows,
+        (f"flows, weight {ratio} (kvadmit default + flows)", both_flows,
          AdmissionConfig.from_dict(flows_cfg), is_inter),
-        ("flows, weight 1:1, head_of_line strict", both_flows,
+        (f"flows, weight {ratio}, head_of_line strict", both_flows,
          AdmissionConfig.from_dict({**flows_cfg, "head_of_line": "strict"}), is_inter),
-        ("flows, weight 1:1, under vLLM's rule (overcommit, LIFO)", both_flows,
+        (f"flows, weight {ratio}, under vLLM's rule (overcommit, LIFO)", both_flows,
          AdmissionConfig.from_dict({**flows_cfg, **vllm_rule}), is_inter),
     ]
     rows = []
     alone_goodput = batch_util = None
     for label, w, config, keep in runs:
-        if args.model_dir is not None and label not in VLLM_RUNS:
+        if args.model_dir is not None and label.replace(ratio, "1:1") not in VLLM_RUNS:
             continue
         per, totals, util, fstats = run(w, config, shape, step, args.seconds, args.model_dir)
         if keep is None:

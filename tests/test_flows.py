@@ -190,6 +190,35 @@ def test_bypass_passes_a_held_request_only_toward_the_flow_holding_less():
     assert core.next_admissible(100) == big                    # and what fits, starts
 
 
+def test_an_over_share_flow_leaves_headroom_for_a_live_flow_below_its_share():
+    """The noisy-neighbour rule (kvadmit._flows.c_headroom): a request of a flow holding
+    more of the pool per weight than another live flow must leave free, to the policy's
+    rule, four of that flow's requests (by the blocks its finished ones held), at most
+    what it lacks of its share; the flow holding least keeps nothing back, and once the
+    other flow is not live the pool is the over-share flow's again (work-conserving)."""
+    core = make_core("reserve", num_blocks=100)
+    a0 = arrive(core, flow=A)
+    core.admit(a0, 0.0)
+    core.update(a0, 11, 4)                     # 11 tokens: 3 blocks
+    core.finish(a0, 1.0)                       # a's requests: 3 blocks each so far
+    a1 = arrive(core, flow=A, now=1.0)
+    core.admit(a1, 1.0)                        # a live, holding 2 blocks (reserves 3)
+    b1 = arrive(core, flow=B, prompt=200, max_new=20, now=1.0)
+    core.admit(b1, 1.0)                        # b holds 50 (reserves 55): 58 reserved
+    b2 = arrive(core, flow=B, prompt=108, max_new=20, now=1.0)   # reserves 32
+    # 58 + 32 = 90 fits the 100 blocks, not the 100 - 4 x 3 = 88 b must leave a
+    assert core.decide(b2, 48) == "admit"      # the policy alone would start it
+    assert core.next_admissible(48) == -1
+    a2 = arrive(core, flow=A, prompt=108, max_new=20, now=1.0)   # a holds least: no headroom
+    assert core.next_admissible(48) == a2
+    core.abort(a2, 1.0)
+    assert core.next_admissible(48) == -1
+    core.finish(a1, 2.0)                       # a is not live: b alone gets the pool
+    assert core.next_admissible(50) == b2
+    stats = core.flow_stats()
+    assert stats[str(B)]["held"] >= 1 and stats[str(A)]["admitted"] == 2
+
+
 def test_two_saturating_flows_share_the_pool_by_weight():
     """Native engine: two flows of alike requests, both backlogged from t=0; while both
     wait, their block-steps are in the ratio of their weights."""

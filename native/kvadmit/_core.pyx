@@ -66,7 +66,7 @@ cdef class AdmissionCore(CoreView):
         self.gate = ArrivalGate(config)
         self.slo_guard = SloGuard(config)
         self.agent_window = AgentWindow(config, num_blocks)
-        self.flows = FlowTable(config, self.ledger)
+        self.flows = FlowTable(config, self.ledger, num_blocks)
         self.queue = WaitingQueue(config, self.ledger, self.agent_window, self.flows)
         self.shortfall = ShortfallPlanner(config.pause_on_shortfall, block_size,
                                           config.queue_order == "priority",
@@ -470,6 +470,8 @@ cdef class AdmissionCore(CoreView):
     cdef void c_finish(self, int32_t s, double now) noexcept nogil:
         """`finish`, unchecked (the native engine's path too)."""
         self._tick(now)
+        if self.flows.on:
+            self.flows.c_finished(s)
         self.ledger.finish(s)
         self._stopped(s)
         self.policy.c_on_finish(s)

@@ -39,9 +39,14 @@ cdef class Decision(Judge):
             return D_HOLD_AGENT
         cdef int64_t need_now = cdiv(self.ledger.tokens(s), self.block_size) \
             - self.ledger.cached(s) // self.block_size
+        if self.headroom > 0:       # the flows' headroom (kvadmit._flows.c_headroom)
+            free_blocks = free_blocks - self.headroom if free_blocks > self.headroom else 0
         if check_blocks and need_now > free_blocks:
             return D_HOLD_BLOCKS
-        if not self.policy.c_fits(s, free_blocks) and not self.c_takes_from_lower(s, free_blocks):
+        self.policy.headroom = self.headroom
+        cdef bint fits = self.policy.c_fits(s, free_blocks)
+        self.policy.headroom = 0
+        if not fits and not self.c_takes_from_lower(s, free_blocks):
             return D_HOLD_CAPACITY
         if not self.slo_guard.c_tpot_ok(self.ledger.tpot(s), self.ledger.n_running(),
                                         <double>self.ledger.running_context() + self.ledger.tokens(s)):

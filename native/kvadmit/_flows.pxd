@@ -18,6 +18,7 @@ cdef enum:   # per-flow counters
 cdef class FlowTable:
     cdef readonly bint on                 # a request with a flow arrived: the fair order is on
     cdef Ledger ledger
+    cdef int64_t num_blocks
     cdef double _default_weight
     cdef unordered_map[int64_t, int32_t] _ix   # flow id -> index (index 0: no flow)
     cdef vector[int64_t] _id
@@ -28,6 +29,8 @@ cdef class FlowTable:
     cdef vector[int64_t] _holding         # blocks its running requests held at the last step,
                                           # plus those admitted since
     cdef vector[int64_t] _counts          # N_FLOW_COUNTERS per flow
+    cdef vector[double] _size             # blocks its requests held when they finished
+                                          # (a moving mean; 0: none finished yet)
     cdef dict _configured                 # flow id -> its key in the config's flows
     cdef double _last_t
     cdef bint _stepped
@@ -52,4 +55,6 @@ cdef class FlowTable:
     cdef void c_activate(self, int32_t f) noexcept nogil
     cdef void c_charge(self, int32_t s, int sign=*) noexcept nogil
     cdef void c_accrue(self, double now) noexcept nogil
+    cdef void c_finished(self, int32_t s) noexcept nogil
+    cdef int64_t c_headroom(self, int32_t f) noexcept nogil
     cdef str c_name(self, int32_t f)

@@ -26,6 +26,7 @@ cdef class Policy:
     cdef readonly int64_t priority_margin  # priority_preemption_threshold (c_fits_taking_lower)
     cdef Ledger ledger
     cdef int64_t num_blocks, block_size
+    cdef int64_t headroom        # blocks c_fits leaves free (the flows' headroom; 0 else)
     # The running requests' KV curves, longest first (rebuilt when dirty); every
     # policy has them (peak_blocks() reports them), peak, adaptive and auto admit by them.
     cdef vector[Curve] _profile
@@ -68,7 +69,8 @@ cdef class Policy:
 
     cdef inline bint _noted(self, bint fits, const Curve& c) noexcept nogil:
         """Returns fits; remembers c for this scan when refused (a few curves suffice)."""
-        if not fits and self._scanning and self._refused_in_scan.size() < REFUSED_CURVES_KEPT:
+        if not fits and self._scanning and self.headroom == 0 \
+                and self._refused_in_scan.size() < REFUSED_CURVES_KEPT:
             self._refused_in_scan.push_back(c)
         return fits
 

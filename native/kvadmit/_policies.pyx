@@ -204,7 +204,7 @@ cdef class ReservePolicy(Policy):
     """Every running request may reach its max_tokens: reserve it all up front."""
 
     cdef bint c_fits(self, int32_t s, int64_t free_blocks) noexcept nogil:
-        return self.ledger.reserve_load() + self.ledger.reserve_blocks(s) <= self.num_blocks
+        return self.ledger.reserve_load() + self.ledger.reserve_blocks(s) <= self.num_blocks - self.headroom
 
     cdef bint c_fits_alone(self, int32_t s) noexcept nogil:
         return self.ledger.reserve_blocks(s) <= self.num_blocks
@@ -234,7 +234,7 @@ cdef class PeakPolicy(Policy):
             return False
         return self._noted(peak_blocks_sorted(self._profile.data(), self._profile.size(), &c,
                                               self.block_size, self.num_blocks, self._fenwick)
-                           + self._shared_term() + self._margin_term(s) <= self.num_blocks, c)
+                           + self._shared_term() + self._margin_term(s) <= self.num_blocks - self.headroom, c)
 
     cdef bint c_fits_taking_lower(self, int32_t s, int64_t free_blocks) noexcept nogil:
         """The peak of the curves of s and of the running requests of its priority or

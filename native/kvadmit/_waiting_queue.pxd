@@ -63,7 +63,9 @@ cdef extern from *:
 
 cdef class Judge:
     """What a scan asks of each waiting request it reaches: one of D_* (the core's
-    decision: the agent window, the blocks, the policy, the SLO guard)."""
+    decision: the agent window, the blocks, the policy, the SLO guard). `headroom`:
+    blocks the request judged must leave free (the flows' headroom, set by the scan)."""
+    cdef int64_t headroom
     cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil
 
 

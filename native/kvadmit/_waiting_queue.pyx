@@ -246,7 +246,10 @@ cdef class WaitingQueue:
                 s = deref(it).second
             if self._saturated and self.ledger.sheddable(s):
                 return -1
+            if self._fair:
+                judge.headroom = self.flows.c_headroom(self.ledger.flow_ix(s))
             d = judge.c_decide(s, free_blocks, check_blocks)
+            judge.headroom = 0
             if d == D_ADMIT:
                 return s
             if head:

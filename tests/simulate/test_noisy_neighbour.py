@@ -1,6 +1,6 @@
 """bench/noisy_neighbour.py on the native engine: a batch flow offering 10x its share
 beside an interactive flow. With flows the interactive flow keeps most of the goodput
-it gets alone (FCFS loses nearly all of it), the batch flow still fills the pool, no
+it gets alone (at least the goal's 95%; FCFS loses nearly all of it), the batch flow still fills the pool, no
 request is lost and every KV block comes back (asserted in every run)."""
 import argparse
 import importlib.util
@@ -19,15 +19,19 @@ spec.loader.exec_module(nn)
 
 def test_flows_keep_the_interactive_goodput_and_the_pool_full():
     args = argparse.Namespace(seconds=60.0, interactive_load=0.3, batch_offer=10.0, ttft=1.0,
-                              tpot=0.1, model_dir=None)
+                              tpot=0.1, model_dir=None, interactive_lengths=[600, 150],
+                              batch_lengths=[3000, 500])
     shape = EngineShape(num_blocks=2048, block_size=16, max_model_len=8192, max_num_seqs=256,
                         max_num_batched_tokens=8192)
     rows = {r["run"]: r for r in nn.one_seed(args, shape, get_preset("h100-8b"), 0)["rows"]}
     fcfs = rows["FCFS, no flows (kvadmit default {})"]
     flows = rows["flows, weight 1:1 (kvadmit default + flows)"]
     assert fcfs["goodput_vs_alone"] < 0.2                     # the noisy neighbour wins FCFS
-    assert flows["goodput_vs_alone"] >= 0.85                  # measured 0.899 (docs/flows.md)
-    assert flows["util_vs_batch_only"] >= 0.9                 # measured 0.943
+    # the goal: >= 95% of the goodput alone (measured 0.971 on seed 0; 0.899 before the
+    # flows' headroom), the pool near batch-only (measured 0.935; the goal's 5% is met
+    # by the mean over seeds 0-2, 0.964, not by seed 0 alone: docs/flows.md)
+    assert flows["goodput_vs_alone"] >= 0.95
+    assert flows["util_vs_batch_only"] >= 0.9
     assert flows["batch_finished"] == fcfs["batch_finished"]  # the batch flow is served too
     shares = flows["kv_share"]
     assert abs(sum(shares.values()) - 1.0) < 1e-3 and shares["1"] < shares["2"]
