@@ -293,6 +293,10 @@ def run_config(args, name: str) -> dict:
             s["preemptions"] = int(round(after.get("vllm:num_preemptions_total", 0)
                                          - before.get("vllm:num_preemptions_total", 0)))
             s["wall_s"] = res["wall_s"]
+            # kvadmit's holds in the phase, by reason ((request, step) pairs at the queue head)
+            s["kvadmit_held"] = {k.split('"')[1]: int(round(v - before.get(k, 0)))
+                                 for k, v in after.items()
+                                 if k.startswith("kvadmit_held_total{") and v - before.get(k, 0)}
             out["phases"][phase] = s
             progress(f"phase {phase}: interactive goodput {s['interactive_goodput']}, util "
                      f"{s['util']}, batch finished {s['batch_finished_in_window']}, "

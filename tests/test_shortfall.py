@@ -132,3 +132,18 @@ def test_lockstep_model_pauses_too():
         assert r.output_tokens == sum(q.output_tokens for q in reqs), shortfall
         res[shortfall] = r.preemptions
     assert 0 <= res["pause"] < res["preempt"], res
+
+
+def test_a_pause_does_not_hold_a_request_that_may_take_the_paused_ones_kv():
+    """Under queue_order "priority" a waiting request more important than running
+    ones may take their KV (priority retraction): their pause does not hold it, while
+    it still holds one of their own priority."""
+    core = make_core("overcommit", num_blocks=100, shortfall="pause", queue_order="priority")
+    add_running(core, 8, 50, priority=5)
+    add_running(core, 8, 50, priority=5)
+    same = add_waiting(core, 4, 10, priority=5)
+    assert core.plan_shortfall([1, 1], [4, 4], [1, 1], 1, 100, priorities=[5, 5]) == [1]
+    assert core.next_admissible(50) == -1
+    chat = add_waiting(core, 4, 10, priority=0)
+    assert core.next_admissible(50) == chat
+    assert core.waiting() == [chat, same]

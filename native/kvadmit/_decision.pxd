@@ -29,4 +29,5 @@ cdef class Decision(Judge):
     cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil
     cdef bint c_takes_from_lower(self, int32_t s, int64_t free_blocks) noexcept nogil
     cdef bint c_lower_priority_runs(self, int32_t s) noexcept nogil
+    cdef bint c_may_displace(self, int32_t s) noexcept nogil
     cdef Rejection c_refusal(self, int32_t s)

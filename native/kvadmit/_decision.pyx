@@ -65,6 +65,9 @@ cdef class Decision(Judge):
             return False
         return self.policy.c_fits_taking_lower(s, free_blocks)
 
+    cdef bint c_may_displace(self, int32_t s) noexcept nogil:
+        return self.by_priority and self.c_lower_priority_runs(s)
+
     cdef bint c_lower_priority_runs(self, int32_t s) noexcept nogil:
         """Whether a running request is less important than s (sheddable where s is
         not, or a larger priority value by more than priority_preemption_threshold)."""

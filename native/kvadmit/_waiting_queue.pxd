@@ -67,6 +67,7 @@ cdef class Judge:
     blocks the request judged must leave free (the flows' headroom, set by the scan)."""
     cdef int64_t headroom
     cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil
+    cdef bint c_may_displace(self, int32_t s) noexcept nogil
 
 
 cdef class WaitingQueue:

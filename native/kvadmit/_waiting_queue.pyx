@@ -23,6 +23,11 @@ cdef class Judge:
     cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil:
         return D_ADMIT
 
+    cdef bint c_may_displace(self, int32_t s) noexcept nogil:
+        """Whether s may take KV from running requests (priority retraction), so that
+        a pause of theirs does not hold it."""
+        return False
+
 
 cdef class WaitingQueue:
     """Queued slots in service order, over a ledger (the agent window's held
@@ -210,7 +215,9 @@ cdef class WaitingQueue:
         self._saturated = False
         if self._waiting.empty():
             return -1
-        if paused:
+        # Paused running requests have the first claim on blocks as they free up,
+        # except against a request that may take their KV (priority retraction).
+        if paused and not judge.c_may_displace(deref(self._waiting.begin()).second):
             self._count_hold(deref(self._waiting.begin()).second, D_HOLD_PAUSED)
             self._saturated = not self.ledger.sheddable(deref(self._waiting.begin()).second)
             return -1
@@ -245,6 +252,11 @@ cdef class WaitingQueue:
             else:
                 s = deref(it).second
             if self._saturated and self.ledger.sheddable(s):
+                return -1
+            if paused and not judge.c_may_displace(s):
+                if head:
+                    self._count_hold(s, D_HOLD_PAUSED)
+                self._saturated = self._saturated or not self.ledger.sheddable(s)
                 return -1
             if self._fair:
                 judge.headroom = self.flows.c_headroom(self.ledger.flow_ix(s))

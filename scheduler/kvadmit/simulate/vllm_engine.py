@@ -461,6 +461,7 @@ def _in_process_engine(config: AdmissionConfig | None, shape: EngineShape, model
     from kvadmit.vllm.inprocess import InProcessEngine
 
     engine_args = dict(engine_args or {})
+    policy = engine_args.pop("scheduling_policy", "fcfs")      # InProcessEngine's own argument
     engine_args.setdefault("scheduler_reserve_full_isl", shape.reserve_full_input)
     engine_args.setdefault("watermark", shape.watermark)
     if shape.max_num_active_seqs:
@@ -477,7 +478,7 @@ def _in_process_engine(config: AdmissionConfig | None, shape: EngineShape, model
         max_num_batched_tokens=shape.max_num_batched_tokens,
         additional_config={"kvadmit": config.to_dict()} if config is not None else None,
         enable_prefix_caching=shape.prefix_caching, enable_chunked_prefill=shape.chunked_prefill,
-        engine_args=engine_args)
+        scheduling_policy=policy, engine_args=engine_args)
 
 
 class _Requests:

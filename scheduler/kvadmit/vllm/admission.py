@@ -336,8 +336,53 @@ class VllmAdmission:
             order = [by_slot[s] for s in plan.victim_order if s in by_slot]
             if len(order) == len(sched.running):
                 sched.running = order
+        else:
+            self._displace_for_waiting()
         if self.pause_plan_blocks is not None:
             self._plan_pauses(throttle_prefills)
+
+    def _displace_for_waiting(self) -> None:
+        """vLLM's priority scheduling: priority retraction for the waiting request the
+        core lets start (it may start on the KV of running requests less important
+        than it, `AdmissionCore.displaceable`). vLLM preempts only for a running
+        request short of blocks, never for a waiting one, and kvadmit's pool seldom
+        runs short: so the displaceable ones are preempted here, least important
+        first, as far as its prompt's blocks need (none if even all of them would
+        not free enough)."""
+        slot = self.choose()
+        if slot is None:
+            return
+        victims = self.core.displaceable(slot)
+        if not victims:
+            return
+        sched, pool = self._sched, self._pool
+        req = self.bridge.obj(self.bridge.key(slot))
+        tokens = req.num_tokens - req.num_computed_tokens
+        if not getattr(sched, "scheduler_reserve_full_isl", True):
+            tokens = min(tokens, sched.max_num_scheduled_tokens)
+        need = -(-(tokens + sched.num_lookahead_tokens) // sched.block_size)
+        free = pool.get_num_free_blocks()
+        if need <= free:
+            return
+        held = sched.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
+        running = set(sched.running)
+        chosen, gain = [], 0
+        for v in victims:
+            vreq = self.bridge.obj(self.bridge.key(v))
+            if vreq not in running or not sched._request_blocks_can_be_freed(vreq):
+                continue
+            chosen.append(vreq)
+            gain += sum(1 for b in held.get(vreq.request_id, ()) if b.ref_cnt == 1)
+            if free + gain >= need:
+                break
+        if free + gain < need:
+            return
+        now = time.monotonic()
+        for vreq in chosen:
+            sched.running.remove(vreq)
+            sched._preempt_request(vreq, now,    # the core hears of it (Scheduler)
+                                   drop_stale_output=getattr(sched, "requires_kv_delivery", False))
+        sched.waiting.invalidate()
 
     def _plan_pauses(self, throttle_prefills: bool) -> None:
         """shortfall: pause. The core picks which running requests sit this step out
