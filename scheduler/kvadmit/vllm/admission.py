@@ -357,7 +357,9 @@ class VllmAdmission:
             return
         sched, pool = self._sched, self._pool
         req = self.bridge.obj(self.bridge.key(slot))
-        tokens = req.num_tokens - req.num_computed_tokens
+        # prefix-cache hits the core knows of need no new blocks
+        cached = self.core.info(slot)["cached_tokens"]
+        tokens = req.num_tokens - max(req.num_computed_tokens, cached)
         if not getattr(sched, "scheduler_reserve_full_isl", True):
             tokens = min(tokens, sched.max_num_scheduled_tokens)
         need = -(-(tokens + sched.num_lookahead_tokens) // sched.block_size)
