@@ -61,6 +61,16 @@ cdef extern from *:
         double weight
 
 
+cdef inline int rank_cmp(const QKey& a, const QKey& b) noexcept nogil:
+    """-1, 0 or 1: a's importance key (its class, then its order key) before, equal
+    to or after b's; arrival and tie-breaks left out (the fair walk orders equal
+    keys by its tags)."""
+    if a.cls != b.cls:
+        return -1 if a.cls < b.cls else 1
+    if a.first != b.first:
+        return -1 if a.first < b.first else 1
+    return 0
+
 cdef class Judge:
     """What a scan asks of each waiting request it reaches: one of D_* (the core's
     decision: the agent window, the blocks, the policy, the SLO guard). `headroom`:

@@ -84,11 +84,13 @@ cdef class WaitingQueue:
         if n == 0:
             return -1
         cdef QKey kb, ki
+        cdef int c
         for i in range(1, n):
             ki = deref(self._cursors[i].it).first
             kb = deref(self._cursors[best].it).first
-            if ki.cls != kb.cls or ki.first != kb.first:
-                if ki.cls < kb.cls or (ki.cls == kb.cls and ki.first < kb.first):
+            c = rank_cmp(ki, kb)
+            if c != 0:
+                if c < 0:
                     best = i
             elif self._cursors[i].tag != self._cursors[best].tag:
                 if self._cursors[i].tag < self._cursors[best].tag:
@@ -161,6 +163,7 @@ cdef class WaitingQueue:
         cdef cmap[int32_t, cmap[QKey, int32_t]].iterator g = self._by_flow.find(f)
         cdef cmap[QKey, int32_t].iterator it
         cdef int32_t r
+        cdef int c
         if g != self._by_flow.end():
             it = deref(g).second.begin()
             while it != deref(g).second.end() and deref(it).first < key:
@@ -173,8 +176,8 @@ cdef class WaitingQueue:
             it = deref(g).second.begin()
             while it != deref(g).second.end():
                 r = deref(it).second
-                if deref(it).first.first > key.first or (deref(it).first.first == key.first and (
-                        t > tag or (t == tag and not (deref(it).first < key)))):
+                c = rank_cmp(deref(it).first, key)
+                if c > 0 or (c == 0 and (t > tag or (t == tag and not (deref(it).first < key)))):
                     break                      # this flow's later ones come after s too
                 if not self._agent_held(r):
                     reqs[0] += 1
@@ -215,12 +218,6 @@ cdef class WaitingQueue:
         self._saturated = False
         if self._waiting.empty():
             return -1
-        # Paused running requests have the first claim on blocks as they free up,
-        # except against a request that may take their KV (priority retraction).
-        if paused and not judge.c_may_displace(deref(self._waiting.begin()).second):
-            self._count_hold(deref(self._waiting.begin()).second, D_HOLD_PAUSED)
-            self._saturated = not self.ledger.sheddable(deref(self._waiting.begin()).second)
-            return -1
         cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
         cdef int32_t s
         cdef int d
@@ -253,6 +250,8 @@ cdef class WaitingQueue:
                 s = deref(it).second
             if self._saturated and self.ledger.sheddable(s):
                 return -1
+            # Paused running requests have the first claim on blocks as they free up,
+            # except against a request that may take their KV (priority retraction).
             if paused and not judge.c_may_displace(s):
                 if head:
                     self._count_hold(s, D_HOLD_PAUSED)
