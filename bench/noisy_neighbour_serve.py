@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import pathlib
 import platform
@@ -56,6 +55,7 @@ import sys
 import tempfile
 import time
 
+from kvadmit.simulate.workload import _lognormal_int
 from kvadmit.vllm.bench_serve import (KVADMIT_SCHEDULER, VLLM_SCHEDULER, Engine, Server,
                                       ServeConfig, scrape_metrics, wait_idle)
 
@@ -92,11 +92,6 @@ def configs() -> dict[str, tuple[ServeConfig, bool, bool]]:
     }
 
 
-def lognormal(rng: random.Random, mean: float, sigma: float, lo: int, hi: int) -> int:
-    mu = math.log(mean) - sigma * sigma / 2
-    return max(lo, min(hi, int(round(rng.lognormvariate(mu, sigma)))))
-
-
 def make_requests(kind: str, rate: float, seconds: float, seed: int, prompt_mean: float,
                   output_mean: float, cap: int, max_model_len: int) -> list[dict]:
     """Poisson arrivals over `seconds`; lognormal prompt and output lengths; each with
@@ -104,8 +99,8 @@ def make_requests(kind: str, rate: float, seconds: float, seed: int, prompt_mean
     rng = random.Random(seed)
     out, t = [], rng.expovariate(rate)
     while t < seconds:
-        p = lognormal(rng, prompt_mean, 0.8, 4, max_model_len - cap)
-        n = lognormal(rng, output_mean, 0.9, 2, cap)
+        p = _lognormal_int(rng, prompt_mean, 0.8, 4, max_model_len - cap)
+        n = _lognormal_int(rng, output_mean, 0.9, 2, cap)
         out.append({"kind": kind, "arrival_s": t, "prompt": [rng.randrange(3, 990) for _ in range(p)],
                     "output_tokens": n, "max_tokens": cap})
         t += rng.expovariate(rate)

@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import pathlib
 import platform
 import random
 import sys
 import time
+
+from kvadmit.simulate.workload import _lognormal_int
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -47,21 +48,10 @@ def load_sglang():
     """SGLang's scheduling modules (with the tests' torchvision import shim, see
     tests/sglang/conftest.py) and kvadmit's hooks, as the SGLang tests load them."""
     sys.path.insert(0, str(ROOT / "tests" / "sglang"))
-    import conftest  # noqa: F401  (imports SGLang's modules under the shim)
-    import sglang.srt.plugins as plugins
-    os.environ["KVADMIT_CONFIG"] = '{"policy": "peak"}'
-    try:
-        plugins._plugins_loaded = False
-        plugins.load_plugins()
-    finally:
-        os.environ.pop("KVADMIT_CONFIG", None)
+    import conftest  # (imports SGLang's modules under the shim)
+    conftest.install_kvadmit_hooks()
     import sglang_harness
     return sglang_harness
-
-
-def lognormal(rng, mean, sigma, lo, hi):
-    mu = math.log(mean) - sigma * sigma / 2
-    return max(lo, min(hi, int(round(rng.lognormvariate(mu, sigma)))))
 
 
 def requests(kind, rate, seconds, seed, prompt_mean, output_mean, cap, n=None):
@@ -70,8 +60,8 @@ def requests(kind, rate, seconds, seed, prompt_mean, output_mean, cap, n=None):
     rng = random.Random(seed)
     rows, t = [], 0.0 if n else rng.expovariate(rate)
     while (len(rows) < n) if n else (t < seconds):
-        rows.append((t, kind, lognormal(rng, prompt_mean, 0.8, 4, 2048),
-                     cap, lognormal(rng, output_mean, 0.9, 1, cap)))
+        rows.append((t, kind, _lognormal_int(rng, prompt_mean, 0.8, 4, 2048),
+                     cap, _lognormal_int(rng, output_mean, 0.9, 1, cap)))
         if not n:
             t += rng.expovariate(rate)
     return rows

@@ -183,12 +183,9 @@ def _cell(cell):
         return None
 
 
-@pytest.fixture(scope="session")
-def kvadmit_hooks():
-    """kvadmit's hooks installed once for the session, the way SGLang does it in a
-    scheduler process: KVADMIT_CONFIG set, then SGLang's own load_plugins().
-    Hooks are pass-through for a scheduler without a kvadmit adapter, so the
-    baseline (SGLang's default) runs through the same patched methods."""
+def install_kvadmit_hooks() -> None:
+    """kvadmit's hooks installed the way SGLang does it in a scheduler process:
+    KVADMIT_CONFIG set, then SGLang's own load_plugins() (also bench/noisy_neighbour_sglang.py)."""
     import sglang.srt.plugins as plugins
 
     os.environ["KVADMIT_CONFIG"] = '{"policy": "peak"}'
@@ -197,6 +194,14 @@ def kvadmit_hooks():
         plugins.load_plugins()
     finally:
         os.environ.pop("KVADMIT_CONFIG", None)
+
+
+@pytest.fixture(scope="session")
+def kvadmit_hooks():
+    """kvadmit's hooks installed once for the session (install_kvadmit_hooks).
+    Hooks are pass-through for a scheduler without a kvadmit adapter, so the
+    baseline (SGLang's default) runs through the same patched methods."""
+    install_kvadmit_hooks()
     from kvadmit.sglang import plugin
 
     plugin.verify(plugin.engine_hooks())
