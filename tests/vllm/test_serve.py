@@ -446,6 +446,17 @@ def test_overload_soak_leaves_nothing_behind(server):
             >= n_cancelled), results
 
 
+def start_long_request(base, model, pool, seed):
+    """A 40-token prompt generating 460 tokens (16 of the 24 blocks, about 1 s here),
+    submitted to `pool`, once vLLM runs it."""
+    long = pool.submit(complete, base, model, 40, 460, seed)
+    deadline = time.time() + 60
+    while metrics(base).get("vllm:num_requests_running", 0) < 1:
+        assert time.time() < deadline and not long.done()
+        time.sleep(0.05)
+    return long
+
+
 def test_stale_and_abandoned_requests_never_reach_prefill(server):
     """Issue 22 item 4 over HTTP: while a long request holds the pool, a request held
     behind it with llm-d's TTL header (200 ms) is refused as `expired` (400, not
@@ -457,11 +468,7 @@ def test_stale_and_abandoned_requests_never_reach_prefill(server):
     base, model, _ = server
     before = wait_idle(base)
     pool = ThreadPoolExecutor(3)
-    long = pool.submit(complete, base, model, 40, 460, 900)   # 16 of the 24 blocks
-    deadline = time.time() + 60
-    while metrics(base).get("vllm:num_requests_running", 0) < 1:
-        assert time.time() < deadline and not long.done()
-        time.sleep(0.05)
+    long = start_long_request(base, model, pool, 900)   # 16 of the 24 blocks
     body = {"model": model, "prompt": [(i * 5) % 997 + 3 for i in range(40)], "max_tokens": 440,
             "ignore_eos": True}                     # 15 blocks: the peak rule holds it
 
@@ -505,11 +512,8 @@ def test_sheddable_requests_are_refused_while_another_waits_for_kv(server):
     base, model, _ = server
     before = wait_idle(base)
     pool = ThreadPoolExecutor(2)
-    long = pool.submit(complete, base, model, 40, 460, 901)   # 16 of the 24 blocks
+    long = start_long_request(base, model, pool, 901)   # 16 of the 24 blocks
     deadline = time.time() + 60
-    while metrics(base).get("vllm:num_requests_running", 0) < 1:
-        assert time.time() < deadline and not long.done()
-        time.sleep(0.05)
     held = pool.submit(complete, base, model, 40, 440, 902)   # 15 blocks: held
     while metrics(base).get("kvadmit_waiting_requests", 0) < 1:
         assert time.time() < deadline and not long.done()
