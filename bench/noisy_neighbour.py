@@ -39,7 +39,7 @@ import dataclasses
 import random
 import sys
 
-from _common import save
+from _common import mean_rows, print_table, save
 
 from kvadmit.config import AdmissionConfig
 from kvadmit.simulate.engine import EngineShape, native_engine
@@ -144,15 +144,7 @@ def main(argv=None) -> int:
     shape = EngineShape(num_blocks=args.num_blocks, block_size=16, max_model_len=args.max_model_len,
                         max_num_seqs=256, max_num_batched_tokens=8192)
     per_seed = [one_seed(args, shape, step, seed) for seed in args.seeds]
-    labels = [r["run"] for r in per_seed[0]["rows"]]
-    mean = []
-    for i, label in enumerate(labels):
-        row = {"run": label}
-        for k in ("interactive_goodput", "goodput_vs_alone", "interactive_ttft_p99_s", "util",
-                  "util_vs_batch_only", "batch_finished", "preemptions"):
-            vals = [p["rows"][i].get(k) for p in per_seed]
-            row[k] = sum(vals) / len(vals) if all(v is not None for v in vals) else None
-        mean.append(row)
+    mean = mean_rows([p["rows"] for p in per_seed], [k for _, k, _ in COLUMNS])
     print(f"\nmean over seeds {args.seeds}:")
     table(mean)
     path = save(args.out, {"args": vars(args), "shape": dataclasses.asdict(shape),
@@ -161,17 +153,15 @@ def main(argv=None) -> int:
     return 0
 
 
+COLUMNS = (("interactive goodput", "interactive_goodput", ".3f"),
+           ("vs alone", "goodput_vs_alone", ".1%"),
+           ("interactive TTFT p99 (s)", "interactive_ttft_p99_s", ".2f"),
+           ("pool utilisation", "util", ".3f"), ("vs batch only", "util_vs_batch_only", ".1%"),
+           ("batch finished", "batch_finished", ".0f"), ("preemptions", "preemptions", ".0f"))
+
+
 def table(rows) -> None:
-    print("| run | interactive goodput | vs alone | interactive TTFT p99 (s) | pool utilisation "
-          "| vs batch only | batch finished | preemptions |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        def f(k, fmt):
-            return format(r[k], fmt) if r.get(k) is not None else "-"
-        print(f"| {r['run']} | {f('interactive_goodput', '.3f')} | {f('goodput_vs_alone', '.1%')} "
-              f"| {f('interactive_ttft_p99_s', '.2f')} | {f('util', '.3f')} "
-              f"| {f('util_vs_batch_only', '.1%')} | {f('batch_finished', '.0f')} "
-              f"| {f('preemptions', '.0f')} |")
+    print_table(rows, COLUMNS)
 
 
 def one_seed(args, shape, step, seed: int) -> dict:

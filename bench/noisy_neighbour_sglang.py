@@ -30,18 +30,24 @@ Results: bench/results/noisy_neighbour_sglang.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import pathlib
-import platform
 import random
 import sys
 import time
 
+from _common import mean_rows, print_table, save
+
 from kvadmit.simulate.workload import _lognormal_int
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
+
+# The table's columns: (header, key, format).
+COLUMNS = (("interactive goodput", "interactive_goodput", ".3f"),
+           ("vs alone", "goodput_vs_alone", ".1%"),
+           ("interactive TTFT p99 (s)", "interactive_ttft_p99_s", ".2f"),
+           ("pool utilisation", "util", ".3f"), ("vs batch only", "util_vs_batch_only", ".1%"),
+           ("batch finished", "batch_finished_in_window", ".0f"),
+           ("retracted", "retracted", ".1f"), ("displaced", "displaced", ".1f"))
 
 
 def load_sglang():
@@ -225,32 +231,12 @@ def main(argv=None) -> int:
         print(f"[{time.time() - t_start:6.1f} s] {msg}", flush=True)
     H = load_sglang()
     per_seed = [one_seed(H, args, s, progress) for s in args.seeds]
-    labels = list(per_seed[0]["rows"])
-    mean = []
-    for label in labels:
-        row = {"run": label}
-        for k in ("interactive_goodput", "goodput_vs_alone", "interactive_ttft_p99_s", "util",
-                  "util_vs_batch_only", "batch_finished_in_window", "retracted", "displaced"):
-            vals = [p["rows"][label].get(k) for p in per_seed]
-            row[k] = sum(vals) / len(vals) if all(v is not None for v in vals) else None
-        mean.append(row)
+    mean = mean_rows([[{"run": label, **r} for label, r in p["rows"].items()] for p in per_seed],
+                     [k for _, k, _ in COLUMNS])
     print(f"\nmean over seeds {args.seeds}:")
-    print("| run | interactive goodput | vs alone | interactive TTFT p99 (s) | pool utilisation "
-          "| vs batch only | batch finished | retracted | displaced |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in mean:
-        def f(k, fmt):
-            return format(r[k], fmt) if r.get(k) is not None else "-"
-        print(f"| {r['run']} | {f('interactive_goodput', '.3f')} | {f('goodput_vs_alone', '.1%')} "
-              f"| {f('interactive_ttft_p99_s', '.2f')} | {f('util', '.3f')} "
-              f"| {f('util_vs_batch_only', '.1%')} | {f('batch_finished_in_window', '.0f')} "
-              f"| {f('retracted', '.1f')} | {f('displaced', '.1f')} |")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{args.out}.json"
-    path.write_text(json.dumps({"args": vars(args), "mean": mean, "seeds": per_seed,
-                                "machine": {"platform": platform.platform(),
-                                            "cpus": os.cpu_count()},
-                                "wall_s": time.time() - t_start}, indent=1))
+    print_table(mean, COLUMNS)
+    path = save(args.out, {"args": vars(args), "mean": mean, "seeds": per_seed,
+                           "wall_s": time.time() - t_start})
     print(f"saved {path}")
     return 0
 
