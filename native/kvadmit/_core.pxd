@@ -37,6 +37,8 @@ cdef class AdmissionCore(CoreView):
     cdef Rejection _make_room(self, int32_t s, double now, list shed)
     cdef Rejection _flow_full(self, int32_t s)
     cdef Rejection _of_flow(self, Rejection refused, int32_t f)
+    cdef void _out_of_queue(self, int32_t v) noexcept nogil
+    cdef tuple _dropped(self, int32_t v, Rejection refused)
     cdef int64_t c_plan_shortfall(self, const int64_t* want, const int64_t* computed,
                                   const int64_t* held, int64_t n, int64_t free_blocks,
                                   int64_t budget, int64_t lookahead, char* paused,

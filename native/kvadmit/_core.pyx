@@ -205,23 +205,30 @@ cdef class AdmissionCore(CoreView):
         if self.queue.c_saturated():
             self.queue.c_pick_sheddable(&picked)
             for v in picked:
-                self._dequeue(v)
-                self._judging(v)
-                out.append((v, self._of_flow(self.gate.c_refuse_sheddable(True),
-                                             self.ledger.flow_ix(v))))
-                self.ledger.release(v)
+                self._out_of_queue(v)
+                out.append(self._dropped(v, self.gate.c_refuse_sheddable(True)))
         if now < self.queue.c_next_expiry():
             return out
         self.queue.c_pick_expired(now, &picked)
         cdef double own
         for v in picked:
             own = self.ledger.ttl_s(v)        # negative: it had the config's
-            self._dequeue(v)
-            self._judging(v)
-            out.append((v, self._of_flow(self.gate.c_refuse_expired(
+            self._out_of_queue(v)
+            out.append(self._dropped(v, self.gate.c_refuse_expired(
                 now - self.ledger.arrive_t(v), own if own >= 0 else self.gate.max_queue_age_s,
-                own >= 0), self.ledger.flow_ix(v))))
-            self.ledger.release(v)
+                own >= 0)))
+        return out
+
+    cdef inline void _out_of_queue(self, int32_t v) noexcept nogil:
+        """Waiting v leaves the queue to be refused (the gate told whose refusal is next)."""
+        self._dequeue(v)
+        self._judging(v)
+
+    cdef tuple _dropped(self, int32_t v, Rejection refused):
+        """(v, its refusal, counted for its flow), its slot freed: v left the queue
+        (_out_of_queue) and its refusal was made from its numbers."""
+        cdef tuple out = (v, self._of_flow(refused, self.ledger.flow_ix(v)))
+        self.ledger.release(v)
         return out
 
     cdef inline void _judging(self, int32_t s) noexcept nogil:
@@ -252,13 +259,10 @@ cdef class AdmissionCore(CoreView):
         if (lower or not self.ledger.sheddable(s)) and self.queue.c_pick_shed(
                 s, not lower, over_reqs, over_tokens, &picked):
             for v in picked:
-                self._dequeue(v)
-                self._judging(v)
-                shed.append((v, self._of_flow(self.gate.c_refuse_shed(
+                self._out_of_queue(v)
+                shed.append(self._dropped(v, self.gate.c_refuse_shed(
                     self.ledger.priority(s), self.ledger.priority(v),
-                    self.ledger.sheddable(v) and not self.ledger.sheddable(s), over_reqs > 0),
-                    self.ledger.flow_ix(v))))
-                self.ledger.release(v)
+                    self.ledger.sheddable(v) and not self.ledger.sheddable(s), over_reqs > 0)))
             return None
         return self.gate.c_refuse_full(over_reqs, over_tokens, self.queue.c_size(),
                                        self.ledger.queued_tokens(), queued)
