@@ -70,11 +70,9 @@ def native_engine(workload: Workload, config: AdmissionConfig, shape: EngineShap
                   step: StepTimeModel, sample_interval_s: float | None = None) -> NativeEngine:
     """A NativeEngine of this shape and step time, for this workload's prefix ids
     (no requests added yet): run_native's and the fleet's instances."""
-    if workload.hash_block_tokens and workload.hash_block_tokens % shape.block_size:
-        raise ValueError(f"workload {workload.name}: prefix-id blocks of {workload.hash_block_tokens} "
-                         f"tokens are not a multiple of block_size={shape.block_size}")
+    workload.check_block_size(shape.block_size)
     if sample_interval_s is None:
-        sample_interval_s = max(workload.open_loop_span_s() / 500.0, 0.05)
+        sample_interval_s = workload.sample_interval_s()
     return NativeEngine(config, shape.num_blocks, shape.block_size, shape.max_model_len,
                         shape.max_num_seqs, shape.max_num_batched_tokens,
                         chunked_prefill=shape.chunked_prefill, prefix_caching=shape.prefix_caching,

@@ -102,11 +102,11 @@ def vllm_instances(workload: Workload, step: StepTimeModel, base: AdmissionConfi
     """`run_fleet`'s make_engine for --engine vllm: each instance vLLM's V1 scheduler
     in-process on the virtual clock (vLLM's own for a vllm-* policy, else kvadmit's)."""
     from kvadmit.simulate.vllm_engine import VllmEngine
-    interval = max(workload.open_loop_span_s() / 500.0, 0.05)
 
     def make_engine(policy, shape):
         return VllmEngine(None if policy.vllm_own else policy.config(base), shape, step,
-                          model_dir, interval, hash_block_tokens=workload.hash_block_tokens)
+                          model_dir, workload.sample_interval_s(),
+                          hash_block_tokens=workload.hash_block_tokens)
     return make_engine
 
 

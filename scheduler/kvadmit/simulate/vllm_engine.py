@@ -140,11 +140,9 @@ class VllmReplay:
     def __init__(self, workload: Workload, config: AdmissionConfig | None, shape: EngineShape,
                  step: StepTimeModel, model_dir: str, sample_interval_s: float | None = None,
                  seed: int = 0, engine_args: dict | None = None):
-        if workload.hash_block_tokens and workload.hash_block_tokens % shape.block_size:
-            raise ValueError(f"workload {workload.name}: prefix-id blocks of {workload.hash_block_tokens} "
-                             f"tokens are not a multiple of block_size={shape.block_size}")
+        workload.check_block_size(shape.block_size)
         if sample_interval_s is None:
-            sample_interval_s = max(workload.open_loop_span_s() / 500.0, 0.05)
+            sample_interval_s = workload.sample_interval_s()
         n = len(workload)
         self.t0 = first_arrival(workload.arrival_s, workload.parent) if n else 0.0
         self.workload = workload

@@ -82,6 +82,17 @@ class Workload:
         t = [a for i, a in enumerate(self.arrival_s) if self.is_open(i)]
         return (t[-1] - t[0]) if len(t) > 1 else 0.0
 
+    def check_block_size(self, block_size: int) -> None:
+        """ValueError unless its prefix-id blocks are whole KV blocks of `block_size`."""
+        if self.hash_block_tokens and self.hash_block_tokens % block_size:
+            raise ValueError(f"workload {self.name}: prefix-id blocks of {self.hash_block_tokens} "
+                             f"tokens are not a multiple of block_size={block_size}")
+
+    def sample_interval_s(self) -> float:
+        """A run's default timeline sampling: 500 samples over the open-loop span, at
+        least every 50 ms."""
+        return max(self.open_loop_span_s() / 500.0, 0.05)
+
     def with_oracle_caps(self) -> "Workload":
         """The same requests with max_tokens = the real output length (the oracle's knowledge)."""
         return dataclasses.replace(self, max_tokens=list(self.output_tokens))
