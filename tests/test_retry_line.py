@@ -26,8 +26,8 @@ def admit_one(core, t):
     add_waiting(core, *FILLER, now=t)
 
 
-def refuse(core, prompt, max_new, t):
-    res = core.arrive(ArrivalRecord(prompt, max_new), now=t)
+def refuse(core, prompt, max_new, t, prompt_hash=0):
+    res = core.arrive(ArrivalRecord(prompt, max_new, prompt_hash=prompt_hash), now=t)
     assert not res.accepted and res.rejection.reason == "queue_full", res
     return res.rejection
 
@@ -169,6 +169,24 @@ def test_a_burst_of_equal_requests_still_gets_a_place_each():
     assert numbers(again)[2] == 2 and 2.12 + again.retry_after_s == pytest.approx(2.3, abs=1e-3)
     # Still 5 places to come (2.2 .. 2.6 s; 2.1 s has passed): a different request is 6th.
     assert numbers(refuse(core, 8, 999, 2.12))[2] == 6
+
+
+def test_equal_numbers_with_another_prompt_are_another_client():
+    """A fixed-length benchmark's burst, refused over several engine steps: its
+    requests' numbers are equal and their prompts are not, so each one refused
+    after a step is a new client with a place of its own (the CI failure of
+    test_serve's burst: 10 refusals told one place), while the same prompt again is
+    a retry and gets its place back."""
+    core = capped_core()
+    for k in range(1, 21):
+        admit_one(core, k / 10)
+    refuse(core, 8, 50, 2.0, prompt_hash=1)
+    admit_one(core, 2.05)
+    places = [numbers(refuse(core, 8, 50, 2.06, prompt_hash=h))[2] for h in (2, 3, 4)]
+    assert places == [2, 3, 4]
+    admit_one(core, 2.08)
+    assert numbers(refuse(core, 8, 50, 2.09, prompt_hash=1))[2] == 1      # keeps its turn
+    assert numbers(refuse(core, 8, 50, 2.09, prompt_hash=5))[2] == 5
 
 
 def test_an_early_retry_whose_room_is_later_than_its_place_keeps_its_turn():

@@ -21,6 +21,8 @@ cdef struct ArrivalRecord:
     int64_t flow              # its flow (tenant, workload) for the fair share (-1: none)
     bint sheddable            # best-effort: served after all others, first to give way, and
                               # dropped while others wait for KV (GIE's negative priority)
+    int64_t prompt_hash       # a hash of its prompt's tokens (0: unknown): a retry repeats it,
+                              # a new client with the same numbers seldom does (the retry line)
 
 
 cdef ArrivalRecord record_of(object record) except *

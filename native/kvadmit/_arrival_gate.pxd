@@ -64,7 +64,7 @@ cdef class ArrivalGate:
     cdef void c_queue_changed(self, bint waiting) noexcept nogil
     cdef void c_admitted(self, int64_t prefill_tokens) noexcept nogil
     cdef void c_request(self, int64_t prompt_tokens, int64_t max_new_tokens, int64_t priority,
-                        int64_t session, int64_t step) noexcept nogil
+                        int64_t session, int64_t prompt_hash, int64_t step) noexcept nogil
     cdef void c_admission_undone(self) noexcept nogil
     cdef double c_predicted_delay(self, int64_t ahead, int64_t ahead_tokens,
                                   int64_t queued) noexcept nogil

@@ -136,13 +136,13 @@ cdef class ArrivalGate:
         self._drain_tokens += prefill_tokens
 
     cdef void c_request(self, int64_t prompt_tokens, int64_t max_new_tokens, int64_t priority,
-                        int64_t session, int64_t step) noexcept nogil:
+                        int64_t session, int64_t prompt_hash, int64_t step) noexcept nogil:
         """The request the next refusals are of, judged in engine step `step`: its
         signature for the retry line (what the core knows of a request, and what a
         retry of it repeats)."""
         self._step = step
-        self._key = _mix(_mix(_mix(_mix(<uint64_t>prompt_tokens) ^ <uint64_t>max_new_tokens)
-                              ^ <uint64_t>priority) ^ <uint64_t>session)
+        self._key = _mix(_mix(_mix(_mix(_mix(<uint64_t>prompt_tokens) ^ <uint64_t>max_new_tokens)
+                                   ^ <uint64_t>priority) ^ <uint64_t>session) ^ <uint64_t>prompt_hash)
 
     cdef void c_admission_undone(self) noexcept nogil:
         """The latest admission (as a rule) was undone."""

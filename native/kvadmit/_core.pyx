@@ -235,7 +235,7 @@ cdef class AdmissionCore(CoreView):
         """Tells the gate which request its next refusal is of (its retry line
         knows a request back early by these numbers)."""
         self.gate.c_request(self.ledger.prompt(s), self.ledger.max_new(s), self.ledger.priority(s),
-                            self.ledger.session(s), self.ledger.step())
+                            self.ledger.session(s), self.ledger.prompt_hash(s), self.ledger.step())
 
     cdef Rejection _make_room(self, int32_t s, double now, list shed):
         """Room in the queue for the new request s under the caps: none needed, or

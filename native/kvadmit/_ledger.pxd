@@ -33,6 +33,7 @@ cdef class Ledger:
     cdef vector[int64_t] _shared     # prompt tokens in blocks other running requests hold (auto)
     cdef vector[int64_t] _held_step  # the step its last hold was counted in
     cdef vector[int64_t] _session    # its agent session (-1: none)
+    cdef vector[int64_t] _prompt_hash   # its record's prompt_hash (0: unknown)
     cdef vector[int32_t] _bypassed, _preempts
     cdef vector[char] _state, _unstarted
     cdef vector[char] _sheddable     # its record's class: served after, and gives way to, all others
@@ -95,6 +96,8 @@ cdef class Ledger:
         return self._shared[s]
     cdef inline int64_t session(self, int32_t s) noexcept nogil:
         return self._session[s]
+    cdef inline int64_t prompt_hash(self, int32_t s) noexcept nogil:
+        return self._prompt_hash[s]
     cdef inline int32_t bypassed(self, int32_t s) noexcept nogil:
         return self._bypassed[s]
     cdef inline bint unstarted(self, int32_t s) noexcept nogil:

@@ -23,20 +23,22 @@ cdef class Requests:
     ignored). ``prompt_tokens``, ``max_new_tokens`` and ``output_tokens`` (its real
     length, at most max_new_tokens); ``priority`` (0), ``ttft_slo_s`` /
     ``tpot_slo_s`` (-1: the config's defaults), ``session`` (-1: none), ``ttl_s``
-    (-1: the config's max_queue_age_s; 0: none), ``flow`` (-1: none), ``sheddable`` (false): the arrival
-    record the core gets. ``hash_offsets`` (n + 1) and ``hash_ids``: each row's
+    (-1: the config's max_queue_age_s; 0: none), ``flow`` (-1: none), ``sheddable`` (false),
+    ``prompt_hash`` (0: unknown; a retry repeats its request's): the arrival record the
+    core gets. ``hash_offsets`` (n + 1) and ``hash_ids``: each row's
     prefix-block ids in CSR form, describing its first ``hashed_tokens`` tokens
     (default: the prompt)."""
 
     def __init__(self, arrival_s, prompt_tokens, output_tokens, max_new_tokens, *,
                  priority=None, ttft_slo_s=None, tpot_slo_s=None, session=None, ttl_s=None,
-                 flow=None, sheddable=None, parent=None, delay_s=None, hashed_tokens=None, hash_offsets=None,
-                 hash_ids=None):
+                 flow=None, sheddable=None, prompt_hash=None, parent=None, delay_s=None,
+                 hashed_tokens=None, hash_offsets=None, hash_ids=None):
         cdef Py_ssize_t n = len(arrival_s), i
         for name, col in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens),
                           ("max_new_tokens", max_new_tokens), ("priority", priority),
                           ("ttft_slo_s", ttft_slo_s), ("tpot_slo_s", tpot_slo_s),
-                          ("session", session), ("ttl_s", ttl_s), ("flow", flow), ("sheddable", sheddable), ("parent", parent), ("delay_s", delay_s),
+                          ("session", session), ("ttl_s", ttl_s), ("flow", flow), ("sheddable", sheddable),
+                          ("prompt_hash", prompt_hash), ("parent", parent), ("delay_s", delay_s),
                           ("hashed_tokens", hashed_tokens)):
             _column(name, col, n)
         if (parent is None) != (delay_s is None):
@@ -61,6 +63,7 @@ cdef class Requests:
             r.ttl_s = ttl_s[i] if ttl_s is not None else -1.0
             r.flow = flow[i] if flow is not None else -1
             r.sheddable = bool(sheddable[i]) if sheddable is not None else False
+            r.prompt_hash = prompt_hash[i] if prompt_hash is not None else 0
             check_record(&r, i)
             out = output_tokens[i]
             if out < 1 or out > r.max_new_tokens:

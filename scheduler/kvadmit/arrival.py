@@ -30,6 +30,23 @@ class ArrivalRecord:
     flow: int = -1              # its flow (tenant, workload) for the fair share (-1: none)
     sheddable: bool = False     # best-effort: served after all others, first to give way, and
                                 # dropped while others wait for KV (GIE's negative priority)
+    prompt_hash: int = 0        # a hash of its prompt's tokens (0: unknown): a retry repeats it,
+                                # a new client with the same numbers seldom does (the retry line)
 
     def __post_init__(self) -> None:
         _check_record(self)
+
+
+_HASHED_ENDS = 1024    # tokens hashed at each end of a long prompt: bounded work an arrival
+
+
+def prompt_hash(token_ids) -> int:
+    """An arrival record's prompt_hash of a prompt's token ids (0: none given). Its
+    first and last 1024 tokens are hashed (the length is in the record already);
+    Python's hash of integers is the same in every process. Never 0 for a prompt."""
+    if not token_ids:
+        return 0
+    n = len(token_ids)
+    ids = (tuple(token_ids) if n <= 2 * _HASHED_ENDS
+           else (*token_ids[:_HASHED_ENDS], *token_ids[n - _HASHED_ENDS:]))
+    return hash(ids) or 1

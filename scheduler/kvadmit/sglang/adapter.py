@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 from kvadmit import AdmissionConfig, AdmissionCore, ConfigError, request_fields
-from kvadmit.arrival import ArrivalRecord
+from kvadmit.arrival import ArrivalRecord, prompt_hash
 from kvadmit.bridge import EngineBridge, StepReport
 from kvadmit.protocol import Refusal
 
@@ -371,7 +371,8 @@ class SGLangAdmission:
                              ttft_slo_s=self._ttft_target(fields, now),
                              tpot_slo_s=fields.tpot_slo_s, session=fields.session,
                              ttl_s=fields.ttl_s, flow=fields.flow,
-                             sheddable=fields.sheddable or self._negative_priority(req))
+                             sheddable=fields.sheddable or self._negative_priority(req),
+                             prompt_hash=prompt_hash(req.origin_input_ids))
 
     def _negative_priority(self, req) -> bool:
         """GIE's sheddable class, a negative priority, where SGLang's order is GIE's

@@ -102,11 +102,14 @@ class _Outbox:
 
     def clear(self):
         self.arr, self.prompt, self.out, self.mx, self.ttft, self.tpot = [], [], [], [], [], []
-        self.prio = []
+        self.prio, self.client = [], []
         self.off, self.ids, self.hashed = [0], [], []
 
-    def push(self, t: float, prompt: int, out: int, mx: int, prio: int, ttft: float,
+    def push(self, i: int, t: float, prompt: int, out: int, mx: int, prio: int, ttft: float,
              tpot: float, hashed: int, hash_ids) -> None:
+        """Request i's attempt at t (its prompt_hash is i + 1: a retry repeats its
+        prompt, another client's prompt differs)."""
+        self.client.append(i + 1)
         self.arr.append(t)
         self.prompt.append(prompt)
         self.out.append(out)
@@ -124,7 +127,7 @@ class _Outbox:
             return
         eng.add_requests(Requests(
             self.arr, self.prompt, self.out, self.mx, priority=self.prio, ttft_slo_s=self.ttft,
-            tpot_slo_s=self.tpot, hashed_tokens=self.hashed,
+            tpot_slo_s=self.tpot, prompt_hash=self.client, hashed_tokens=self.hashed,
             hash_offsets=self.off if self.prefix else None,
             hash_ids=self.ids if self.prefix else None))
         self.clear()
@@ -307,7 +310,7 @@ class _Fleet:
         self.placed[i] = e
         self.router.sent(e, req_view)
         prompt = workload.prompt_tokens[i]
-        self.outbox[e].push(t, prompt, workload.output_tokens[i],
+        self.outbox[e].push(i, t, prompt, workload.output_tokens[i],
                             workload.output_tokens[i] if self.oracle[e] else workload.max_tokens[i],
                             workload.priority[i] if workload.priority is not None else 0,
                             self.ttft[i], self.tpot[i],

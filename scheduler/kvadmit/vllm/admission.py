@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvadmit._native import AdmissionCore
-from kvadmit.arrival import ArrivalRecord
+from kvadmit.arrival import ArrivalRecord, prompt_hash
 from kvadmit.bridge import EngineBridge, StepReport
 from kvadmit.config import AdmissionConfig
 from kvadmit.protocol import Refusal, sample_group
@@ -249,7 +249,8 @@ class VllmAdmission:
                              ttft_slo_s=ttft_target(fields, self.config.default_ttft_slo_s),
                              tpot_slo_s=fields.tpot_slo_s, session=session, ttl_s=fields.ttl_s,
                              flow=fields.flow, sheddable=fields.sheddable,
-                             arrival_time=arrival_time, arrival_tie=arrival_tie)
+                             arrival_time=arrival_time, arrival_tie=arrival_tie,
+                             prompt_hash=prompt_hash(request.prompt_token_ids))
 
     def _check_body(self, request) -> None:
         """Refuses (FieldError) what would crash the engine further on: a prompt token
