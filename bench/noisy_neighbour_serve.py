@@ -40,6 +40,13 @@ Run each config on its own, through the engine lock, then print the table:
 
 Results: bench/results/noisy_neighbour_serve/<config>.json, the table in
 bench/results/noisy_neighbour_serve.json.
+
+`--split-ttft` also times each interactive request inside the server (a hook,
+bench/ttft_split/sitecustomize.py, on the server's PYTHONPATH, on vLLM's own Scheduler
+methods, which kvadmit's calls): each phase then has `ttft_split`, its TTFT in four
+parts (front_in: client to the engine core's add_request; queue: to the step that
+starts it; engine: to the step that emits its first token; front_out: to the client),
+p50 / p90 / max.
 """
 from __future__ import annotations
 
@@ -50,6 +57,7 @@ import os
 import pathlib
 import platform
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -126,7 +134,7 @@ async def send(client, base: str, model: str, req: dict, t0: float, priority: bo
     headers = {FLOW_HEADER: str(CHAT if is_chat else BATCH)} if flow else {}
     start = loop.time()
     rec.update(kind=req["kind"], sent_s=start - t0, status=None, ttft_s=None, tpot_s=None,
-               tokens=0)
+               tokens=0, sent_wall=time.time(), key=req["prompt"][:8])
     first = last = None
     try:
         if not is_chat:
@@ -155,6 +163,7 @@ async def send(client, base: str, model: str, req: dict, t0: float, priority: bo
                     now = loop.time()
                     if first is None:
                         first = now
+                        rec["first_wall"] = time.time()
                     last = now
                 if j.get("usage"):
                     rec["tokens"] = j["usage"]["completion_tokens"]
@@ -248,6 +257,57 @@ def summarize(phase: dict, seconds: float, ttft: float, tpot: float) -> dict:
     }
 
 
+SPLIT_HOOK = pathlib.Path(__file__).resolve().parent / "ttft_split"
+
+
+def engine_events(directory: str) -> tuple[dict, dict, dict]:
+    """What bench/ttft_split's hook wrote: arrivals by prompt key (lists of (time,
+    id)), and each request id's first scheduled and first output time."""
+    adds, sched, first = {}, {}, {}
+    for path in pathlib.Path(directory).glob("engine.*.jsonl"):
+        for line in path.read_text().splitlines():
+            e = json.loads(line)
+            if e["ev"] == "add":
+                adds.setdefault(tuple(e["key"]), []).append((e["t"], e["id"]))
+            elif e["ev"] == "sched":
+                for r in e["new"]:
+                    sched.setdefault(r, e["t"])
+            else:
+                for r in e["first"]:
+                    first.setdefault(r, e["t"])
+    return adds, sched, first
+
+
+def split_ttft(records: list[dict], directory: str) -> dict:
+    """The interactive requests' TTFT in four parts (p50 / p90 / max, seconds):
+    front_in, the client's send to the engine core's add_request (HTTP, the API
+    server, the engine's input queue); queue, add_request to the step that starts
+    it (the scheduler's waiting queue, kvadmit's holds); engine, add_request to the
+    step that emits its first token; front_out, that step to the client's first
+    token. A request matches the first arrival with its first 8 prompt tokens after
+    its send."""
+    adds, sched, first = engine_events(directory)
+    parts = {"front_in": [], "queue": [], "engine": [], "front_out": []}
+    for r in records:
+        if r.get("kind") != "interactive" or r.get("first_wall") is None:
+            continue
+        cands = [a for a in adds.get(tuple(r["key"]), ()) if a[0] >= r["sent_wall"] - 0.01]
+        if not cands:
+            continue
+        t_add, rid = min(cands)
+        parts["front_in"].append(t_add - r["sent_wall"])
+        if rid in sched:
+            parts["queue"].append(sched[rid] - t_add)
+        if rid in first:
+            parts["engine"].append(first[rid] - t_add)
+            parts["front_out"].append(r["first_wall"] - first[rid])
+
+    def q(v):
+        v = sorted(v)
+        return {"p50": v[len(v) // 2], "p90": v[int(0.9 * len(v))], "max": v[-1]} if v else None
+    return {k: q(v) for k, v in parts.items()} | {"matched": len(parts["front_in"])}
+
+
 def run_config(args, name: str) -> dict:
     from kvadmit.vllm.tiny_model import DEFAULT_DIR, build_tiny_llama
     cfg, priority, flow = configs()[name]
@@ -258,6 +318,12 @@ def run_config(args, name: str) -> dict:
     log = pathlib.Path(tempfile.gettempdir()) / f"kvadmit-nn-serve-{name}.log"
     log.write_text("")
     server = Server(cfg, model, engine, log)
+    split_dir, pythonpath = None, os.environ.get("PYTHONPATH")
+    if args.split_ttft:       # the server's processes load bench/ttft_split/sitecustomize.py
+        split_dir = tempfile.mkdtemp(prefix="kvadmit-ttft-split-")
+        os.environ["KVADMIT_TTFT_SPLIT_DIR"] = split_dir
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [str(SPLIT_HOOK)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     chat = make_requests("interactive", args.interactive_rps, args.seconds, args.seed + 1,
                          args.interactive_lengths[0], args.interactive_lengths[1], 128,
                          args.max_model_len)
@@ -285,6 +351,11 @@ def run_config(args, name: str) -> dict:
                                         progress))
             after = wait_idle(server)
             s = summarize(res, args.seconds, args.ttft, args.tpot)
+            if split_dir is not None:
+                s["ttft_split"] = split_ttft(res["records"], split_dir)
+                progress("  TTFT split (p50 / p90 / max s): " + "; ".join(
+                    f"{k} {v['p50']:.3f} / {v['p90']:.3f} / {v['max']:.3f}"
+                    for k, v in s["ttft_split"].items() if isinstance(v, dict)))
             s["preemptions"] = int(round(after.get("vllm:num_preemptions_total", 0)
                                          - before.get("vllm:num_preemptions_total", 0)))
             s["wall_s"] = res["wall_s"]
@@ -298,6 +369,13 @@ def run_config(args, name: str) -> dict:
                      f"preemptions {s['preemptions']}, failed {s['failed_by_status']}")
     finally:
         server.stop()
+        if split_dir is not None:
+            shutil.rmtree(split_dir, ignore_errors=True)
+            del os.environ["KVADMIT_TTFT_SPLIT_DIR"]
+            if pythonpath is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = pythonpath
     ph = out["phases"]
     if ph["interactive alone"]["interactive_goodput"]:
         out["goodput_vs_alone"] = (ph["both"]["interactive_goodput"]
@@ -378,6 +456,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--tag", default="", help="a suffix for the result files (another workload)")
+    ap.add_argument("--split-ttft", action="store_true",
+                    help="time each interactive request's way in the server too (a hook, "
+                         "bench/ttft_split, on the server's PYTHONPATH): each phase gets "
+                         "ttft_split, its TTFT in four parts")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))    # stop the server on a kill
     if args.report:
