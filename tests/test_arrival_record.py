@@ -79,3 +79,21 @@ def test_the_engine_serves_what_the_requests_say():
     r = e.results()
     assert r["rejected"] == [None, None] and r["output_tokens"] == [3, 2]
     assert e.totals()["free_blocks_at_end"] == 100
+
+
+def test_prompt_hash_tells_prompts_apart_with_bounded_work():
+    """The adapters' prompt_hash (the retry line's way to tell a retry, the same body
+    again, from another client with the same lengths): equal prompts hash equal,
+    others differ, a long prompt is hashed by its first and last 1024 tokens, and a
+    prompt's hash is never the record's 0 (unknown)."""
+    from kvadmit.arrival import prompt_hash
+    a = list(range(3, 63))
+    assert prompt_hash(a) == prompt_hash(list(a)) == prompt_hash(tuple(a))
+    assert prompt_hash(a) != prompt_hash(a[::-1]) and prompt_hash(a) != prompt_hash(a[:-1])
+    assert prompt_hash(None) == prompt_hash([]) == 0
+    assert prompt_hash([0]) != 0
+    long = [7] * 5000
+    middle = long[:2000] + [9] + long[2001:]
+    assert prompt_hash(middle) == prompt_hash(long)          # past the ends: not read
+    assert prompt_hash(long[:-1] + [9]) != prompt_hash(long)
+    assert ArrivalRecord(5000, 4, prompt_hash=prompt_hash(long)).prompt_hash == prompt_hash(long)
