@@ -63,6 +63,7 @@ import sys
 import tempfile
 import time
 
+from kvadmit.simulate.metrics import percentile
 from kvadmit.simulate.workload import _lognormal_int
 from kvadmit.vllm.bench_serve import (KVADMIT_SCHEDULER, VLLM_SCHEDULER, Engine, Server,
                                       ServeConfig, scrape_metrics, wait_idle)
@@ -304,7 +305,7 @@ def split_ttft(records: list[dict], directory: str) -> dict:
 
     def q(v):
         v = sorted(v)
-        return {"p50": v[len(v) // 2], "p90": v[int(0.9 * len(v))], "max": v[-1]} if v else None
+        return {"p50": percentile(v, 50), "p90": percentile(v, 90), "max": v[-1]} if v else None
     return {k: q(v) for k, v in parts.items()} | {"matched": len(parts["front_in"])}
 
 
@@ -317,13 +318,12 @@ def run_config(args, name: str) -> dict:
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     log = pathlib.Path(tempfile.gettempdir()) / f"kvadmit-nn-serve-{name}.log"
     log.write_text("")
-    server = Server(cfg, model, engine, log)
-    split_dir, pythonpath = None, os.environ.get("PYTHONPATH")
+    split_dir, env = None, {}
     if args.split_ttft:       # the server's processes load bench/ttft_split/sitecustomize.py
         split_dir = tempfile.mkdtemp(prefix="kvadmit-ttft-split-")
-        os.environ["KVADMIT_TTFT_SPLIT_DIR"] = split_dir
-        os.environ["PYTHONPATH"] = os.pathsep.join(
-            [str(SPLIT_HOOK)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+        env = {"KVADMIT_TTFT_SPLIT_DIR": split_dir, "PYTHONPATH": os.pathsep.join(
+            [str(SPLIT_HOOK)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    server = Server(cfg, model, engine, log, env=env)
     chat = make_requests("interactive", args.interactive_rps, args.seconds, args.seed + 1,
                          args.interactive_lengths[0], args.interactive_lengths[1], 128,
                          args.max_model_len)
@@ -353,6 +353,7 @@ def run_config(args, name: str) -> dict:
             s = summarize(res, args.seconds, args.ttft, args.tpot)
             if split_dir is not None:
                 s["ttft_split"] = split_ttft(res["records"], split_dir)
+            if s.get("ttft_split", {}).get("matched"):
                 progress("  TTFT split (p50 / p90 / max s): " + "; ".join(
                     f"{k} {v['p50']:.3f} / {v['p90']:.3f} / {v['max']:.3f}"
                     for k, v in s["ttft_split"].items() if isinstance(v, dict)))
@@ -371,11 +372,6 @@ def run_config(args, name: str) -> dict:
         server.stop()
         if split_dir is not None:
             shutil.rmtree(split_dir, ignore_errors=True)
-            del os.environ["KVADMIT_TTFT_SPLIT_DIR"]
-            if pythonpath is None:
-                del os.environ["PYTHONPATH"]
-            else:
-                os.environ["PYTHONPATH"] = pythonpath
     ph = out["phases"]
     if ph["interactive alone"]["interactive_goodput"]:
         out["goodput_vs_alone"] = (ph["both"]["interactive_goodput"]

@@ -141,8 +141,11 @@ cdef class ArrivalGate:
         signature for the retry line (what the core knows of a request, and what a
         retry of it repeats)."""
         self._step = step
-        self._key = _mix(_mix(_mix(_mix(_mix(<uint64_t>prompt_tokens) ^ <uint64_t>max_new_tokens)
-                                   ^ <uint64_t>priority) ^ <uint64_t>session) ^ <uint64_t>prompt_hash)
+        cdef uint64_t key = _mix(<uint64_t>prompt_tokens)
+        key = _mix(key ^ <uint64_t>max_new_tokens)
+        key = _mix(key ^ <uint64_t>priority)
+        key = _mix(key ^ <uint64_t>session)
+        self._key = _mix(key ^ <uint64_t>prompt_hash)
 
     cdef void c_admission_undone(self) noexcept nogil:
         """The latest admission (as a rule) was undone."""

@@ -102,14 +102,14 @@ class _Outbox:
 
     def clear(self):
         self.arr, self.prompt, self.out, self.mx, self.ttft, self.tpot = [], [], [], [], [], []
-        self.prio, self.client = [], []
+        self.prio, self.prompt_hash = [], []
         self.off, self.ids, self.hashed = [0], [], []
 
     def push(self, i: int, t: float, prompt: int, out: int, mx: int, prio: int, ttft: float,
              tpot: float, hashed: int, hash_ids) -> None:
         """Request i's attempt at t (its prompt_hash is i + 1: a retry repeats its
         prompt, another client's prompt differs)."""
-        self.client.append(i + 1)
+        self.prompt_hash.append(i + 1)
         self.arr.append(t)
         self.prompt.append(prompt)
         self.out.append(out)
@@ -127,7 +127,7 @@ class _Outbox:
             return
         eng.add_requests(Requests(
             self.arr, self.prompt, self.out, self.mx, priority=self.prio, ttft_slo_s=self.ttft,
-            tpot_slo_s=self.tpot, prompt_hash=self.client, hashed_tokens=self.hashed,
+            tpot_slo_s=self.tpot, prompt_hash=self.prompt_hash, hashed_tokens=self.hashed,
             hash_offsets=self.off if self.prefix else None,
             hash_ids=self.ids if self.prefix else None))
         self.clear()

@@ -310,6 +310,7 @@ class Server:
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
     prom: tempfile.TemporaryDirectory | None = None
+    env: dict[str, str] = field(default_factory=dict)   # more environment for the server
 
     @property
     def base(self) -> str:
@@ -322,7 +323,7 @@ class Server:
     def start(self) -> None:
         # kvadmit's counters live in the engine process: Prometheus multiprocess mode
         self.prom = tempfile.TemporaryDirectory(prefix="kvadmit-prom-")
-        env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=self.prom.name)
+        env = dict(os.environ, **self.env, PROMETHEUS_MULTIPROC_DIR=self.prom.name)
         with open(self.log, "a") as f:
             f.write(f"\n===== {self.config.label}: {' '.join(self.command())}\n")
             f.flush()
