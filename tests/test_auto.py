@@ -232,3 +232,22 @@ def test_pauseless_auto_keeps_room_for_an_overrun():
         s = add_waiting(core, 100, 200)
         decisions[shortfall] = core.decide(s, 100)
     assert decisions == {"pause": "admit", "preempt": "hold_capacity"}
+
+
+def test_pauseless_auto_predicts_at_a_higher_quantile():
+    """Without pause an overrun costs a retraction, so auto's length quantile starts at
+    0.8 there (0.4 with pause). After 100 finished lengths of 1-100 tokens under caps
+    of 100, a fresh request (4, 100) is predicted to stop at the 0.4-quantile's bucket
+    edge with pause (48 tokens: 4 + 48 = 13 blocks), at the 0.8-quantile's without (96:
+    25 blocks, above SGLang's 0.7 x 100 estimate)."""
+    peaks = {}
+    for shortfall in ("pause", "preempt"):
+        core = make_core("auto", num_blocks=100, block_size=4, shortfall=shortfall)
+        for out in range(1, 101):
+            s = add_running(core, 4, 100)
+            core.update(s, 4 + out - 1, out)
+            core.finish(s, 0.0)
+        add_running(core, 4, 100)
+        peaks[shortfall] = (core.quantile, core.peak_blocks())
+    assert peaks["pause"][0] == 0.4 and peaks["preempt"][0] == 0.8
+    assert peaks["pause"][1] == 13 and peaks["preempt"][1] == 25, peaks

@@ -15,8 +15,8 @@
 #               of recent output lengths, the quantile raised after preemptions;
 #   auto        adaptive with fixed settings, caps learned to be honest or not, and
 #               prefixes shared by running requests counted once; on an engine
-#               without pause (SGLang), growth no less than SGLang's own estimate and
-#               room for the largest single overrun.
+#               without pause (SGLang), a higher length quantile, growth no less than
+#               SGLang's own estimate and room for the largest single overrun.
 # `c_fits_taking_lower` is `c_fits` with the KV of running requests of strictly
 # lower priority (larger priority value, by more than priority_preemption_threshold)
 # counted as free: what they hold and their growth (the core's priority retraction, under queue_order "priority").
@@ -40,6 +40,11 @@ POLICIES = ("overcommit", "reserve", "peak", "predict", "adaptive", "auto")
 # `auto`: the zero-config default. Its length quantile and controller settings are
 # fixed here (not the adaptive_* keys): one setting for every workload.
 cdef double AUTO_QUANTILE = 0.4          # starting (and lowest) quantile of the output-length model
+# Without pause (SGLang) a request that outruns its prediction costs a retraction (its
+# KV recomputed), not a step sat out: the quantile starts higher (a newsvendor's
+# critical ratio of about 4 to 1). At 0.4 light-tailed lengths (uniform, bimodal) left
+# several running requests long at once and retracted where SGLang's own rule did not.
+cdef double AUTO_PAUSELESS_QUANTILE = 0.8
 cdef double AUTO_MAX_QUANTILE = 0.95     # ceiling the controller may raise it to
 cdef double AUTO_TARGET_PREEMPTION_RATE = 0.01   # preemptions per admission that raise it
 cdef enum:
@@ -373,14 +378,15 @@ cdef class AutoPolicy(AdaptivePolicy):
     def __init__(self, config, Ledger ledger, int64_t num_blocks, int64_t max_model_len,
                  int64_t min_samples=-1):
         AdaptivePolicy.__init__(self, config, ledger, num_blocks, max_model_len, AUTO_MIN_SAMPLES)
-        self._quantile_base, self._quantile_max = AUTO_QUANTILE, AUTO_MAX_QUANTILE
+        # An engine that cannot pause (shortfall "preempt": SGLang) pays for a short
+        # prediction with a retraction (the request's KV recomputed), not a step sat out.
+        self._pauseless = not config.pause_on_shortfall
+        self._quantile_base = AUTO_PAUSELESS_QUANTILE if self._pauseless else AUTO_QUANTILE
+        self._quantile_max = AUTO_MAX_QUANTILE
         self._target_preemption_rate, self._adapt_interval = AUTO_TARGET_PREEMPTION_RATE, AUTO_INTERVAL
         self.quantile = self._quantile_base
         self._n_capped = 0
         self._unowned_blocks = self._max_shared_blocks = 0
-        # An engine that cannot pause (shortfall "preempt": SGLang) pays for a short
-        # prediction with a retraction (the request's KV recomputed), not a step sat out.
-        self._pauseless = not config.pause_on_shortfall
 
     cdef Curve _curve(self, int32_t s) noexcept nogil:
         cdef Curve c
