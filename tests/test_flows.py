@@ -219,45 +219,6 @@ def test_an_over_share_flow_leaves_headroom_for_a_live_flow_below_its_share():
     assert stats[str(B)]["held"] >= 1 and stats[str(A)]["admitted"] == 2
 
 
-def test_a_flow_below_its_share_may_start_beyond_the_forecast_by_its_allowance():
-    """The other side of the headroom (kvadmit._flows.c_allowance): a request of a flow
-    holding less of the pool per weight than another live flow may exceed the policy's
-    forecast by four of its flow's requests (by the blocks its finished ones held), less
-    what the flow holds now, at most what it lacks of its share; the blocks it needs now
-    must still be free. The over-share flow's requests only grow into that room in a
-    predicted forecast (adaptive, auto: here adaptive before it knows lengths, running
-    each request to its max_tokens, which on this pool reserves what reserve does), so a sparse flow's next request need not wait for them to
-    finish. Under reserve and peak, which promise the pool is never overrun, it waits."""
-    core = make_core("reserve", num_blocks=100)
-    a0 = arrive(core, flow=A)
-    core.admit(a0, 0.0)
-    core.update(a0, 11, 4)
-    core.finish(a0, 1.0)
-    for prompt in (200, 120):
-        core.admit(arrive(core, flow=B, prompt=prompt, max_new=20, now=1.0), 1.0)
-    a1 = arrive(core, flow=A, prompt=28, max_new=20, now=1.0)
-    assert core.next_admissible(20) == -1             # reserve: no allowance
-
-    core = make_core("adaptive", num_blocks=100, adaptive_min_samples=1000)
-    a0 = arrive(core, flow=A)
-    core.admit(a0, 0.0)
-    core.update(a0, 11, 4)                     # 11 tokens: 3 blocks
-    core.finish(a0, 1.0)                       # a's requests: 3 blocks each so far
-    for prompt in (200, 120):                  # b reserves 55 + 35 = 90 blocks, holds 80
-        core.admit(arrive(core, flow=B, prompt=prompt, max_new=20, now=1.0), 1.0)
-    a1 = arrive(core, flow=A, prompt=28, max_new=20, now=1.0)    # reserves 12, needs 7 now
-    assert core.decide(a1, 20) == "hold_capacity"     # 90 + 12 > 100: the rule alone holds it
-    assert core.next_admissible(6) == -1              # the blocks check is not widened
-    assert core.next_admissible(20) == a1             # 102 <= 100 + 4 x 3
-    core.admit(a1, 1.0)                               # a now holds 7 blocks
-    a2 = arrive(core, flow=A, prompt=28, max_new=20, now=1.0)
-    assert core.next_admissible(13) == -1             # 114 > 100 + (12 - 7)
-    for s in core.running():
-        core.finish(s, 2.0)
-    assert core.next_admissible(13) == a2
-    assert core.flow_stats()[str(A)]["admitted"] == 2
-
-
 def test_two_saturating_flows_share_the_pool_by_weight():
     """Native engine: two flows of alike requests, both backlogged from t=0; while both
     wait, their block-steps are in the ratio of their weights."""

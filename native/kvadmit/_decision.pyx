@@ -15,7 +15,7 @@ from kvadmit._agent_window cimport AgentWindow
 from kvadmit._arrival_gate cimport ArrivalGate, Rejection, R_KV_CAPACITY
 from kvadmit._curves cimport cdiv
 from kvadmit._ledger cimport Ledger
-from kvadmit._policies cimport P_ADAPTIVE, Policy
+from kvadmit._policies cimport Policy
 from kvadmit._slo_guard cimport SloGuard
 from kvadmit._waiting_queue cimport (D_ADMIT, D_HOLD_AGENT, D_HOLD_BLOCKS, D_HOLD_CAPACITY,
                                      D_HOLD_SLO, Judge, WaitingQueue)
@@ -43,9 +43,7 @@ cdef class Decision(Judge):
             free_blocks = free_blocks - self.headroom if free_blocks > self.headroom else 0
         if check_blocks and need_now > free_blocks:
             return D_HOLD_BLOCKS
-        # The flows' allowance widens only a predicted forecast (adaptive, auto):
-        # reserve and peak promise that the pool is never overrun.
-        self.policy.headroom = self.headroom - (self.allowance if self.policy.kind >= P_ADAPTIVE else 0)
+        self.policy.headroom = self.headroom
         cdef bint fits = self.policy.c_fits(s, free_blocks)
         self.policy.headroom = 0
         if not fits and not self.c_takes_from_lower(s, free_blocks):

@@ -57,5 +57,4 @@ cdef class FlowTable:
     cdef void c_accrue(self, double now) noexcept nogil
     cdef void c_finished(self, int32_t s) noexcept nogil
     cdef int64_t c_headroom(self, int32_t f) noexcept nogil
-    cdef int64_t c_allowance(self, int32_t f) noexcept nogil
     cdef str c_name(self, int32_t f)

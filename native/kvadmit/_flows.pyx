@@ -31,11 +31,7 @@
 # the policy's rule and the blocks check, room for HEADROOM_REQUESTS of that flow's
 # requests (at most what it lacks of its share), so the quiet flow's next arrivals
 # start at once instead of waiting for the noisy one's running requests to finish; a
-# flow alone keeps nothing back. The allowance (c_allowance) is that room from the
-# other side: a request of a flow below its share may exceed a predicted forecast by
-# as much, less what its flow holds (the over-share flow's running requests grow
-# past their predictions into the headroom; a sparse flow is rarely live, so rarely
-# kept any). Until the first
+# flow alone keeps nothing back. Until the first
 # request with a flow arrives, nothing here runs and the queue is the plain one.
 
 from cython.operator cimport dereference as deref
@@ -178,31 +174,6 @@ cdef class FlowTable:
             if want > 0:
                 total += want
         return <int64_t>total
-
-    cdef int64_t c_allowance(self, int32_t f) noexcept nogil:
-        """Blocks a request of flow f may take beyond the policy's forecast: the room the
-        over-share flows leave it (c_headroom seen from f's side), HEADROOM_REQUESTS of
-        its requests' size, at most what f lacks of its weighted share, while another
-        live flow holds more of the pool per weight than f. The over-share flows' running
-        requests grow into that room only in the forecast: the KV f's request needs now
-        must still be free (the blocks check is not widened)."""
-        cdef size_t g, n = self._id.size()
-        cdef double live_weight = 0.0, mine = self.c_holding(f), want, lack
-        cdef bint below = False
-        if f == 0 or self._size[f] == 0.0:
-            return 0
-        for g in range(n):
-            if self.ledger.flow_live(<int32_t>g) > 0 or <int32_t>g == f:
-                live_weight += self._weight[g]
-                if <int32_t>g != f and self.c_holding(<int32_t>g) > mine:
-                    below = True
-        if not below:
-            return 0
-        lack = self.num_blocks * self._weight[f] / live_weight - self._holding[f]
-        want = HEADROOM_REQUESTS * self._size[f] - self._holding[f]
-        if lack < want:
-            want = lack
-        return <int64_t>want if want > 0 else 0
 
     cdef str c_name(self, int32_t f):
         """How messages and stats name flow f: its key in the config's flows, else its id."""

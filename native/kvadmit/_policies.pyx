@@ -235,7 +235,7 @@ cdef class PeakPolicy(Policy):
     cdef bint c_fits(self, int32_t s, int64_t free_blocks) noexcept nogil:
         self._ensure_profile()
         cdef Curve c = self._curve(s)
-        if self.headroom >= 0 and self._covers_refused(c):
+        if self._covers_refused(c):
             return False
         return self._noted(peak_blocks_sorted(self._profile.data(), self._profile.size(), &c,
                                               self.block_size, self.num_blocks, self._fenwick)

@@ -76,7 +76,6 @@ cdef class Judge:
     decision: the agent window, the blocks, the policy, the SLO guard). `headroom`:
     blocks the request judged must leave free (the flows' headroom, set by the scan)."""
     cdef int64_t headroom
-    cdef int64_t allowance       # blocks the policy's rule may exceed its forecast by (the flows' allowance)
     cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil
     cdef bint c_may_displace(self, int32_t s) noexcept nogil
 

@@ -259,9 +259,8 @@ cdef class WaitingQueue:
                 return -1
             if self._fair:
                 judge.headroom = self.flows.c_headroom(self.ledger.flow_ix(s))
-                judge.allowance = self.flows.c_allowance(self.ledger.flow_ix(s))
             d = judge.c_decide(s, free_blocks, check_blocks)
-            judge.headroom = judge.allowance = 0
+            judge.headroom = 0
             if d == D_ADMIT:
                 return s
             if head:
