@@ -2,7 +2,7 @@
 admission rule, on SGLang's real scheduling classes (tests/sglang/sglang_harness.py),
 over the retraction test's workloads and more seeds and families outside it.
 
-    python bench/sglang_retractions.py               # all 46 workloads (about 4 min)
+    python bench/sglang_retractions.py               # all 46 workloads (about 2 min)
     python bench/sglang_retractions.py --only test   # the test's 22
 
 Prints a line per workload (R: more retractions than stock, S: more steps) and
@@ -24,7 +24,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "sglang"))
 
 from conftest import install_kvadmit_hooks  # noqa: E402
-from sglang_workloads import CASES, FAMILIES, KNOWN_FAILING, run  # noqa: E402
+from sglang_workloads import CASES, FAMILIES, KNOWN_FAILING, plan_for, run  # noqa: E402
 
 from kvadmit import AdmissionConfig  # noqa: E402
 
@@ -45,10 +45,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cases = {"test": TEST, "other": OTHER}.get(args.only, TEST + OTHER)
     install_kvadmit_hooks()
+    from kvadmit.sglang import plugin
+    plugin.verify(plugin.engine_hooks())     # else both rows would be stock SGLang
     rows, t0 = [], time.perf_counter()
     for i, (kind, seed, pool) in enumerate(cases, 1):
         stock = run(None, kind, seed, pool)
         ours = run(AdmissionConfig.from_dict({}), kind, seed, pool)
+        n = sum(len(ws) for ws in plan_for(kind, seed).values())
+        if stock[2] != n or ours[2] != n:
+            raise SystemExit(f"{kind}/{seed}/{pool}: finished {stock[2]} (stock) and {ours[2]} "
+                             f"(kvadmit) of {n} requests")
         flag = ("R" if ours[0] > stock[0] else " ") + ("S" if ours[1] > stock[1] else " ")
         rows.append({"kind": kind, "family": FAMILIES[kind], "seed": seed, "pool": pool,
                      "stock_retracted": stock[0], "stock_steps": stock[1],

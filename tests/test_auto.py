@@ -1,7 +1,7 @@
 """The default policy, auto: exact decisions, its settings, and its guarantee.
 
 Pool: 40 blocks of 4 tokens unless a row says otherwise. auto's length quantile
-starts at 0.4 and its length model (16-token buckets) predicts after one finish.
+starts at 0.4 (0.8 without pause) and its length model (16-token buckets) predicts after one finish.
 """
 import dataclasses
 

@@ -17,7 +17,7 @@ max_new_tokens:
   honest      lognormal(4, 0.9) capped at 600, max_new = the output length
 Two more are known to fail on steps (xfail, strict): outputs uniform on 50-450 with
 max_new 500 on a 2000-token pool, and half the requests with honest caps (mixcap).
-There the default retracts nothing, as stock SGLang, but takes 4-6% more steps.
+There the default retracts nothing, as stock SGLang, but takes 3.6% and 6.2% more steps.
 """
 import pytest
 
@@ -50,7 +50,7 @@ def test_known_failing_retracts_no_more(kvadmit_hooks, kind, seed, pool):
 
 @pytest.mark.parametrize("kind,seed,pool", KNOWN_FAILING)
 @pytest.mark.xfail(strict=True, reason="wide light-tailed outputs on a larger pool, and half "
-                   "the caps honest: no more retractions, 4-6% more steps (issue 22, item 5, open)")
+                   "the caps honest: no more retractions, 3.6-6.2% more steps (issue 22, item 5, open)")
 def test_known_failing(kvadmit_hooks, kind, seed, pool):
     check(kind, seed, pool)
 
