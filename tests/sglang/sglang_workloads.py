@@ -2,6 +2,7 @@
 bench/sglang_retractions.py): 300 requests arriving 0-3 steps apart, prompts of
 20-200 tokens, one family of output lengths and max_new_tokens each, run on the
 harness's real SGLang scheduling classes."""
+import functools
 import random
 
 # family: (output lengths, max_new_tokens), as plan_for draws them
@@ -82,9 +83,11 @@ def plan_for(kind, seed, n=300):
     return plan
 
 
+@functools.lru_cache(maxsize=None)
 def run(config, kind, seed, pool):
-    """(retractions, steps, requests finished) of one workload; config None: stock SGLang.
-    Needs kvadmit's hooks installed (tests/sglang/conftest.py: install_kvadmit_hooks)."""
+    """(retractions, steps, requests finished) of one workload; config None: stock SGLang
+    (runs are deterministic, so each is run once per process). Needs kvadmit's hooks
+    installed (tests/sglang/conftest.py: install_kvadmit_hooks)."""
     from sglang_harness import Harness, make_req
 
     h = Harness(config, pool_tokens=pool)

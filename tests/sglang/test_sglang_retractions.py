@@ -3,18 +3,9 @@ retraction) against stock SGLang 0.5.23's own admission rule, on SGLang's real
 scheduling classes (tests/sglang/sglang_harness.py): on every workload here it
 retracts no more requests than stock SGLang, in no more steps.
 
-Workloads (tests/sglang/sglang_workloads.py): 300 requests arriving 0-3 steps apart,
-prompts of 20-200 tokens, on pools of 1500 and 2000 tokens. Output lengths and
-max_new_tokens:
-  slack       lognormal(4, 0.9) capped at 600, max_new max(out, 512) (issue 22's probe)
-  longprompt  the same outputs, prompts of 300-600 tokens
-  geometric   exponential, mean 100, capped at 1000, max_new 1024
-  short       lognormal(3, 0.5), max_new 256
-  uniform     uniform on 1-300, max_new 400
-  bimodal     70% of 5-30 tokens, 30% of 200-400, max_new 512
-  narrow      lognormal(5, 0.3) capped at 400, max_new 512
-  twopoint    40 or 250 tokens, even odds, max_new 300 (stock SGLang retracts here)
-  honest      lognormal(4, 0.9) capped at 600, max_new = the output length
+Workloads: tests/sglang/sglang_workloads.py (FAMILIES: each family's output lengths
+and max_new_tokens), 300 requests each on pools of 1500 and 2000 tokens; `honest`
+(max_new_tokens = the output length) is tested on its own below.
 Two more are known to fail on steps (xfail, strict): outputs uniform on 50-450 with
 max_new 500 on a 2000-token pool, and half the requests with honest caps (mixcap).
 There the default retracts nothing, as stock SGLang, but takes 3.6% and 6.2% more steps.
