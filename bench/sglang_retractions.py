@@ -5,8 +5,13 @@ over the retraction test's workloads and more seeds and families outside it.
     python bench/sglang_retractions.py               # all 46 workloads (about 2 min)
     python bench/sglang_retractions.py --only test   # the test's 22
 
-Prints a line per workload (R: more retractions than stock, S: more steps) and
-saves bench/results/sglang_retractions.json. Needs SGLang 0.5.23 (its scheduling
+Stock SGLang runs at --schedule-conservativeness 1 (its default) and at each of
+--conservativeness (default 0.5 and 1.43: SGLang's advice for frequent retractions is
+a larger value, and above 1/0.7 its ratio saturates). Prints a line per workload (R:
+more retractions than stock at 1, S: more steps) and saves
+bench/results/sglang_retractions.json, with a summary against each setting and
+against stock's best: per workload, its fewest steps among the settings that retract
+no more than kvadmit does. Needs SGLang 0.5.23 (its scheduling
 modules run on the CPU).
 """
 from __future__ import annotations
@@ -41,37 +46,69 @@ OTHER = [("fixed", 1, 1500), ("fixed", 2, 2000), ("pareto", 1, 1500), ("drift", 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=("test", "other"), help="one group of workloads")
+    ap.add_argument("--conservativeness", type=float, nargs="*", default=[0.5, 1.43],
+                    help="stock SGLang's --schedule-conservativeness values beside 1")
     ap.add_argument("--out", default=str(RESULTS / "sglang_retractions.json"))
     args = ap.parse_args(argv)
     cases = {"test": TEST, "other": OTHER}.get(args.only, TEST + OTHER)
     install_kvadmit_hooks()
     from kvadmit.sglang import plugin
     plugin.verify(plugin.engine_hooks())     # else both rows would be stock SGLang
+    settings = [1.0] + [c for c in args.conservativeness if c != 1.0]
     rows, t0 = [], time.perf_counter()
     for i, (kind, seed, pool) in enumerate(cases, 1):
-        stock = run(None, kind, seed, pool)
-        ours = run(AdmissionConfig.from_dict({}), kind, seed, pool)
         n = sum(len(ws) for ws in plan_for(kind, seed).values())
-        if stock[2] != n or ours[2] != n:
-            raise SystemExit(f"{kind}/{seed}/{pool}: finished {stock[2]} (stock) and {ours[2]} "
-                             f"(kvadmit) of {n} requests")
+        ours = run(AdmissionConfig.from_dict({}), kind, seed, pool)
+        by_c = {c: run(None, kind, seed, pool, c) for c in settings}
+        for who, r in [("kvadmit", ours)] + [(f"stock at {c}", r) for c, r in by_c.items()]:
+            if r[2] != n:
+                raise SystemExit(f"{kind}/{seed}/{pool}: {who} finished {r[2]} of {n} requests")
+        stock = by_c[1.0]
+        best = min((r[1] for r in by_c.values() if r[0] <= ours[0]), default=None)
         flag = ("R" if ours[0] > stock[0] else " ") + ("S" if ours[1] > stock[1] else " ")
         rows.append({"kind": kind, "family": FAMILIES[kind], "seed": seed, "pool": pool,
                      "stock_retracted": stock[0], "stock_steps": stock[1],
                      "kvadmit_retracted": ours[0], "kvadmit_steps": ours[1],
-                     "finished": [stock[2], ours[2]]})
+                     "stock_by_conservativeness": {str(c): list(r[:2]) for c, r in by_c.items()},
+                     "stock_best_steps": best, "finished": [stock[2], ours[2]]})
+        others = ", ".join(f"at {c}: {r[0]} in {r[1]}" for c, r in by_c.items() if c != 1.0)
         print(f"[{i}/{len(cases)}] {flag} {kind}/{seed}/{pool}: stock {stock[0]} retracted in "
-              f"{stock[1]} steps, kvadmit {{}} {ours[0]} in {ours[1]} "
+              f"{stock[1]} steps ({others}), kvadmit {{}} {ours[0]} in {ours[1]} "
               f"({ours[1] / stock[1]:.3f}x)", flush=True)
-    more_r = sum(r["kvadmit_retracted"] > r["stock_retracted"] for r in rows)
-    more_s = sum(r["kvadmit_steps"] > r["stock_steps"] for r in rows)
-    geo = math.exp(sum(math.log(r["kvadmit_steps"] / r["stock_steps"]) for r in rows) / len(rows))
-    print(f"{len(rows)} workloads: more retractions than stock on {more_r}, more steps on "
-          f"{more_s}; steps / stock geomean {geo:.3f} ({time.perf_counter() - t0:.0f} s)")
+
+    def geomean(xs):
+        return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+    summary = {}
+    for c in settings:
+        key = str(c)
+        summary[key] = {
+            "more_retractions": sum(r["kvadmit_retracted"] > r["stock_by_conservativeness"][key][0] for r in rows),
+            "more_steps": sum(r["kvadmit_steps"] > r["stock_by_conservativeness"][key][1] for r in rows),
+            "steps_geomean": geomean([r["kvadmit_steps"] / r["stock_by_conservativeness"][key][1] for r in rows]),
+            "stock_retractions": sum(r["stock_by_conservativeness"][key][0] for r in rows)}
+        s = summary[key]
+        print(f"stock at --schedule-conservativeness {c}: retracts {s['stock_retractions']} in all; "
+              f"kvadmit retracts more on {s['more_retractions']}, takes more steps on "
+              f"{s['more_steps']}, steps / stock geomean {s['steps_geomean']:.3f}")
+    bests = [r for r in rows if r["stock_best_steps"] is not None]
+    best = {"workloads": len(bests),
+            "more_steps": sum(r["kvadmit_steps"] > r["stock_best_steps"] for r in bests),
+            "steps_geomean": geomean([r["kvadmit_steps"] / r["stock_best_steps"] for r in bests])}
+    print(f"stock's best setting retracting no more than kvadmit (on {best['workloads']} of "
+          f"{len(rows)} workloads one does): kvadmit takes more steps on {best['more_steps']}, "
+          f"steps / best geomean {best['steps_geomean']:.3f}")
+    s1 = summary["1.0"]
+    print(f"{len(rows)} workloads: more retractions than stock on {s1['more_retractions']}, more "
+          f"steps on {s1['more_steps']}; steps / stock geomean {s1['steps_geomean']:.3f} "
+          f"({time.perf_counter() - t0:.0f} s)")
+    cmd = "python bench/sglang_retractions.py" + (f" --only {args.only}" if args.only else "")
+    if args.conservativeness != [0.5, 1.43]:
+        cmd += " --conservativeness " + " ".join(map(str, args.conservativeness))
     pathlib.Path(args.out).write_text(json.dumps({
-        "command": "python bench/sglang_retractions.py" + (f" --only {args.only}" if args.only else ""),
-        "rows": rows, "more_retractions": more_r, "more_steps": more_s,
-        "steps_geomean": geo}, indent=1) + "\n")
+        "command": cmd, "rows": rows, "more_retractions": s1["more_retractions"],
+        "more_steps": s1["more_steps"], "steps_geomean": s1["steps_geomean"],
+        "by_conservativeness": summary, "against_stock_best": best}, indent=1) + "\n")
     print(f"saved {args.out}")
     return 0
 

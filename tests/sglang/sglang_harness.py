@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.environ import envs
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import AddReqResult, SchedulePolicy
 from sglang.srt.managers.scheduler import Scheduler
@@ -51,6 +52,17 @@ from kvadmit.sglang import plugin
 
 EOS = 999
 VOCAB = 1000
+
+
+def ratio_tracker(schedule_conservativeness: float = 1.0) -> NewTokenRatioTracker:
+    """SGLang's NewTokenRatioTracker.from_config under --schedule-conservativeness
+    (from_config reads it from the server's global settings, which the harness has
+    none of). The ratio starts at 0.7 x it, at most 1, and decays to 0.14 x its
+    start over 600 steps, so values above 1/0.7 change nothing."""
+    init = min(envs.SGLANG_INIT_NEW_TOKEN_RATIO.get() * schedule_conservativeness, 1.0)
+    low = min(init * envs.SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR.get(), 1.0)
+    return NewTokenRatioTracker(init=init, min=low, current=init,
+                                decay=(init - low) / envs.SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS.get())
 
 
 class Outbox:
@@ -101,7 +113,8 @@ class Harness:
                  disable_priority_preemption: bool = False,
                  preemption_threshold: int = 10,
                  step_model: Optional[tuple] = None, clock_skew: float = 0.0,
-                 chunk_tokens: Optional[int] = None, mixed_chunk: bool = False):
+                 chunk_tokens: Optional[int] = None, mixed_chunk: bool = False,
+                 schedule_conservativeness: float = 1.0):
         """``enable_priority_scheduling``, ``low_priority_values_first``,
         ``disable_priority_preemption``, ``preemption_threshold``: SGLang's
         --enable-priority-scheduling, --schedule-low-priority-values-first,
@@ -111,7 +124,8 @@ class Harness:
         asks the adder's preempt_to_schedule, as SGLang's scheduler does.
         ``chunk_tokens``: SGLang's --chunked-prefill-size (None: no chunking);
         ``mixed_chunk``: --enable-mixed-chunk (a prefill step also decodes the
-        running requests, when their next tokens fit). ``step_model``: (a, b, c) of a virtual clock that advances by
+        running requests, when their next tokens fit). ``schedule_conservativeness``:
+        --schedule-conservativeness (scales stock SGLang's new_token_ratio). ``step_model``: (a, b, c) of a virtual clock that advances by
         a + b * tokens + c * context seconds per forward (tokens: scheduled,
         context: the batch's sequence lengths); the adapter reads it (plus
         ``clock_skew``, as another rank's clock would). None: wall time."""
@@ -126,7 +140,7 @@ class Harness:
         self.max_prefill_tokens = max_prefill_tokens
         self.chunk_tokens = chunk_tokens
         self.mixed_chunk = mixed_chunk
-        self.tracker = NewTokenRatioTracker.from_config()
+        self.tracker = ratio_tracker(schedule_conservativeness)
         self.outbox = Outbox()
 
         s = Scheduler.__new__(Scheduler)  # only what the called methods read

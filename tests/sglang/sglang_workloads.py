@@ -84,13 +84,13 @@ def plan_for(kind, seed, n=300):
 
 
 @functools.lru_cache(maxsize=None)
-def run(config, kind, seed, pool):
+def run(config, kind, seed, pool, schedule_conservativeness=1.0):
     """(retractions, steps, requests finished) of one workload; config None: stock SGLang
     (runs are deterministic, so each is run once per process). Needs kvadmit's hooks
     installed (tests/sglang/conftest.py: install_kvadmit_hooks)."""
     from sglang_harness import Harness, make_req
 
-    h = Harness(config, pool_tokens=pool)
+    h = Harness(config, pool_tokens=pool, schedule_conservativeness=schedule_conservativeness)
     plan = {s: [make_req(rid, p, m, out_len=o) for rid, p, m, o in ws]
             for s, ws in plan_for(kind, seed).items()}
     log = h.run(plan)

@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("sglang.srt")  # not "sglang": see conftest.py
 
 from kvadmit import AdmissionConfig  # noqa: E402
+from sglang_harness import NewTokenRatioTracker, ratio_tracker  # noqa: E402
 from sglang_workloads import CASES, KNOWN_FAILING, run  # noqa: E402
 
 
@@ -55,3 +56,13 @@ def test_honest_caps_never_retract(kvadmit_hooks, seed, pool):
     assert ours[0] == 0 and ours[2] == 300
     assert stock[0] > 0            # SGLang's own rule does retract here
     assert ours[1] <= stock[1]
+
+
+def test_ratio_tracker_is_sglangs_under_schedule_conservativeness():
+    """The harness's --schedule-conservativeness (bench/sglang_retractions.py's stock
+    baselines) builds SGLang's own tracker at 1.0, scales its start and floor below
+    1/0.7, and saturates above."""
+    assert ratio_tracker(1.0) == NewTokenRatioTracker.from_config()
+    half = ratio_tracker(0.5)
+    assert half.init == pytest.approx(0.35) and half.min == pytest.approx(0.35 * 0.14)
+    assert ratio_tracker(3.0) == ratio_tracker(1 / 0.7) and ratio_tracker(3.0).init == 1.0
