@@ -283,14 +283,20 @@ cdef class AdmissionCore(CoreView):
 
     # ------------------------------------------------------------------
     # Admission
-    def decide(self, int64_t slot, int64_t free_blocks, bint check_blocks=True):
+    def decide(self, int64_t slot, int64_t free_blocks, bint check_blocks=True,
+               bint flows_headroom=True):
         """What the policy says about one waiting request: 'admit', 'hold_blocks'
         (not enough free blocks now) or 'hold_capacity' (the policy's future rule).
 
         ``check_blocks=False`` leaves today's fit to the engine's own allocator
-        (which knows prefix hits the core does not); the policy rule still applies."""
+        (which knows prefix hits the core does not); the policy rule still applies.
+        Under flows the request's flow leaves the headroom the queue's scan keeps for
+        flows below their share, as the scan judges it; ``flows_headroom=False``
+        judges without it (is the pool full, or only full to this flow?)."""
         self.ledger.check_state(slot, ST_WAITING)
-        return DECISIONS[self.decision.c_decide(<int32_t>slot, free_blocks, check_blocks)]
+        if not flows_headroom:
+            return DECISIONS[self.decision.c_decide(<int32_t>slot, free_blocks, check_blocks)]
+        return DECISIONS[self.queue.c_judge(self.decision, <int32_t>slot, free_blocks, check_blocks)]
 
     def plan_shortfall(self, want_tokens, computed_tokens, held_blocks, int64_t free_blocks,
                        int64_t token_budget, int64_t lookahead_tokens=0, priorities=None):

@@ -167,6 +167,7 @@ cdef class WaitingQueue:
     cdef void c_count_passed(self, int32_t s) noexcept nogil
     cdef int32_t c_scan(self, Judge judge, int64_t free_blocks, bint check_blocks,
                         bint paused, double unpassable_from) noexcept nogil
+    cdef int c_judge(self, Judge judge, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil
     cdef void _count_hold(self, int32_t s, int d) noexcept nogil
     cdef void c_pick_expired(self, double now, vector[int32_t]* picked) noexcept nogil
     cdef bint c_pick_shed(self, int32_t s, bint sheddable_only, int64_t over_reqs,

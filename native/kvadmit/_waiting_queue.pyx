@@ -205,6 +205,15 @@ cdef class WaitingQueue:
                 self.ledger.bypass(passed)
             inc(it)
 
+    cdef int c_judge(self, Judge judge, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil:
+        """judge's decision on waiting request s, with the flows' headroom for s's flow
+        (the scan's and the core's `decide` alike)."""
+        if self._fair:
+            judge.headroom = self.flows.c_headroom(self.ledger.flow_ix(s))
+        cdef int d = judge.c_decide(s, free_blocks, check_blocks)
+        judge.headroom = 0
+        return d
+
     cdef int32_t c_scan(self, Judge judge, int64_t free_blocks, bint check_blocks,
                         bint paused, double unpassable_from) noexcept nogil:
         """The first waiting request that may start now, in queue order with bypass
@@ -257,10 +266,7 @@ cdef class WaitingQueue:
                     self._count_hold(s, D_HOLD_PAUSED)
                 self._saturated = self._saturated or not self.ledger.sheddable(s)
                 return -1
-            if self._fair:
-                judge.headroom = self.flows.c_headroom(self.ledger.flow_ix(s))
-            d = judge.c_decide(s, free_blocks, check_blocks)
-            judge.headroom = 0
+            d = self.c_judge(judge, s, free_blocks, check_blocks)
             if d == D_ADMIT:
                 return s
             if head:

@@ -120,7 +120,10 @@ class KvadmitPrefillAdder(PrefillAdder):
                 # bypass, or this one's session is outside the agent window:
                 # a later request goes first
                 return AddReqResult.CONTINUE
-            if adapter.core.decide(slot, free_blocks) in ("hold_blocks", "hold_capacity"):
+            # A hold by the flows' headroom is not a full batch: another flow's
+            # request may still start (NO_TOKEN sets SGLang's batch_is_full).
+            if adapter.core.decide(slot, free_blocks, flows_headroom=False) in (
+                    "hold_blocks", "hold_capacity"):
                 # memory: the batch is full for now, unless lower-priority running
                 # requests give it their KV now (priority preemption)
                 if not self.displace_for(req, slot, need_row=False):
