@@ -115,6 +115,14 @@ def subset(per_request: dict, keep: list[bool]) -> dict:
 
 
 def main(argv=None) -> int:
+    ap = parser()
+    args = ap.parse_args(argv)
+    path = save(args.out, measure(args))
+    print(f"saved {path}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=60.0, help="arrival window")
     ap.add_argument("--interactive-load", type=float, default=0.3)
@@ -139,7 +147,11 @@ def main(argv=None) -> int:
                     help="run on vLLM's own scheduler in-process (kvadmit.simulate.vllm_engine, "
                          "fake model outputs) with this model directory, instead of the native "
                          "engine: the runs of VLLM_RUNS only")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def measure(args) -> dict:
+    """Every run of every seed, and their mean (what main saves)."""
     step = get_preset(args.preset)
     shape = EngineShape(num_blocks=args.num_blocks, block_size=16, max_model_len=args.max_model_len,
                         max_num_seqs=256, max_num_batched_tokens=8192)
@@ -147,10 +159,8 @@ def main(argv=None) -> int:
     mean = mean_rows([p["rows"] for p in per_seed], [k for _, k, _ in COLUMNS])
     print(f"\nmean over seeds {args.seeds}:")
     table(mean)
-    path = save(args.out, {"args": vars(args), "shape": dataclasses.asdict(shape),
-                           "step_time": step.name, "mean": mean, "seeds": per_seed})
-    print(f"saved {path}")
-    return 0
+    return {"args": vars(args), "shape": dataclasses.asdict(shape), "step_time": step.name,
+            "mean": mean, "seeds": per_seed}
 
 
 COLUMNS = (("interactive goodput", "interactive_goodput", ".3f"),

@@ -2,7 +2,7 @@
 admission rule, on SGLang's real scheduling classes (tests/sglang/sglang_harness.py),
 over the retraction test's workloads and more seeds and families outside it.
 
-    python bench/sglang_retractions.py               # all 46 workloads (about 2 min)
+    python bench/sglang_retractions.py               # all 46 workloads (about 4-5 min)
     python bench/sglang_retractions.py --only test   # the test's 22
 
 Stock SGLang runs at --schedule-conservativeness 1 (its default) and at each of
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     install_kvadmit_hooks()
     from kvadmit.sglang import plugin
     plugin.verify(plugin.engine_hooks())     # else both rows would be stock SGLang
-    settings = [1.0] + [c for c in args.conservativeness if c != 1.0]
+    settings = [1.0] + sorted({c for c in args.conservativeness if c != 1.0})
     rows, t0 = [], time.perf_counter()
     for i, (kind, seed, pool) in enumerate(cases, 1):
         n = sum(len(ws) for ws in plan_for(kind, seed).values())
@@ -95,9 +95,10 @@ def main(argv=None) -> int:
     best = {"workloads": len(bests),
             "more_steps": sum(r["kvadmit_steps"] > r["stock_best_steps"] for r in bests),
             "steps_geomean": geomean([r["kvadmit_steps"] / r["stock_best_steps"] for r in bests])}
+    geo_best = "-" if best["steps_geomean"] is None else f"{best['steps_geomean']:.3f}"
     print(f"stock's best setting retracting no more than kvadmit (on {best['workloads']} of "
           f"{len(rows)} workloads one does): kvadmit takes more steps on {best['more_steps']}, "
-          f"steps / best geomean {best['steps_geomean']:.3f}")
+          f"steps / best geomean {geo_best}")
     s1 = summary["1.0"]
     print(f"{len(rows)} workloads: more retractions than stock on {s1['more_retractions']}, more "
           f"steps on {s1['more_steps']}; steps / stock geomean {s1['steps_geomean']:.3f} "

@@ -207,9 +207,10 @@ def test_an_over_share_flow_leaves_headroom_for_a_live_flow_below_its_share():
     core.admit(b1, 1.0)                        # b holds 50 (reserves 55): 58 reserved
     b2 = arrive(core, flow=B, prompt=108, max_new=20, now=1.0)   # reserves 32
     # 58 + 32 = 90 fits the 100 blocks, not the 100 - 4 x 3 = 88 b must leave a;
-    # decide() (the SGLang adapter's prefill classification) judges as the scan does
+    # decide() judges as the scan does, and without the headroom as the policy alone
     assert core.next_admissible(48) == -1
     assert core.decide(b2, 48) == "hold_capacity"
+    assert core.decide(b2, 48, flows_headroom=False) == "admit"
     a2 = arrive(core, flow=A, prompt=108, max_new=20, now=1.0)   # a holds least: no headroom
     assert core.next_admissible(48) == a2 and core.decide(a2, 48) == "admit"
     core.abort(a2, 1.0)

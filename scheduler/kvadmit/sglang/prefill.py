@@ -120,8 +120,9 @@ class KvadmitPrefillAdder(PrefillAdder):
                 # bypass, or this one's session is outside the agent window:
                 # a later request goes first
                 return AddReqResult.CONTINUE
-            # A hold by the flows' headroom is not a full batch: another flow's
-            # request may still start (NO_TOKEN sets SGLang's batch_is_full).
+            # A hold by the flows' headroom is not a full batch: NO_TOKEN would set
+            # SGLang's batch_is_full and no prefill would be tried again until a
+            # request finishes, not even for a flow the headroom is kept for.
             if adapter.core.decide(slot, free_blocks, flows_headroom=False) in (
                     "hold_blocks", "hold_capacity"):
                 # memory: the batch is full for now, unless lower-priority running
@@ -129,9 +130,10 @@ class KvadmitPrefillAdder(PrefillAdder):
                 if not self.displace_for(req, slot, need_row=False):
                     return AddReqResult.NO_TOKEN
             else:
-                # Held by the TPOT guard or the agent window: stop this step without
-                # marking the batch full (a finishing request is not the only thing
-                # that lifts these holds: the step-time fit and the window move too).
+                # Held by the TPOT guard, the agent window or the flows' headroom:
+                # stop this step without marking the batch full (a finishing request
+                # is not the only thing that lifts these holds: the step-time fit, the
+                # window and another flow's arrival do too), so the next step scans again.
                 return AddReqResult.OTHER
         before = len(self.can_run_list)
         prefix = int(req.prefix_len)
