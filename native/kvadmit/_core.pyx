@@ -295,7 +295,7 @@ cdef class AdmissionCore(CoreView):
         judges without it (is the pool full, or only full to this flow?)."""
         self.ledger.check_state(slot, ST_WAITING)
         if not flows_headroom:
-            return DECISIONS[self.decision.c_decide(<int32_t>slot, free_blocks, check_blocks)]
+            return DECISIONS[self.decision.c_decide(<int32_t>slot, free_blocks, check_blocks, 0)]
         return DECISIONS[self.queue.c_judge(self.decision, <int32_t>slot, free_blocks, check_blocks)]
 
     def plan_shortfall(self, want_tokens, computed_tokens, held_blocks, int64_t free_blocks,

@@ -26,7 +26,8 @@ cdef class Decision(Judge):
         the core's time)."""
         return self.gate.c_predicted_delay(ahead, ahead_tokens, queued)
 
-    cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil
+    cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks,
+                      int64_t headroom) noexcept nogil
     cdef bint c_takes_from_lower(self, int32_t s, int64_t free_blocks) noexcept nogil
     cdef bint c_lower_priority_runs(self, int32_t s) noexcept nogil
     cdef bint c_may_displace(self, int32_t s) noexcept nogil

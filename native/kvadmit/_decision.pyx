@@ -34,16 +34,17 @@ cdef class Decision(Judge):
         self.block_size, self.num_blocks = ledger.block_size, num_blocks
         self.by_priority = by_priority
 
-    cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil:
+    cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks,
+                      int64_t headroom) noexcept nogil:
         if self.agent_window.c_holds(self.ledger.session(s)):
             return D_HOLD_AGENT
         cdef int64_t need_now = cdiv(self.ledger.tokens(s), self.block_size) \
             - self.ledger.cached(s) // self.block_size
-        if self.headroom > 0:       # the flows' headroom (kvadmit._flows.c_headroom)
-            free_blocks = free_blocks - self.headroom if free_blocks > self.headroom else 0
+        if headroom > 0:       # the flows' headroom (kvadmit._flows.c_headroom)
+            free_blocks = free_blocks - headroom if free_blocks > headroom else 0
         if check_blocks and need_now > free_blocks:
             return D_HOLD_BLOCKS
-        self.policy.headroom = self.headroom
+        self.policy.headroom = headroom
         cdef bint fits = self.policy.c_fits(s, free_blocks)
         self.policy.headroom = 0
         if not fits and not self.c_takes_from_lower(s, free_blocks):

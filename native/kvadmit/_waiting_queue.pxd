@@ -74,9 +74,9 @@ cdef inline int rank_cmp(const QKey& a, const QKey& b) noexcept nogil:
 cdef class Judge:
     """What a scan asks of each waiting request it reaches: one of D_* (the core's
     decision: the agent window, the blocks, the policy, the SLO guard). `headroom`:
-    blocks the request judged must leave free (the flows' headroom, set by the scan)."""
-    cdef int64_t headroom
-    cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil
+    blocks the request judged must leave free (the flows' headroom, c_judge's)."""
+    cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks,
+                      int64_t headroom) noexcept nogil
     cdef bint c_may_displace(self, int32_t s) noexcept nogil
 
 

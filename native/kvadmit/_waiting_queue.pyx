@@ -20,7 +20,8 @@ DECISIONS = ("admit", "hold_blocks", "hold_capacity", "hold_slo", "hold_agent", 
 
 cdef class Judge:
     """The decision a scan asks for (a subclass gives it: the core's)."""
-    cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil:
+    cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks,
+                      int64_t headroom) noexcept nogil:
         return D_ADMIT
 
     cdef bint c_may_displace(self, int32_t s) noexcept nogil:
@@ -208,11 +209,8 @@ cdef class WaitingQueue:
     cdef int c_judge(self, Judge judge, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil:
         """judge's decision on waiting request s, with the flows' headroom for s's flow
         (the scan's and the core's `decide` alike)."""
-        if self._fair:
-            judge.headroom = self.flows.c_headroom(self.ledger.flow_ix(s))
-        cdef int d = judge.c_decide(s, free_blocks, check_blocks)
-        judge.headroom = 0
-        return d
+        return judge.c_decide(s, free_blocks, check_blocks,
+                              self.flows.c_headroom(self.ledger.flow_ix(s)) if self._fair else 0)
 
     cdef int32_t c_scan(self, Judge judge, int64_t free_blocks, bint check_blocks,
                         bint paused, double unpassable_from) noexcept nogil:
