@@ -17,13 +17,12 @@ modules run on the CPU).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import pathlib
 import sys
 import time
 
-from _common import RESULTS
+from _common import save
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "sglang"))
@@ -48,7 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", choices=("test", "other"), help="one group of workloads")
     ap.add_argument("--conservativeness", type=float, nargs="*", default=[0.5, 1.43],
                     help="stock SGLang's --schedule-conservativeness values beside 1")
-    ap.add_argument("--out", default=str(RESULTS / "sglang_retractions.json"))
+    ap.add_argument("--out", default="sglang_retractions", help="bench/results/<out>.json")
     args = ap.parse_args(argv)
     cases = {"test": TEST, "other": OTHER}.get(args.only, TEST + OTHER)
     install_kvadmit_hooks()
@@ -81,13 +80,12 @@ def main(argv=None) -> int:
 
     summary = {}
     for c in settings:
-        key = str(c)
-        summary[key] = {
-            "more_retractions": sum(r["kvadmit_retracted"] > r["stock_by_conservativeness"][key][0] for r in rows),
-            "more_steps": sum(r["kvadmit_steps"] > r["stock_by_conservativeness"][key][1] for r in rows),
-            "steps_geomean": geomean([r["kvadmit_steps"] / r["stock_by_conservativeness"][key][1] for r in rows]),
-            "stock_retractions": sum(r["stock_by_conservativeness"][key][0] for r in rows)}
-        s = summary[key]
+        stock_at = [r["stock_by_conservativeness"][str(c)] for r in rows]   # (retracted, steps)
+        s = summary[str(c)] = {
+            "more_retractions": sum(r["kvadmit_retracted"] > st[0] for r, st in zip(rows, stock_at)),
+            "more_steps": sum(r["kvadmit_steps"] > st[1] for r, st in zip(rows, stock_at)),
+            "steps_geomean": geomean([r["kvadmit_steps"] / st[1] for r, st in zip(rows, stock_at)]),
+            "stock_retractions": sum(st[0] for st in stock_at)}
         print(f"stock at --schedule-conservativeness {c}: retracts {s['stock_retractions']} in all; "
               f"kvadmit retracts more on {s['more_retractions']}, takes more steps on "
               f"{s['more_steps']}, steps / stock geomean {s['steps_geomean']:.3f}")
@@ -103,14 +101,10 @@ def main(argv=None) -> int:
     print(f"{len(rows)} workloads: more retractions than stock on {s1['more_retractions']}, more "
           f"steps on {s1['more_steps']}; steps / stock geomean {s1['steps_geomean']:.3f} "
           f"({time.perf_counter() - t0:.0f} s)")
-    cmd = "python bench/sglang_retractions.py" + (f" --only {args.only}" if args.only else "")
-    if args.conservativeness != [0.5, 1.43]:
-        cmd += " --conservativeness " + " ".join(map(str, args.conservativeness))
-    pathlib.Path(args.out).write_text(json.dumps({
-        "command": cmd, "rows": rows, "more_retractions": s1["more_retractions"],
-        "more_steps": s1["more_steps"], "steps_geomean": s1["steps_geomean"],
-        "by_conservativeness": summary, "against_stock_best": best}, indent=1) + "\n")
-    print(f"saved {args.out}")
+    path = save(args.out, {"rows": rows, "more_retractions": s1["more_retractions"],
+                           "more_steps": s1["more_steps"], "steps_geomean": s1["steps_geomean"],
+                           "by_conservativeness": summary, "against_stock_best": best})
+    print(f"saved {path}")
     return 0
 
 
