@@ -2,8 +2,8 @@
 admission rule, on SGLang's real scheduling classes (tests/sglang/sglang_harness.py),
 over the retraction test's workloads and more seeds and families outside it.
 
-    python bench/sglang_retractions.py               # all 46 workloads (about 4-5 min)
-    python bench/sglang_retractions.py --only test   # the test's 22
+    python bench/sglang_retractions.py               # all 49 workloads (about 3-6 min)
+    python bench/sglang_retractions.py --only test   # the test's 23
 
 Stock SGLang runs at --schedule-conservativeness 1 (its default) and at each of
 --conservativeness (default 0.5 and 1.43: SGLang's advice for frequent retractions is
@@ -38,7 +38,7 @@ OTHER = [("fixed", 1, 1500), ("fixed", 2, 2000), ("pareto", 1, 1500), ("drift", 
          ("bigprompt_uni", 1, 1500), ("honest", 1, 1500), ("uniform", 3, 1000),
          ("bimodal", 3, 3000)] + [
     (k, s, p) for k in ("uniform", "bimodal", "narrow", "slack", "twopoint", "geometric",
-                        "uniwide", "fixed")
+                        "uniwide", "fixed", "mixcap")
     for s, p in ((4, 1500), (5, 2000))]
 
 

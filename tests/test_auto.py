@@ -51,6 +51,26 @@ def test_auto_learns_whether_caps_are_honest(policy, early, capped, expected):
     assert core.decide(cand, 40 - 5) == expected
 
 
+@pytest.mark.parametrize("cap,expected", [
+    # Both with the honest client's cap: h = (5 + 2 x 0.5) / (5 + 2) = 6/7 >= 0.6, so
+    # each runs to its cap: 20 + 21 blocks > 40. (Over all finishes h = 0.5 < 0.6
+    # would pack both on the early lengths' quantile.)
+    (60, "hold_capacity"),
+    # Both with the slack client's cap: h = (0 + 1) / 7, so the early lengths: packs.
+    (100, "admit"),
+])
+def test_auto_learns_honesty_per_max_tokens(cap, expected):
+    """Two clients: one's max_tokens 100 stops at 8 tokens, the other's 60 is honest
+    (5 finishes each). auto learns each max_tokens's own share of capped finishes,
+    shrunk towards all finishes' by two finishes' worth."""
+    core = make_core("auto", num_blocks=40)
+    history(core, 5, 0, max_new=100)
+    history(core, 0, 5, max_new=60)
+    add_running(core, 20, cap)
+    cand = add_waiting(core, 24, cap)
+    assert core.decide(cand, 40 - 5) == expected
+
+
 def shared_prefix_core(policy):
     """Pool 48 blocks of 4 tokens. Running: A (64 prompt tokens, 4 to come) and B, C
     (64 each, of which 48 sit in A's blocks). The engine holds 16 + 4 + 4 blocks."""

@@ -13,10 +13,11 @@
 #               tokens times new_token_ratio);
 #   adaptive    peak with each request's remaining output predicted by a quantile
 #               of recent output lengths, the quantile raised after preemptions;
-#   auto        adaptive with fixed settings, caps learned to be honest or not, and
-#               prefixes shared by running requests counted once; on an engine
-#               without pause (SGLang), a higher length quantile, growth no less than
-#               SGLang's own estimate and room for the largest single overrun.
+#   auto        adaptive with fixed settings, caps learned to be honest or not (per
+#               max_tokens value), and prefixes shared by running requests counted
+#               once; on an engine without pause (SGLang), a higher length quantile,
+#               growth no less than SGLang's own estimate and room for the largest
+#               single overrun.
 # `c_fits_taking_lower` is `c_fits` with the KV of running requests of strictly
 # lower priority (larger priority value, by more than priority_preemption_threshold)
 # counted as free: what they hold and their growth (the core's priority retraction, under queue_order "priority").
@@ -29,6 +30,8 @@ from libc.math cimport ceil
 from libc.stdint cimport INT64_MAX, int32_t, int64_t
 from libcpp.algorithm cimport sort
 from libcpp.deque cimport deque
+from libcpp.map cimport map as cmap
+from libcpp.pair cimport pair
 from libcpp.vector cimport vector
 
 from kvadmit._curves cimport Curve, cdiv, curve_longer, peak_blocks_sorted
@@ -47,6 +50,9 @@ cdef double AUTO_QUANTILE = 0.4          # starting (and lowest) quantile of the
 cdef double AUTO_PAUSELESS_QUANTILE = 0.8
 cdef double AUTO_MAX_QUANTILE = 0.95     # ceiling the controller may raise it to
 cdef double AUTO_TARGET_PREEMPTION_RATE = 0.01   # preemptions per admission that raise it
+# A max_tokens value's own finishes outweigh the share of all finishes once there are
+# more than this many of them (AutoPolicy._cap_honesty).
+cdef double CAP_PRIOR_FINISHES = 2.0
 cdef enum:
     AUTO_MIN_SAMPLES = 1     # finished lengths before predictions replace max_tokens
     AUTO_INTERVAL = 64       # admissions per controller window
@@ -370,8 +376,8 @@ cdef class AdaptivePolicy(PeakPolicy):
 
 cdef class AutoPolicy(AdaptivePolicy):
     """adaptive with fixed settings (AUTO_*), plus: how often requests run to their
-    max_tokens (honest caps) is learned, and prefixes running requests share are
-    counted once. On an engine without pause (SGLang) two more terms: each request's
+    max_tokens (honest caps) is learned, per max_tokens value, and prefixes running
+    requests share are counted once. On an engine without pause (SGLang) two more terms: each request's
     predicted growth is at least SGLang's own estimate (`_growth_floor`), and the peak
     keeps room for the largest single overrun (`_margin_term`)."""
 
@@ -395,14 +401,14 @@ cdef class AutoPolicy(AdaptivePolicy):
         return c
 
     cdef int64_t _predict_remaining(self, int32_t s) noexcept nogil:
-        """A request stops at its cap with probability h, else at a length from the
-        model of the requests that stopped earlier; the q-quantile of that mixture
-        is the cap when h >= 1 - q, else the model's q / (1 - h) quantile. So honest
-        caps give peak's exact curves, and caps far above the lengths give the
-        length model's."""
+        """A request stops at its cap with probability h (learned per max_tokens
+        value: _cap_honesty), else at a length from the model of the requests that
+        stopped earlier; the q-quantile of that mixture is the cap when h >= 1 - q,
+        else the model's q / (1 - h) quantile. So honest caps give peak's exact
+        curves, and caps far above the lengths give the length model's."""
         cdef double h, survive, q = self.quantile
         if self._capped_window.size() > 0:
-            h = self._n_capped / <double>self._capped_window.size()
+            h = self._cap_honesty(self.ledger.max_new(s))
             if h > 0.0:
                 # Still running after g tokens: it runs to its cap with probability
                 # h / (h + (1 - h) S(g)), S(g) the share of early stoppers longer than g.
@@ -413,6 +419,19 @@ cdef class AutoPolicy(AdaptivePolicy):
             q = q / (1.0 - h)
         cdef int64_t r = self.lengths.c_predict_remaining(self.ledger.generated(s), self.ledger.max_new(s), q)
         return self._growth_floor(s, r) if self._pauseless else r
+
+    cdef double _cap_honesty(self, int64_t max_new) noexcept nogil:
+        """How often a request with this max_tokens runs to it: the share of recent
+        finishes with the same max_tokens that did, shrunk towards the share of all
+        recent finishes by CAP_PRIOR_FINISHES of them. Clients set max_tokens alike
+        when their requests end alike (an honest cap from one, a slack default from
+        another); with one max_tokens for all it is the share of all finishes."""
+        cdef double overall = self._n_capped / <double>self._capped_window.size()
+        cdef cmap[int64_t, pair[int64_t, int64_t]].iterator it = self._by_cap.find(max_new)
+        if it == self._by_cap.end():
+            return overall
+        return (deref(it).second.second + CAP_PRIOR_FINISHES * overall) \
+            / (deref(it).second.first + CAP_PRIOR_FINISHES)
 
     cdef int64_t _growth_floor(self, int32_t s, int64_t r) noexcept nogil:
         """Without pause: no less than SGLang's own estimate of s's growth, its
@@ -469,12 +488,21 @@ cdef class AutoPolicy(AdaptivePolicy):
             else self._max_shared_blocks
 
     cdef void c_on_finish(self, int32_t s) noexcept nogil:
-        cdef bint capped = self.ledger.generated(s) >= self.ledger.max_new(s)
-        self._capped_window.push_back(capped)
+        cdef int64_t cap = self.ledger.max_new(s)
+        cdef bint capped = self.ledger.generated(s) >= cap
+        cdef pair[int64_t, char] gone
+        self._capped_window.push_back(pair[int64_t, char](cap, capped))
         self._n_capped += capped
+        self._by_cap[cap].first += 1
+        self._by_cap[cap].second += capped
         if <int64_t>self._capped_window.size() > self.lengths.c_window():   # the same window
-            self._n_capped -= self._capped_window.front()
+            gone = self._capped_window.front()
             self._capped_window.pop_front()
+            self._n_capped -= gone.second
+            self._by_cap[gone.first].first -= 1
+            self._by_cap[gone.first].second -= gone.second
+            if self._by_cap[gone.first].first == 0:
+                self._by_cap.erase(gone.first)
         if not capped:
             self.lengths.c_observe(self.ledger.generated(s))
 

@@ -32,8 +32,9 @@ CASES = [("slack", seed, pool) for seed in (1, 2, 3) for pool in (1500, 2000)] +
     ("short", 1, 1500), ("short", 2, 2000),
     ("uniform", 1, 1500), ("uniform", 2, 2000), ("bimodal", 1, 1500), ("bimodal", 2, 2000),
     ("narrow", 1, 1500), ("narrow", 2, 2000), ("twopoint", 1, 1500), ("twopoint", 2, 2000),
+    ("mixcap", 1, 1500), ("mixcap", 3, 1500),
 ]
-KNOWN_FAILING = [("uniwide", 1, 2000), ("mixcap", 1, 1500)]
+KNOWN_FAILING = [("uniwide", 1, 2000)]
 
 
 def plan_for(kind, seed, n=300):

@@ -6,9 +6,9 @@ retracts no more requests than stock SGLang, in no more steps.
 Workloads: tests/sglang/sglang_workloads.py (FAMILIES: each family's output lengths
 and max_new_tokens), 300 requests each on pools of 1500 and 2000 tokens; `honest`
 (max_new_tokens = the output length) is tested on its own below.
-Two more are known to fail on steps (xfail, strict): outputs uniform on 50-450 with
-max_new 500 on a 2000-token pool, and half the requests with honest caps (mixcap).
-There the default retracts nothing, as stock SGLang, but takes 3.6% and 6.2% more steps.
+One more is known to fail on steps (xfail, strict): outputs uniform on 50-450 with
+max_new 500 on a 2000-token pool. There the default retracts nothing, as stock
+SGLang, but takes 3.6% more steps.
 """
 import pytest
 
@@ -41,8 +41,8 @@ def test_known_failing_retracts_no_more(kvadmit_hooks, kind, seed, pool):
 
 
 @pytest.mark.parametrize("kind,seed,pool", KNOWN_FAILING)
-@pytest.mark.xfail(strict=True, reason="wide light-tailed outputs on a larger pool, and half "
-                   "the caps honest: no more retractions, 3.6-6.2% more steps (issue 22, item 5, open)")
+@pytest.mark.xfail(strict=True, reason="wide light-tailed outputs on a larger pool: no more "
+                   "retractions, 3.6% more steps (issue 22, item 5, open)")
 def test_known_failing(kvadmit_hooks, kind, seed, pool):
     check(kind, seed, pool)
 

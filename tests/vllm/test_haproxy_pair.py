@@ -1,9 +1,10 @@
 """Two `vllm serve` instances with kvadmit behind a real HAProxy (bench/haproxy_pair.py):
 round robin, `retry-on 503` + `option redispatch`, weights from kvadmit's KV headroom
-over HAProxy's agent-check. One instance has a queue cap of 1, the other of 6: the
-first refuses part of a burst (503, kvadmit:queue_full) and HAProxy retries those on
-the second, so the client sees no failure; both instances' counters add up and every
-KV block is free at idle."""
+over HAProxy's agent-check. One instance has a queue cap of 1, the other of 12 (the
+whole burst, so it never refuses, however the burst's arrivals interleave with its
+steps): the first refuses part of a burst (503, kvadmit:queue_full) and HAProxy
+retries those on the second, so the client sees no failure; both instances' counters
+add up and every KV block is free at idle."""
 import pathlib
 import shutil
 import sys
@@ -20,7 +21,7 @@ from haproxy_pair import Pair, agent_reply, burst, metrics  # noqa: E402
 
 
 def test_a_refused_burst_is_retried_on_the_instance_with_room(model_dir, tmp_path):
-    with Pair(model_dir, caps=(1, 6), workdir=str(tmp_path)) as pair:
+    with Pair(model_dir, caps=(1, 12), workdir=str(tmp_path)) as pair:
         assert agent_reply(pair.bases[0]) == b"100%\n"     # idle: the whole pool is headroom
         results = burst(pair.url, model_dir, 12)
         assert results == [("ok", 64)] * 12, results
