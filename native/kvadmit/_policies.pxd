@@ -2,8 +2,8 @@
 # per policy, each with its own `c_fits`.
 from libc.stdint cimport int32_t, int64_t
 from libcpp.deque cimport deque
-from libcpp.map cimport map as cmap
 from libcpp.pair cimport pair
+from libcpp.unordered_map cimport unordered_map
 from libcpp.vector cimport vector
 
 from kvadmit._curves cimport Curve
@@ -128,7 +128,7 @@ cdef class AdaptivePolicy(PeakPolicy):
 cdef class AutoPolicy(AdaptivePolicy):
     cdef deque[pair[int64_t, char]] _capped_window   # each recent finish: its max_tokens, whether it ran to it
     cdef int64_t _n_capped            # how many in _capped_window did
-    cdef cmap[int64_t, pair[int64_t, int64_t]] _by_cap   # max_tokens -> (finishes, capped) in the window
+    cdef unordered_map[int64_t, pair[int64_t, int64_t]] _by_cap   # max_tokens -> (finishes, capped) in the window
     cdef int64_t _unowned_blocks      # blocks in use that no running request's own part counts
     cdef int64_t _max_shared_blocks   # the longest prefix a running request shares, in blocks
     cdef bint _pauseless              # the engine cannot pause (shortfall "preempt")

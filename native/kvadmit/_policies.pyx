@@ -30,8 +30,8 @@ from libc.math cimport ceil
 from libc.stdint cimport INT64_MAX, int32_t, int64_t
 from libcpp.algorithm cimport sort
 from libcpp.deque cimport deque
-from libcpp.map cimport map as cmap
 from libcpp.pair cimport pair
+from libcpp.unordered_map cimport unordered_map
 from libcpp.vector cimport vector
 
 from kvadmit._curves cimport Curve, cdiv, curve_longer, peak_blocks_sorted
@@ -377,9 +377,10 @@ cdef class AdaptivePolicy(PeakPolicy):
 cdef class AutoPolicy(AdaptivePolicy):
     """adaptive with fixed settings (AUTO_*), plus: how often requests run to their
     max_tokens (honest caps) is learned, per max_tokens value, and prefixes running
-    requests share are counted once. On an engine without pause (SGLang) two more terms: each request's
-    predicted growth is at least SGLang's own estimate (`_growth_floor`), and the peak
-    keeps room for the largest single overrun (`_margin_term`)."""
+    requests share are counted once. On an engine without pause (SGLang) two more
+    terms: each request's predicted growth is at least SGLang's own estimate
+    (`_growth_floor`), and the peak keeps room for the largest single overrun
+    (`_margin_term`)."""
 
     def __init__(self, config, Ledger ledger, int64_t num_blocks, int64_t max_model_len,
                  int64_t min_samples=-1):
@@ -427,7 +428,7 @@ cdef class AutoPolicy(AdaptivePolicy):
         when their requests end alike (an honest cap from one, a slack default from
         another); with one max_tokens for all it is the share of all finishes."""
         cdef double overall = self._n_capped / <double>self._capped_window.size()
-        cdef cmap[int64_t, pair[int64_t, int64_t]].iterator it = self._by_cap.find(max_new)
+        cdef unordered_map[int64_t, pair[int64_t, int64_t]].iterator it = self._by_cap.find(max_new)
         if it == self._by_cap.end():
             return overall
         return (deref(it).second.second + CAP_PRIOR_FINISHES * overall) \
@@ -490,18 +491,20 @@ cdef class AutoPolicy(AdaptivePolicy):
     cdef void c_on_finish(self, int32_t s) noexcept nogil:
         cdef int64_t cap = self.ledger.max_new(s)
         cdef bint capped = self.ledger.generated(s) >= cap
+        cdef pair[int64_t, int64_t]* counts = &self._by_cap[cap]   # (finishes, capped)
         cdef pair[int64_t, char] gone
         self._capped_window.push_back(pair[int64_t, char](cap, capped))
         self._n_capped += capped
-        self._by_cap[cap].first += 1
-        self._by_cap[cap].second += capped
+        counts.first += 1
+        counts.second += capped
         if <int64_t>self._capped_window.size() > self.lengths.c_window():   # the same window
             gone = self._capped_window.front()
             self._capped_window.pop_front()
             self._n_capped -= gone.second
-            self._by_cap[gone.first].first -= 1
-            self._by_cap[gone.first].second -= gone.second
-            if self._by_cap[gone.first].first == 0:
+            counts = &self._by_cap[gone.first]
+            counts.first -= 1
+            counts.second -= gone.second
+            if counts.first == 0:
                 self._by_cap.erase(gone.first)
         if not capped:
             self.lengths.c_observe(self.ledger.generated(s))
