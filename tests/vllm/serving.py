@@ -14,17 +14,18 @@ from kvadmit.vllm.bench_serve import free_port, scrape_metrics as metrics  # noq
 
 
 def serve_command(model_dir, port, additional_config, scheduler_cls=None, extra=(),
-                  tokenizer=False):
+                  tokenizer=False, blocks=24, max_model_len=512):
     """`vllm serve` of the tiny model through kvadmit's launcher, which also starts
     vLLM's CPU build (whose `vllm` command does not: kvadmit.vllm.serve) and adds
     `--scheduler-cls kvadmit.vllm.Scheduler` when `scheduler_cls` is None. Without
     `tokenizer`, token-id prompts only (--skip-tokenizer-init); with it, the tiny
-    model's own tokenizer (text and chat too)."""
+    model's own tokenizer (text and chat too). The pool: `blocks` of 32 tokens (one
+    of them vLLM's null block)."""
     return [sys.executable, "-m", "kvadmit.vllm.serve", model_dir,
             "--host", "127.0.0.1", "--port", str(port),
             *([] if tokenizer else ["--skip-tokenizer-init"]),
-            "--dtype", "float32", "--block-size", "32", "--num-gpu-blocks-override", "24",
-            "--max-model-len", "512", "--max-num-seqs", "4", "--enforce-eager",
+            "--dtype", "float32", "--block-size", "32", "--num-gpu-blocks-override", str(blocks),
+            "--max-model-len", str(max_model_len), "--max-num-seqs", "4", "--enforce-eager",
             "--gpu-memory-utilization", "0.3",
             *(["--scheduler-cls", scheduler_cls] if scheduler_cls else []),
             "--additional-config", json.dumps(additional_config), *extra]

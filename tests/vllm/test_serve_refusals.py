@@ -6,9 +6,12 @@ unchanged; the overload status is the config's (429 here); `GET /get_load`
 answers from kvadmit's state and `vllm:num_requests_waiting` counts the requests
 kvadmit holds.
 
-The server: policy peak on a pool of 23 blocks of 32 tokens, so a request of
-40 + 460 tokens (16 blocks) leaves no room for a second one; at most 2 waiting requests; a
-backlog of at most 300 prompt tokens; priority scheduling with shedding.
+The server: policy peak on a pool of 34 blocks of 32 tokens. A filler of 40 + 1000
+tokens ends on 33 of them; a long request of 40 + 1020 tokens (34 blocks alone) would
+still run when the filler ends, needing at least 2 blocks beside its 33, so it waits for
+the whole filler however far the filler has got (peak counts every request's growth);
+at most 2 waiting requests; a backlog of at most 300 prompt tokens; priority
+scheduling with shedding.
 
 Refusal reasons over HTTP: invalid, queued_tokens_full (final and retryable),
 slo_infeasible, queue_full and shed are answered here; context_length and
@@ -35,14 +38,17 @@ CONFIG = {"kvadmit": {"policy": "peak", "max_queued_requests": 2, "max_queued_to
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("log") / "serve.log"
-    cmd = serve_command(model_dir, free_port(), CONFIG, tokenizer=True,
-                        extra=("--scheduling-policy", "priority"))
+    cmd = serve_command(model_dir, free_port(), CONFIG, tokenizer=True, blocks=35,
+                        max_model_len=1088, extra=("--scheduling-policy", "priority"))
     # No PROMETHEUS_MULTIPROC_DIR: kvadmit's launcher turns multiprocess mode on.
     with running_server(cmd, log) as base:
         yield base, model_dir
 
 
-LONG = 460     # 40 + 460 tokens: 16 of the pool's 23 blocks
+# A long request waits for the whole filler, not for a part of it that a fast machine
+# runs through before the test looks: it would outlast the filler (see the docstring).
+FILL = 1000    # 40 + 1000 tokens: 33 of the pool's 34 blocks at its end
+LONG = 1020    # 40 + 1020 tokens: the whole pool alone
 
 
 def prompt(seed, n=40):
@@ -170,25 +176,39 @@ def test_waiting_streams_refused_for_a_full_queue_or_shed_get_a_status(server):
     idle = json.loads(urllib.request.urlopen(base + "/get_load", timeout=10).read())
     assert idle["source"] == "kvadmit" and idle["waiting"] == 0, idle
     results = {}
+    filler_running, filler_done = threading.Event(), threading.Event()
 
     def run(name, payload):
         results[name] = post(base, payload, timeout=300)
 
-    threads = [threading.Thread(target=run, args=("filler", body(model, 10, True, n_tokens=LONG)))]
+    def run_filler():
+        # Streamed, so the others are sent once it runs (its first byte is back).
+        with httpx.Client(timeout=300) as c, c.stream("POST", base + "/v1/completions",
+                                                      json=body(model, 10, True,
+                                                                n_tokens=FILL)) as r:
+            lines = []
+            for ln in r.iter_lines():
+                lines.append(ln)
+                filler_running.set()
+            results["filler"] = r.status_code, r.headers, "\n".join(lines)
+        filler_running.set()
+        filler_done.set()
+
+    threads = [threading.Thread(target=run_filler)]
     threads[0].start()
-    time.sleep(0.3)
+    assert filler_running.wait(120) and not filler_done.is_set(), results.get("filler")
     for name in ("low-1", "low-2"):
         threads.append(threading.Thread(target=run, args=(name, body(
             model, 11 + len(threads), True, n_tokens=LONG, priority=10))))
         threads[-1].start()
     # Both held: kvadmit's queue and vLLM's waiting gauge agree, and /get_load reads it.
     deadline = time.time() + 30
-    while time.time() < deadline:
+    while time.time() < deadline and not filler_done.is_set():
         m = metrics(base)
         if m.get("kvadmit_waiting_requests") == 2:
             break
         time.sleep(0.2)
-    assert m.get("kvadmit_waiting_requests") == 2, m
+    assert m.get("kvadmit_waiting_requests") == 2, (filler_done.is_set(), m)
     assert m.get("vllm:num_requests_waiting") == 2, m
     busy = json.loads(urllib.request.urlopen(base + "/get_load", timeout=10).read())
     assert busy["waiting"] == 2 and busy["load"] > idle["load"], (idle, busy)
