@@ -71,6 +71,35 @@ def test_auto_learns_honesty_per_max_tokens(cap, expected):
     assert core.decide(cand, 40 - 5) == expected
 
 
+def test_auto_predicts_a_flows_requests_from_its_own_lengths():
+    """A chat flow's requests stop at 8 tokens, a batch flow's at 90, under the same
+    max_tokens 100 (16 and 32 finishes). All lengths together put the 0.4-quantile in
+    the long mode (96 tokens more for anyone); with flows, each flow's own lengths
+    predict its requests once it has 16. Running: a batch request (20, 100)."""
+    def core_after(flows):
+        core = make_core("auto", num_blocks=40)
+        for flow, n, out in ((1, 16, 8), (2, 32, 90)):
+            for _ in range(n):
+                res = core.arrive(ArrivalRecord(4, 100, flow=flow if flows else -1), now=0.0)
+                core.admit(res.slot, 0.0)
+                core.update(res.slot, 4 + out - 1, out)
+                core.finish(res.slot, 0.0)
+        res = core.arrive(ArrivalRecord(20, 100, flow=2 if flows else -1), now=0.0)
+        core.admit(res.slot, 0.0)
+        chat = core.arrive(ArrivalRecord(24, 100, flow=1 if flows else -1), now=0.0).slot
+        batch = core.arrive(ArrivalRecord(24, 100, flow=2 if flows else -1), now=0.0).slot
+        return core, chat, batch
+
+    core, chat, batch = core_after(flows=True)
+    # The chat request: 16 more tokens, 10 blocks beside the batch one's 29.
+    assert core.decide(chat, 40 - 5, flows_headroom=False) == "admit"
+    # Another batch request: 96 more each, 29 + 30 blocks.
+    assert core.decide(batch, 40 - 5, flows_headroom=False) == "hold_capacity"
+    # Without flows the chat request is predicted as long as the others.
+    core, chat, batch = core_after(flows=False)
+    assert core.decide(chat, 40 - 5) == "hold_capacity"
+
+
 def shared_prefix_core(policy):
     """Pool 48 blocks of 4 tokens. Running: A (64 prompt tokens, 4 to come) and B, C
     (64 each, of which 48 sit in A's blocks). The engine holds 16 + 4 + 4 blocks."""

@@ -38,11 +38,24 @@ def test_min_samples_and_window():
     assert m.predict_remaining(0, 1000, 0.01) == 6     # 5 has left the window
 
 
+def test_each_lane_keeps_its_own_lengths_and_window():
+    m = model_with([100, 100, 100], window=3)          # lane 0
+    for x in (5, 6, 7, 8):
+        m.observe(x, lane=3)
+    assert m.num_samples == 3 and m.lane_samples(3) == 3 and m.lane_samples(1) == 0
+    assert m.predict_remaining(0, 1000, 0.5) == 100    # lane 0: only its own lengths
+    assert m.predict_remaining(0, 1000, 0.01, lane=3) == 6   # 5 has left lane 3's window
+    assert m.predict_remaining(0, 77, 0.5, lane=1) == 77     # a lane never observed: max_new
+    assert m.predict_remaining(0, 77, 0.5, lane=9) == 77     # nor one past the last
+
+
 def test_errors():
     with pytest.raises(ValueError, match="quantile=0.0"):
         model_with([1]).predict_remaining(0, 10, 0.0)
     with pytest.raises(ValueError, match="bucket_tokens=0"):
         OutputLengthModel(0, 10, 10, 1)
+    with pytest.raises(ValueError, match="lane=-1"):
+        model_with([1]).observe(3, lane=-1)
 
 
 @pytest.mark.parametrize("q,pre,adm,expected", [

@@ -9,6 +9,10 @@
 # edge, minus g, and capped by the request's own max_new - g. With fewer than
 # `min_samples` lengths, or when no finished request ran longer than g, it
 # predicts the worst case, max_new - g.
+#
+# Lanes: lane 0 holds every length observed in it; a caller may keep other lanes
+# (the auto policy: one per flow, whose requests end alike), each its own window,
+# its storage taken at its first length.
 
 from libc.math cimport ceil
 from libc.stdint cimport int32_t, int64_t
@@ -31,12 +35,20 @@ cdef class OutputLengthModel:
             raise ValueError(f"min_samples={min_samples}: must be >= 1")
         self._bucket = bucket_tokens
         self._nbuckets = cdiv(max_tokens, bucket_tokens)
-        self._fenwick.assign(self._nbuckets + 1, 0)
         self._window = window
-        self._ring.assign(window, -1)
-        self._ring_pos = 0
-        self._count = 0
         self._min_samples = min_samples
+        self._open(0)
+
+    cdef void _open(self, int32_t lane) noexcept nogil:
+        """Lane `lane` gets its storage (and every lane below it a place)."""
+        if <size_t>lane >= self._fenwick.size():
+            self._fenwick.resize(lane + 1)
+            self._ring.resize(lane + 1)
+            self._ring_pos.resize(lane + 1, 0)
+            self._count.resize(lane + 1, 0)
+        if self._fenwick[lane].size() == 0:
+            self._fenwick[lane].assign(self._nbuckets + 1, 0)
+            self._ring[lane].assign(self._window, -1)
 
     cdef inline int64_t _bucket_of(self, int64_t length) noexcept nogil:
         cdef int64_t j = (length - 1) // self._bucket
@@ -46,99 +58,121 @@ cdef class OutputLengthModel:
             return self._nbuckets - 1
         return j
 
-    cdef inline void _add(self, int64_t j, int32_t d) noexcept nogil:
+    cdef inline void _add(self, int32_t lane, int64_t j, int32_t d) noexcept nogil:
         cdef int64_t i = j + 1
+        cdef vector[int32_t]* tree = &self._fenwick[lane]
         while i <= self._nbuckets:
-            self._fenwick[i] += d
+            tree[0][i] += d
             i += i & (-i)
 
-    cdef inline int64_t _count_upto(self, int64_t j) noexcept nogil:
-        """Samples in buckets 0..j."""
+    cdef inline int64_t _count_upto(self, int32_t lane, int64_t j) noexcept nogil:
+        """Samples of the lane in buckets 0..j."""
         cdef int64_t i = j + 1
         cdef int64_t total = 0
+        cdef vector[int32_t]* tree = &self._fenwick[lane]
         if i > self._nbuckets:
             i = self._nbuckets
         while i > 0:
-            total += self._fenwick[i]
+            total += tree[0][i]
             i -= i & (-i)
         return total
 
-    cdef inline int64_t _first_bucket_reaching(self, int64_t target) noexcept nogil:
-        """Smallest bucket j with count(0..j) >= target (Fenwick descent)."""
+    cdef inline int64_t _first_bucket_reaching(self, int32_t lane, int64_t target) noexcept nogil:
+        """Smallest bucket j with count(0..j) >= target in the lane (Fenwick descent)."""
         cdef int64_t pos = 0, step = 1, acc = 0
+        cdef vector[int32_t]* tree = &self._fenwick[lane]
         while step * 2 <= self._nbuckets:
             step *= 2
         while step > 0:
-            if pos + step <= self._nbuckets and acc + self._fenwick[pos + step] < target:
+            if pos + step <= self._nbuckets and acc + tree[0][pos + step] < target:
                 pos += step
-                acc += self._fenwick[pos]
+                acc += tree[0][pos]
             step //= 2
         return pos  # 0-based bucket index
 
-    cdef void c_observe(self, int64_t length) noexcept nogil:
-        cdef int64_t old = self._ring[self._ring_pos]
+    cdef void c_observe(self, int64_t length, int32_t lane=0) noexcept nogil:
+        self._open(lane)
+        cdef int64_t old = self._ring[lane][self._ring_pos[lane]]
         if old >= 0:
-            self._add(old, -1)
-            self._count -= 1
+            self._add(lane, old, -1)
+            self._count[lane] -= 1
         cdef int64_t j = self._bucket_of(length)
-        self._ring[self._ring_pos] = <int32_t>j
-        self._add(j, 1)
-        self._count += 1
-        self._ring_pos = (self._ring_pos + 1) % self._window
+        self._ring[lane][self._ring_pos[lane]] = <int32_t>j
+        self._add(lane, j, 1)
+        self._count[lane] += 1
+        self._ring_pos[lane] = (self._ring_pos[lane] + 1) % self._window
+
+    cdef int64_t c_samples(self, int32_t lane=0) noexcept nogil:
+        """Lengths the lane holds now (0 for a lane never observed)."""
+        return self._count[lane] if <size_t>lane < self._count.size() else 0
 
     cdef int64_t c_predict_remaining(self, int64_t generated, int64_t max_new,
-                                     double quantile) noexcept nogil:
+                                     double quantile, int32_t lane=0) noexcept nogil:
         cdef int64_t worst = max_new - generated
         if worst < 1:
             worst = 1
-        if self._count < self._min_samples:
+        cdef int64_t count = self.c_samples(lane)
+        if count < self._min_samples:
             return worst
         # Buckets entirely at or below `generated` hold requests that had already
         # finished by now: they are not this request's peers.
         cdef int64_t below = 0
         if generated >= self._bucket:
-            below = self._count_upto(generated // self._bucket - 1)
-        cdef int64_t survivors = self._count - below
+            below = self._count_upto(lane, generated // self._bucket - 1)
+        cdef int64_t survivors = count - below
         if survivors <= 0:
             return worst
         cdef int64_t need = <int64_t>ceil(quantile * survivors)
         if need < 1:
             need = 1
-        cdef int64_t j = self._first_bucket_reaching(below + need)
+        cdef int64_t j = self._first_bucket_reaching(lane, below + need)
         cdef int64_t remaining = (j + 1) * self._bucket - generated
         if remaining < 1:
             remaining = 1
         return remaining if remaining < worst else worst
 
-    cdef double c_survival(self, int64_t generated) noexcept nogil:
-        """Share of the recorded lengths above `generated` (bucket resolution, as the
+    cdef double c_survival(self, int64_t generated, int32_t lane=0) noexcept nogil:
+        """Share of the lane's lengths above `generated` (bucket resolution, as the
         prediction conditions); -1 with fewer than min_samples lengths."""
-        if self._count < self._min_samples:
+        cdef int64_t count = self.c_samples(lane)
+        if count < self._min_samples:
             return -1.0
         cdef int64_t below = 0
         if generated >= self._bucket:
-            below = self._count_upto(generated // self._bucket - 1)
-        return (self._count - below) / <double>self._count
+            below = self._count_upto(lane, generated // self._bucket - 1)
+        return (count - below) / <double>count
 
     @property
     def num_samples(self):
-        return self._count
+        return self._count[0]
 
-    def observe(self, int64_t length):
-        """Records a finished request's output length (tokens)."""
+    def lane_samples(self, int32_t lane):
+        """Lengths lane `lane` holds now (0 for a lane never observed)."""
+        if lane < 0:
+            raise ValueError(f"lane={lane}: must be >= 0")
+        return self.c_samples(lane)
+
+    def observe(self, int64_t length, int32_t lane=0):
+        """Records a finished request's output length (tokens), in lane `lane`."""
         if length < 0:
             raise ValueError(f"length={length}: must be >= 0")
-        self.c_observe(length)
+        if lane < 0:
+            raise ValueError(f"lane={lane}: must be >= 0")
+        self.c_observe(length, lane)
 
-    def predict_remaining(self, int64_t generated, int64_t max_new, double quantile):
-        """Predicted tokens still to come for a request that generated ``generated``."""
+    def predict_remaining(self, int64_t generated, int64_t max_new, double quantile,
+                          int32_t lane=0):
+        """Predicted tokens still to come for a request that generated ``generated``,
+        from lane `lane`'s lengths."""
         if generated < 0:
             raise ValueError(f"generated={generated}: must be >= 0")
         if max_new < 1:
             raise ValueError(f"max_new={max_new}: must be >= 1")
         if not (0.0 < quantile <= 1.0):
             raise ValueError(f"quantile={quantile}: must be in (0, 1]")
-        return self.c_predict_remaining(generated, max_new, quantile)
+        if lane < 0:
+            raise ValueError(f"lane={lane}: must be >= 0")
+        return self.c_predict_remaining(generated, max_new, quantile, lane)
 
 
 def next_quantile(double q, double base, double q_max, int64_t preemptions,

@@ -14,7 +14,8 @@
 #   adaptive    peak with each request's remaining output predicted by a quantile
 #               of recent output lengths, the quantile raised after preemptions;
 #   auto        adaptive with fixed settings, caps learned to be honest or not (per
-#               max_tokens value), and prefixes shared by running requests counted
+#               max_tokens value), each flow's requests predicted from that flow's
+#               own lengths, and prefixes shared by running requests counted
 #               once; on an engine without pause (SGLang), a higher length quantile,
 #               growth no less than SGLang's own estimate and room for the largest
 #               single overrun.
@@ -56,6 +57,11 @@ cdef double CAP_PRIOR_FINISHES = 2.0
 cdef enum:
     AUTO_MIN_SAMPLES = 1     # finished lengths before predictions replace max_tokens
     AUTO_INTERVAL = 64       # admissions per controller window
+    # A flow's own lengths predict its requests once it has this many (before: all
+    # flows' lengths); flows numbered past FLOW_LENGTH_LANES share lane 0, so that
+    # ids from a header cannot grow the model without bound.
+    FLOW_MIN_SAMPLES = 16
+    FLOW_LENGTH_LANES = 64
 
 
 cdef Policy make_policy(config, Ledger ledger, int64_t num_blocks, int64_t max_model_len):
@@ -376,7 +382,8 @@ cdef class AdaptivePolicy(PeakPolicy):
 
 cdef class AutoPolicy(AdaptivePolicy):
     """adaptive with fixed settings (AUTO_*), plus: how often requests run to their
-    max_tokens (honest caps) is learned, per max_tokens value, and prefixes running
+    max_tokens (honest caps) is learned, per max_tokens value, a flow's requests are
+    predicted from its own lengths (`_lane`), and prefixes running
     requests share are counted once. On an engine without pause (SGLang) two more
     terms: each request's predicted growth is at least SGLang's own estimate
     (`_growth_floor`), and the peak keeps room for the largest single overrun
@@ -408,18 +415,29 @@ cdef class AutoPolicy(AdaptivePolicy):
         else the model's q / (1 - h) quantile. So honest caps give peak's exact
         curves, and caps far above the lengths give the length model's."""
         cdef double h, survive, q = self.quantile
+        cdef int32_t lane = self._lane(s)
         if self._capped_window.size() > 0:
             h = self._cap_honesty(self.ledger.max_new(s))
             if h > 0.0:
                 # Still running after g tokens: it runs to its cap with probability
                 # h / (h + (1 - h) S(g)), S(g) the share of early stoppers longer than g.
-                survive = self.lengths.c_survival(self.ledger.generated(s))
+                survive = self.lengths.c_survival(self.ledger.generated(s), lane)
                 h = h / (h + (1.0 - h) * survive) if survive >= 0.0 else 1.0
             if h >= 1.0 - q:
                 return self.ledger.worst_steps(s)
             q = q / (1.0 - h)
-        cdef int64_t r = self.lengths.c_predict_remaining(self.ledger.generated(s), self.ledger.max_new(s), q)
+        cdef int64_t r = self.lengths.c_predict_remaining(self.ledger.generated(s),
+                                                          self.ledger.max_new(s), q, lane)
         return self._growth_floor(s, r) if self._pauseless else r
+
+    cdef int32_t _lane(self, int32_t s) noexcept nogil:
+        """The length model's lane that predicts s: its flow's, once that flow has
+        FLOW_MIN_SAMPLES lengths (a tenant's or a workload's requests end alike: a
+        chat flow's short answers, a batch flow's long ones), else every flow's."""
+        cdef int32_t f = self.ledger.flow_ix(s)
+        if f <= 0 or f >= FLOW_LENGTH_LANES or self.lengths.c_samples(f) < FLOW_MIN_SAMPLES:
+            return 0
+        return f
 
     cdef double _cap_honesty(self, int64_t max_new) noexcept nogil:
         """How often a request with this max_tokens runs to it: the share of recent
@@ -506,8 +524,11 @@ cdef class AutoPolicy(AdaptivePolicy):
             counts.second -= gone.second
             if counts.first == 0:
                 self._by_cap.erase(gone.first)
+        cdef int32_t f = self.ledger.flow_ix(s)
         if not capped:
             self.lengths.c_observe(self.ledger.generated(s))
+            if 0 < f < FLOW_LENGTH_LANES:
+                self.lengths.c_observe(self.ledger.generated(s), f)
 
     cdef void c_observe_used_blocks(self, int64_t used_blocks) noexcept nogil:
         """Blocks in use beyond the running requests' own parts (their context less the
