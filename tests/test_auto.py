@@ -100,6 +100,20 @@ def test_auto_predicts_a_flows_requests_from_its_own_lengths():
     assert core.decide(chat, 40 - 5) == "hold_capacity"
 
 
+def test_only_the_first_64_flows_get_lengths_of_their_own():
+    """Flow ids come from a header: past 64 flows, a flow's lengths go to every
+    request's lane only, so the model cannot grow without bound."""
+    core = make_core("auto", num_blocks=40)
+    for flow in range(70):
+        res = core.arrive(ArrivalRecord(4, 100, flow=1000 + flow), now=0.0)
+        core.admit(res.slot, 0.0)
+        core.update(res.slot, 4 + 8 - 1, 8)
+        core.finish(res.slot, 0.0)
+    lengths = core.length_model
+    assert lengths.num_samples == 70
+    assert [lengths.lane_samples(i) for i in (1, 63, 64, 70)] == [1, 1, 0, 0]
+
+
 def shared_prefix_core(policy):
     """Pool 48 blocks of 4 tokens. Running: A (64 prompt tokens, 4 to come) and B, C
     (64 each, of which 48 sit in A's blocks). The engine holds 16 + 4 + 4 blocks."""
