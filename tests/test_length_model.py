@@ -47,6 +47,13 @@ def test_each_lane_keeps_its_own_lengths_and_window():
     assert m.predict_remaining(0, 1000, 0.01, lane=3) == 6   # 5 has left lane 3's window
     assert m.predict_remaining(0, 77, 0.5, lane=1) == 77     # a lane never observed: max_new
     assert m.predict_remaining(0, 77, 0.5, lane=9) == 77     # nor one past the last
+    # Other lanes keep at most lane_window lengths, lane 0 its window.
+    m = OutputLengthModel(1, 1000, 4, 1, 2)
+    for x in (5, 6, 7, 8):
+        m.observe(x)
+        m.observe(x, lane=1)
+    assert (m.num_samples, m.lane_samples(1)) == (4, 2)
+    assert m.predict_remaining(0, 1000, 0.01, lane=1) == 7
 
 
 def test_errors():

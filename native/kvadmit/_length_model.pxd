@@ -11,12 +11,13 @@ cdef class OutputLengthModel:
     cdef vector[int64_t] _ring_pos
     cdef vector[int64_t] _count
     cdef int64_t _window
+    cdef int64_t _lane_window
     cdef int64_t _bucket
     cdef int64_t _nbuckets
     cdef int64_t _min_samples
 
     cdef inline int64_t c_window(self) noexcept nogil:
-        """How many recent finished lengths a lane keeps."""
+        """How many recent finished lengths lane 0 keeps."""
         return self._window
 
     cdef void _open(self, int32_t lane) noexcept nogil

@@ -11,8 +11,8 @@
 # predicts the worst case, max_new - g.
 #
 # Lanes: lane 0 holds every length observed in it; a caller may keep other lanes
-# (the auto policy: one per flow, whose requests end alike), each its own window,
-# its storage taken at its first length.
+# (the auto policy: one per flow, whose requests end alike), each its own window of
+# `lane_window` lengths (at most `window`), its storage taken at its first length.
 
 from libc.math cimport ceil
 from libc.stdint cimport int32_t, int64_t
@@ -24,7 +24,7 @@ cdef class OutputLengthModel:
     """Quantiles of recent output lengths, conditioned on tokens generated so far."""
 
     def __cinit__(self, int64_t bucket_tokens=16, int64_t max_tokens=131072,
-                  int64_t window=4096, int64_t min_samples=32):
+                  int64_t window=4096, int64_t min_samples=32, int64_t lane_window=0):
         if bucket_tokens < 1:
             raise ValueError(f"bucket_tokens={bucket_tokens}: must be >= 1")
         if max_tokens < 1:
@@ -33,9 +33,12 @@ cdef class OutputLengthModel:
             raise ValueError(f"window={window}: must be >= 1")
         if min_samples < 1:
             raise ValueError(f"min_samples={min_samples}: must be >= 1")
+        if lane_window < 0:
+            raise ValueError(f"lane_window={lane_window}: must be >= 0 (0: window)")
         self._bucket = bucket_tokens
         self._nbuckets = cdiv(max_tokens, bucket_tokens)
         self._window = window
+        self._lane_window = window if lane_window == 0 or lane_window > window else lane_window
         self._min_samples = min_samples
         self._open(0)
 
@@ -48,7 +51,7 @@ cdef class OutputLengthModel:
             self._count.resize(lane + 1, 0)
         if self._fenwick[lane].size() == 0:
             self._fenwick[lane].assign(self._nbuckets + 1, 0)
-            self._ring[lane].assign(self._window, -1)
+            self._ring[lane].assign(self._window if lane == 0 else self._lane_window, -1)
 
     cdef inline int64_t _bucket_of(self, int64_t length) noexcept nogil:
         cdef int64_t j = (length - 1) // self._bucket
@@ -100,7 +103,7 @@ cdef class OutputLengthModel:
         self._ring[lane][self._ring_pos[lane]] = <int32_t>j
         self._add(lane, j, 1)
         self._count[lane] += 1
-        self._ring_pos[lane] = (self._ring_pos[lane] + 1) % self._window
+        self._ring_pos[lane] = (self._ring_pos[lane] + 1) % <int64_t>self._ring[lane].size()
 
     cdef int64_t c_samples(self, int32_t lane=0) noexcept nogil:
         """Lengths the lane holds now (0 for a lane never observed)."""

@@ -62,6 +62,7 @@ cdef enum:
     # ids from a header cannot grow the model without bound.
     FLOW_MIN_SAMPLES = 16
     FLOW_LENGTH_LANES = 64
+    FLOW_LANE_WINDOW = 4096  # lengths a flow's lane keeps at most (adaptive_window's default)
 
 
 cdef Policy make_policy(config, Ledger ledger, int64_t num_blocks, int64_t max_model_len):
@@ -97,7 +98,8 @@ cdef class Policy:
             config.adaptive_bucket_tokens,
             max_model_len if max_model_len > 0 else num_blocks * self.block_size,
             config.adaptive_window,
-            min_samples if min_samples > 0 else config.adaptive_min_samples)
+            min_samples if min_samples > 0 else config.adaptive_min_samples,
+            FLOW_LANE_WINDOW)
 
     # --- the rule --------------------------------------------------------
     cdef bint c_fits(self, int32_t s, int64_t free_blocks) noexcept nogil:
