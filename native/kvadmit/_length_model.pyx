@@ -20,6 +20,11 @@ from libcpp.vector cimport vector
 
 from kvadmit._curves cimport cdiv
 
+cdef inline void _check_lane(int32_t lane) except *:
+    if lane < 0:
+        raise ValueError(f"lane={lane}: must be >= 0")
+
+
 cdef class OutputLengthModel:
     """Quantiles of recent output lengths, conditioned on tokens generated so far."""
 
@@ -151,16 +156,14 @@ cdef class OutputLengthModel:
 
     def lane_samples(self, int32_t lane):
         """Lengths lane `lane` holds now (0 for a lane never observed)."""
-        if lane < 0:
-            raise ValueError(f"lane={lane}: must be >= 0")
+        _check_lane(lane)
         return self.c_samples(lane)
 
     def observe(self, int64_t length, int32_t lane=0):
         """Records a finished request's output length (tokens), in lane `lane`."""
         if length < 0:
             raise ValueError(f"length={length}: must be >= 0")
-        if lane < 0:
-            raise ValueError(f"lane={lane}: must be >= 0")
+        _check_lane(lane)
         self.c_observe(length, lane)
 
     def predict_remaining(self, int64_t generated, int64_t max_new, double quantile,
@@ -173,8 +176,7 @@ cdef class OutputLengthModel:
             raise ValueError(f"max_new={max_new}: must be >= 1")
         if not (0.0 < quantile <= 1.0):
             raise ValueError(f"quantile={quantile}: must be in (0, 1]")
-        if lane < 0:
-            raise ValueError(f"lane={lane}: must be >= 0")
+        _check_lane(lane)
         return self.c_predict_remaining(generated, max_new, quantile, lane)
 
 
