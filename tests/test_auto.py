@@ -71,13 +71,15 @@ def test_auto_learns_honesty_per_max_tokens(cap, expected):
     assert core.decide(cand, 40 - 5) == expected
 
 
-def test_auto_predicts_a_flows_requests_from_its_own_lengths():
+@pytest.mark.parametrize("policy", ["auto", "adaptive"])
+def test_auto_predicts_a_flows_requests_from_its_own_lengths(policy):
     """A chat flow's requests stop at 8 tokens, a batch flow's at 90, under the same
-    max_tokens 100 (16 and 32 finishes). All lengths together put the 0.4-quantile in
-    the long mode (96 tokens more for anyone); with flows, each flow's own lengths
-    predict its requests once it has 16. Running: a batch request (20, 100)."""
+    max_tokens 100 (16 and 32 finishes). All lengths together put auto's 0.4-quantile
+    (and adaptive's default 0.7) in the long mode (96 tokens more for anyone); with
+    flows, each flow's own lengths predict its requests once it has 16. Running: a
+    batch request (20, 100)."""
     def core_after(flows):
-        core = make_core("auto", num_blocks=40)
+        core = make_core(policy, num_blocks=40)
         for flow, n, out in ((1, 16, 8), (2, 32, 90)):
             for _ in range(n):
                 res = core.arrive(ArrivalRecord(4, 100, flow=flow if flows else -1), now=0.0)

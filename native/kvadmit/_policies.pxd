@@ -123,6 +123,8 @@ cdef class AdaptivePolicy(PeakPolicy):
     cdef double _quantile_base, _quantile_max, _target_preemption_rate
     cdef int64_t _adapt_interval, _adapt_admits, _adapt_preempts
     cdef int64_t _predict_remaining(self, int32_t s) noexcept nogil
+    cdef int32_t _lane(self, int32_t s) noexcept nogil
+    cdef void _observe_length(self, int32_t s) noexcept nogil
 
 
 cdef class AutoPolicy(AdaptivePolicy):
@@ -135,7 +137,6 @@ cdef class AutoPolicy(AdaptivePolicy):
     cdef double _cap_honesty(self, int64_t max_new) noexcept nogil
     cdef int64_t _growth_floor(self, int32_t s, int64_t r) noexcept nogil
     cdef int64_t _overrun(self, int32_t s) noexcept nogil
-    cdef int32_t _lane(self, int32_t s) noexcept nogil
 
 
 cdef Policy make_policy(config, Ledger ledger, int64_t num_blocks, int64_t max_model_len)

@@ -12,10 +12,10 @@
 #               the free tokens less the running requests' offsets (their remaining
 #               tokens times new_token_ratio);
 #   adaptive    peak with each request's remaining output predicted by a quantile
-#               of recent output lengths, the quantile raised after preemptions;
+#               of recent output lengths (a flow's, once it has enough), the
+#               quantile raised after preemptions;
 #   auto        adaptive with fixed settings, caps learned to be honest or not (per
-#               max_tokens value), each flow's requests predicted from that flow's
-#               own lengths, and prefixes shared by running requests counted
+#               max_tokens value), and prefixes shared by running requests counted
 #               once; on an engine without pause (SGLang), a higher length quantile,
 #               growth no less than SGLang's own estimate and room for the largest
 #               single overrun.
@@ -336,8 +336,9 @@ cdef class PredictPolicy(Policy):
 
 cdef class AdaptivePolicy(PeakPolicy):
     """The peak rule over predicted curves: each request's remaining output is the
-    q-quantile of recent output lengths given its length so far; q rises after a
-    window of admissions with too many preemptions and relaxes after none."""
+    q-quantile of recent output lengths given its length so far (its flow's own,
+    `_lane`); q rises after a window of admissions with too many preemptions and
+    relaxes after none."""
 
     def __init__(self, config, Ledger ledger, int64_t num_blocks, int64_t max_model_len,
                  int64_t min_samples=-1):
@@ -357,7 +358,26 @@ cdef class AdaptivePolicy(PeakPolicy):
     cdef int64_t _predict_remaining(self, int32_t s) noexcept nogil:
         """Output tokens still to come, as the length model predicts them."""
         return self.lengths.c_predict_remaining(self.ledger.generated(s), self.ledger.max_new(s),
-                                                self.quantile)
+                                                self.quantile, self._lane(s))
+
+    cdef int32_t _lane(self, int32_t s) noexcept nogil:
+        """The length model's lane that predicts s: its flow's, once that flow has
+        FLOW_MIN_SAMPLES lengths (a tenant's or a workload's requests end alike: a
+        chat flow's short answers, a batch flow's long ones), else every flow's."""
+        cdef int32_t f = self.ledger.flow_ix(s)
+        if f <= 0 or f >= FLOW_LENGTH_LANES or self.lengths.c_samples(f) < FLOW_MIN_SAMPLES:
+            return 0
+        return f
+
+    cdef void _observe_length(self, int32_t s) noexcept nogil:
+        """s's output length feeds lane 0 (every request's) and its flow's lane."""
+        cdef int32_t f = self.ledger.flow_ix(s)
+        self.lengths.c_observe(self.ledger.generated(s))
+        if 0 < f < FLOW_LENGTH_LANES:
+            self.lengths.c_observe(self.ledger.generated(s), f)
+
+    cdef void c_on_finish(self, int32_t s) noexcept nogil:
+        self._observe_length(s)
 
     cdef int64_t c_expected_output(self, int32_t s) noexcept nogil:
         return self._predict_remaining(s)
@@ -384,8 +404,8 @@ cdef class AdaptivePolicy(PeakPolicy):
 
 cdef class AutoPolicy(AdaptivePolicy):
     """adaptive with fixed settings (AUTO_*), plus: how often requests run to their
-    max_tokens (honest caps) is learned, per max_tokens value, a flow's requests are
-    predicted from its own lengths (`_lane`), and prefixes running
+    max_tokens (honest caps) is learned, per max_tokens value (only the lengths of
+    requests that stopped before it feed the length model), and prefixes running
     requests share are counted once. On an engine without pause (SGLang) two more
     terms: each request's predicted growth is at least SGLang's own estimate
     (`_growth_floor`), and the peak keeps room for the largest single overrun
@@ -431,15 +451,6 @@ cdef class AutoPolicy(AdaptivePolicy):
         cdef int64_t r = self.lengths.c_predict_remaining(self.ledger.generated(s),
                                                           self.ledger.max_new(s), q, lane)
         return self._growth_floor(s, r) if self._pauseless else r
-
-    cdef int32_t _lane(self, int32_t s) noexcept nogil:
-        """The length model's lane that predicts s: its flow's, once that flow has
-        FLOW_MIN_SAMPLES lengths (a tenant's or a workload's requests end alike: a
-        chat flow's short answers, a batch flow's long ones), else every flow's."""
-        cdef int32_t f = self.ledger.flow_ix(s)
-        if f <= 0 or f >= FLOW_LENGTH_LANES or self.lengths.c_samples(f) < FLOW_MIN_SAMPLES:
-            return 0
-        return f
 
     cdef double _cap_honesty(self, int64_t max_new) noexcept nogil:
         """How often a request with this max_tokens runs to it: the share of recent
@@ -526,11 +537,8 @@ cdef class AutoPolicy(AdaptivePolicy):
             counts.second -= gone.second
             if counts.first == 0:
                 self._by_cap.erase(gone.first)
-        cdef int32_t f = self.ledger.flow_ix(s)
         if not capped:
-            self.lengths.c_observe(self.ledger.generated(s))
-            if 0 < f < FLOW_LENGTH_LANES:
-                self.lengths.c_observe(self.ledger.generated(s), f)
+            self._observe_length(s)
 
     cdef void c_observe_used_blocks(self, int64_t used_blocks) noexcept nogil:
         """Blocks in use beyond the running requests' own parts (their context less the
