@@ -2,7 +2,7 @@
 admission rule, on SGLang's real scheduling classes (tests/sglang/sglang_harness.py),
 over the retraction test's workloads and more seeds and families outside it.
 
-    python bench/sglang_retractions.py               # all 49 workloads (about 3-6 min)
+    python bench/sglang_retractions.py               # all 69 workloads (about 5-8 min)
     python bench/sglang_retractions.py --only test   # the test's 23
 
 Stock SGLang runs at --schedule-conservativeness 1 (its default) and at each of
@@ -39,7 +39,10 @@ OTHER = [("fixed", 1, 1500), ("fixed", 2, 2000), ("pareto", 1, 1500), ("drift", 
          ("bimodal", 3, 3000)] + [
     (k, s, p) for k in ("uniform", "bimodal", "narrow", "slack", "twopoint", "geometric",
                         "uniwide", "fixed", "mixcap")
-    for s, p in ((4, 1500), (5, 2000))]
+    for s, p in ((4, 1500), (5, 2000))] + [
+    # larger pools, where more requests run at once
+    (k, s, p) for p in (3000, 4000) for k in ("uniform", "bimodal", "uniwide", "slack", "narrow")
+    for s in (1, 2)]
 
 
 def main(argv=None) -> int:
