@@ -3,7 +3,7 @@ admission rule, on SGLang's real scheduling classes (tests/sglang/sglang_harness
 over the retraction test's workloads and more seeds and families outside it.
 
     python bench/sglang_retractions.py               # all 69 workloads (about 5-8 min)
-    python bench/sglang_retractions.py --only test   # the test's 23
+    python bench/sglang_retractions.py --only test   # the test's 25
 
 Stock SGLang runs at --schedule-conservativeness 1 (its default) and at each of
 --conservativeness (default 0.5 and 1.43: SGLang's advice for frequent retractions is
