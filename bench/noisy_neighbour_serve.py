@@ -38,15 +38,28 @@ Run each config on its own, through the engine lock, then print the table:
     ...
     python bench/noisy_neighbour_serve.py --report
 
+(On a machine of 2 to 4 cores add `--engine-cpus 0`: below.)
+
 Results: bench/results/noisy_neighbour_serve/<config>.json, the table in
 bench/results/noisy_neighbour_serve.json.
+
+The interactive requests are sent from the bench's process, the batch ones from a
+process of their own (two tenants' clients). `--engine-cpus 0` binds the server's
+engine core and worker to CPU 0 and leaves the other CPUs to the API server and the
+clients: on a 2-core machine vLLM's CPU build binds its worker to one core and its
+engine core, which spins (sched_yield) while it waits for the worker, shares the
+other with the API server and the clients; there the clients' event loops stalled
+for up to 7 s at a time and the interactive requests reached the API server seconds
+late (measured with `--split-ttft`'s api part), which the goal's figure then
+charged to the scheduler. On a GPU host the engine's busy loop has a core of its own.
 
 `--split-ttft` also times each interactive request inside the server (a hook,
 bench/ttft_split/sitecustomize.py, on the server's PYTHONPATH, on vLLM's own Scheduler
 methods, which kvadmit's calls): each phase then has `ttft_split`, its TTFT in four
 parts (front_in: client to the engine core's add_request; queue: to the step that
 starts it; engine: to the step that emits its first token; front_out: to the client),
-p50 / p90 / max.
+p50 / p90 / max; front_in is itself split in two, api (the client's send to the API
+server's arrival time of the request) and engine_in (from there to add_request).
 """
 from __future__ import annotations
 
@@ -199,24 +212,28 @@ async def sample_usage(base: str, until: float, out: list) -> None:
 
 
 async def run_phase(base: str, model: str, reqs: list[dict], seconds: float, priority: bool,
-                    flow: bool, progress) -> dict:
+                    flow: bool, progress, start_wall: float, sample: bool = True) -> dict:
+    """Sends `reqs` at their arrival times from `start_wall` (wall clock) on, samples
+    the pool's usage over the window (`sample`), then cancels the batch requests
+    still in flight."""
     import httpx
     loop = asyncio.get_running_loop()
     # no keep-alive: a fresh connection per request (no race with the server closing
     # an idle one)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     recs = [dict() for _ in reqs]
+    usage: list[float] = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
-        t0 = loop.time() + 0.5
-        usage: list[float] = []
+        t0 = loop.time() + max(0.0, start_wall - time.time())
         tasks = [asyncio.create_task(send(client, base, model, r, t0, priority, flow, [], rec))
                  for r, rec in zip(reqs, recs)]
-        sampler = asyncio.create_task(sample_usage(base, t0 + seconds, usage))
+        sampler = asyncio.create_task(sample_usage(base, t0 + seconds, usage)) if sample else None
         while loop.time() < t0 + seconds:
             await asyncio.sleep(min(5.0, max(0.0, t0 + seconds - loop.time())))
             done = sum(1 for t in tasks if t.done())
             progress(f"  t={loop.time() - t0:5.1f} s: {done}/{len(tasks)} requests done")
-        await sampler
+        if sampler is not None:
+            await sampler
         cancelled = 0
         for t, r in zip(tasks, reqs):
             if r["kind"] == "batch" and not t.done():
@@ -228,6 +245,45 @@ async def run_phase(base: str, model: str, reqs: list[dict], seconds: float, pri
                 raise res
     return {"records": recs, "usage_samples": usage, "cancelled_batch": cancelled,
             "wall_s": loop.time() - t0}
+
+
+def _batch_client(conn, base, model, reqs, seconds, priority, flow, start_wall) -> None:
+    """The batch flow's client, in a process of its own (run_clients)."""
+    def progress(msg):
+        print(f"[batch client] {msg}", flush=True)
+    conn.send(asyncio.run(run_phase(base, model, reqs, seconds, priority, flow, progress,
+                                    start_wall, sample=False)))
+    conn.close()
+
+
+def run_clients(base: str, model: str, reqs: list[dict], seconds: float, priority: bool,
+                flow: bool, progress) -> dict:
+    """One phase: the interactive requests sent from this process (which also samples
+    the pool), the batch ones from a process of their own, as two tenants' clients
+    are: the batch flow's few hundred connections in flight are not handled on the
+    interactive client's event loop."""
+    import multiprocessing as mp
+
+    chat = [r for r in reqs if r["kind"] != "batch"]
+    batch = [r for r in reqs if r["kind"] == "batch"]
+    start_wall = time.time() + (3.0 if batch else 0.5)   # the child's imports first
+    child = None
+    if batch:
+        ctx = mp.get_context("spawn")
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_batch_client, daemon=True, args=(
+            child_end, base, model, batch, seconds, priority, flow, start_wall))
+        child.start()
+        child_end.close()
+    res = asyncio.run(run_phase(base, model, chat, seconds, priority, flow,
+                                progress, start_wall))
+    if child is not None:
+        other = parent_end.recv()
+        child.join(60)
+        res["records"] = res["records"] + other["records"]
+        res["cancelled_batch"] = other["cancelled_batch"]
+        res["wall_s"] = max(res["wall_s"], other["wall_s"])
+    return res
 
 
 def summarize(phase: dict, seconds: float, ttft: float, tpot: float) -> dict:
@@ -269,7 +325,7 @@ def engine_events(directory: str) -> tuple[dict, dict, dict]:
         for line in path.read_text().splitlines():
             e = json.loads(line)
             if e["ev"] == "add":
-                adds.setdefault(tuple(e["key"]), []).append((e["t"], e["id"]))
+                adds.setdefault(tuple(e["key"]), []).append((e["t"], e["id"], e.get("arrival")))
             elif e["ev"] == "sched":
                 for r in e["new"]:
                     sched.setdefault(r, e["t"])
@@ -282,21 +338,28 @@ def engine_events(directory: str) -> tuple[dict, dict, dict]:
 def split_ttft(records: list[dict], directory: str) -> dict:
     """The interactive requests' TTFT in four parts (p50 / p90 / max, seconds):
     front_in, the client's send to the engine core's add_request (HTTP, the API
-    server, the engine's input queue); queue, add_request to the step that starts
-    it (the scheduler's waiting queue, kvadmit's holds); engine, add_request to the
+    server, the engine's input queue), itself in two: api, the send to the API
+    server's arrival time of it (the client's own sending, HTTP, the API server
+    before vLLM's input processing), and engine_in, from there to add_request;
+    queue, add_request to the step that starts it (the scheduler's waiting queue,
+    kvadmit's holds); engine, add_request to the
     step that emits its first token; front_out, that step to the client's first
     token. A request matches the first arrival with its first 8 prompt tokens after
     its send."""
     adds, sched, first = engine_events(directory)
-    parts = {"front_in": [], "queue": [], "engine": [], "front_out": []}
+    parts = {"front_in": [], "api": [], "engine_in": [], "queue": [], "engine": [],
+             "front_out": []}
     for r in records:
         if r.get("kind") != "interactive" or r.get("first_wall") is None:
             continue
         cands = [a for a in adds.get(tuple(r["key"]), ()) if a[0] >= r["sent_wall"] - 0.01]
         if not cands:
             continue
-        t_add, rid = min(cands)
+        t_add, rid, arrival = min(cands)
         parts["front_in"].append(t_add - r["sent_wall"])
+        if arrival is not None:
+            parts["api"].append(arrival - r["sent_wall"])
+            parts["engine_in"].append(t_add - arrival)
         if rid in sched:
             parts["queue"].append(sched[rid] - t_add)
         if rid in first:
@@ -307,6 +370,22 @@ def split_ttft(records: list[dict], directory: str) -> dict:
         v = sorted(v)
         return {"p50": percentile(v, 50), "p90": percentile(v, 90), "max": v[-1]} if v else None
     return {k: q(v) for k, v in parts.items()} | {"matched": len(parts["front_in"])}
+
+
+def pin_engine(pid: int, cpus: set[int]) -> list[str]:
+    """Binds every thread of the processes under the server (vLLM's engine core and
+    its worker; not the API server) to `cpus`. Returns the processes' names."""
+    import psutil
+
+    names = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            for t in child.threads():
+                os.sched_setaffinity(t.id, cpus)
+            names.append(f"{child.name()}({child.pid})")
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            pass
+    return names
 
 
 def run_config(args, name: str) -> dict:
@@ -339,16 +418,18 @@ def run_config(args, name: str) -> dict:
     out = {"config": name, "doc": cfg.doc, "flags": list(server.command()[3:]), "phases": {}}
     try:
         server.wait_ready(300)
+        if args.engine_cpus:
+            progress(f"engine processes on CPUs {args.engine_cpus}: "
+                     f"{pin_engine(server.proc.pid, set(args.engine_cpus))}")
         progress("up; warm-up")
-        asyncio.run(run_phase(server.base, model, make_requests(
+        run_clients(server.base, model, make_requests(
             "interactive", 4.0, 2.0, 999, 64, 8, 128, args.max_model_len), 2.0, priority, flow,
-            lambda m: None))
+            lambda m: None)
         for phase, reqs in zip(PHASES, (chat, batch, both)):
             wait_idle(server)
             before = scrape_metrics(server.base)
             progress(f"phase {phase}: {len(reqs)} requests over {args.seconds:g} s")
-            res = asyncio.run(run_phase(server.base, model, reqs, args.seconds, priority, flow,
-                                        progress))
+            res = run_clients(server.base, model, reqs, args.seconds, priority, flow, progress)
             after = wait_idle(server)
             s = summarize(res, args.seconds, args.ttft, args.tpot)
             if split_dir is not None:
@@ -451,6 +532,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--engine-cpus", type=int, nargs="*", default=[],
+                    help="bind the server's engine processes (engine core, worker) to these "
+                         "CPUs, leaving the others to the API server and the clients")
     ap.add_argument("--tag", default="", help="a suffix for the result files (another workload)")
     ap.add_argument("--split-ttft", action="store_true",
                     help="time each interactive request's way in the server too (a hook, "

@@ -4,7 +4,8 @@ in every process. In the engine core it wraps vLLM's own `Scheduler` (kvadmit's
 scheduler subclasses it and calls it, so both configs are seen alike) and writes, one
 JSON line each, to DIR/engine.<pid>.jsonl:
 
-  {"ev": "add", "t": wall time, "id": request id, "key": its first 8 prompt tokens}
+  {"ev": "add", "t": wall time, "id": request id, "key": its first 8 prompt tokens,
+   "arrival": when the API server took it in (vLLM's arrival_time, wall time)}
   {"ev": "sched", "t": wall time, "new": ids the step starts}
   {"ev": "out", "t": wall time, "first": ids whose first token the step emitted}
 
@@ -31,7 +32,8 @@ def _install(Scheduler):
 
     def add_request(self, request):
         write({"ev": "add", "t": time.time(), "id": request.request_id,
-               "key": list(request.prompt_token_ids[:8])})
+               "key": list(request.prompt_token_ids[:8]),
+               "arrival": getattr(request, "arrival_time", None)})
         return add(self, request)
 
     def schedule_(self, *a, **k):
