@@ -372,22 +372,6 @@ def split_ttft(records: list[dict], directory: str) -> dict:
     return {k: q(v) for k, v in parts.items()} | {"matched": len(parts["front_in"])}
 
 
-def pin_engine(pid: int, cpus: set[int]) -> list[str]:
-    """Binds every thread of the processes under the server (vLLM's engine core and
-    its worker; not the API server) to `cpus`. Returns the processes' names."""
-    import psutil
-
-    names = []
-    for child in psutil.Process(pid).children(recursive=True):
-        try:
-            for t in child.threads():
-                os.sched_setaffinity(t.id, cpus)
-            names.append(f"{child.name()}({child.pid})")
-        except (psutil.NoSuchProcess, ProcessLookupError):
-            pass
-    return names
-
-
 def run_config(args, name: str) -> dict:
     from kvadmit.vllm.tiny_model import DEFAULT_DIR, build_tiny_llama
     cfg, priority, flow = configs()[name]
@@ -402,7 +386,7 @@ def run_config(args, name: str) -> dict:
         split_dir = tempfile.mkdtemp(prefix="kvadmit-ttft-split-")
         env = {"KVADMIT_TTFT_SPLIT_DIR": split_dir, "PYTHONPATH": os.pathsep.join(
             [str(SPLIT_HOOK)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
-    server = Server(cfg, model, engine, log, env=env)
+    server = Server(cfg, model, engine, log, env=env, engine_cpus=tuple(args.engine_cpus))
     chat = make_requests("interactive", args.interactive_rps, args.seconds, args.seed + 1,
                          args.interactive_lengths[0], args.interactive_lengths[1], 128,
                          args.max_model_len)
@@ -418,9 +402,8 @@ def run_config(args, name: str) -> dict:
     out = {"config": name, "doc": cfg.doc, "flags": list(server.command()[3:]), "phases": {}}
     try:
         server.wait_ready(300)
-        if args.engine_cpus:
-            progress(f"engine processes on CPUs {args.engine_cpus}: "
-                     f"{pin_engine(server.proc.pid, set(args.engine_cpus))}")
+        if server.bound:
+            progress(f"engine processes on CPUs {args.engine_cpus}: {server.bound}")
         progress("up; warm-up")
         run_clients(server.base, model, make_requests(
             "interactive", 4.0, 2.0, 999, 64, 8, 128, args.max_model_len), 2.0, priority, flow,
