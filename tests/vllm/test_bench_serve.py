@@ -13,6 +13,7 @@ import pytest
 from kvadmit.vllm import bench_serve
 
 TRACE = pathlib.Path(__file__).resolve().parents[1] / "data" / "azure2023_conv_head200.csv"
+FIRST_CPU = min(os.sched_getaffinity(0))     # the server's engine is bound to it
 
 
 def post(base, path, body):
@@ -27,7 +28,7 @@ def server(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("log") / "serve.log"
     s = bench_serve.Server(bench_serve.parse_config("kvadmit-default", 1, 1.0), model_dir,
                            bench_serve.Engine(num_blocks=25, max_model_len=512, max_num_seqs=8),
-                           log, engine_cpus=(0,))
+                           log, engine_cpus=(FIRST_CPU,))
     s.start()
     try:
         s.wait_ready(300)
@@ -37,8 +38,8 @@ def server(model_dir, tmp_path_factory):
 
 
 def test_engine_cpus_bind_the_engine_processes_not_the_api_server(server):
-    """engine_cpus: every thread of the engine core and its worker runs on CPU 0 only;
-    the API server (the launcher's own process) keeps the machine's CPUs."""
+    """engine_cpus: every thread of the engine core and its worker runs on FIRST_CPU
+    only; the API server (the launcher's own process) keeps the machine's CPUs."""
     import psutil
 
     api = psutil.Process(server.proc.pid)
@@ -47,7 +48,7 @@ def test_engine_cpus_bind_the_engine_processes_not_the_api_server(server):
     assert server.bound and all("(" in n for n in server.bound)
     for child in children:
         for t in child.threads():
-            assert os.sched_getaffinity(t.id) == {0}, (child.name(), t.id)
+            assert os.sched_getaffinity(t.id) == {FIRST_CPU}, (child.name(), t.id)
     assert os.sched_getaffinity(server.proc.pid) == os.sched_getaffinity(0)
 
 
@@ -99,7 +100,7 @@ def test_kvadmit_bench_serve_small_sweep(model_dir, tmp_path):
            "--requests", "24", "--load", "0.5", "2", "--repeats", "1",
            "--configs", "vllm-default", capped, "--num-blocks", "49", "--max-model-len", "1024",
            "--json", str(out), "--plot", str(tmp_path / "serve.png"), "--model-dir", model_dir,
-           "--engine-cpus", "0"]
+           "--engine-cpus", str(FIRST_CPU)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
     # vLLM's INFO logs go to the log file, not the terminal
@@ -109,7 +110,7 @@ def test_kvadmit_bench_serve_small_sweep(model_dir, tmp_path):
     log = pathlib.Path(res["log"])
     assert "Starting vLLM" in log.read_text() or "vLLM API server" in log.read_text()
     assert res["command"].startswith("kvadmit bench serve --trace")
-    assert res["engine_cpus"] == [0]
+    assert res["engine_cpus"] == [FIRST_CPU]
     assert res["machine"]["cpus"] >= 1 and res["machine"]["vllm"]
     (sec,) = res["sections"]
     assert sec["configs"] == ["vllm-default", "kvadmit-cap2"]

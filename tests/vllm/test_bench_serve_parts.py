@@ -118,3 +118,16 @@ def test_goal_figures():
     assert g["kvadmit-default/vllm-default tok/s"] == pytest.approx({"0.5": 0.98, "2": 1.1})
     assert g["preemptions"]["vllm-default"] == {"0.5": 3, "2": 30}
     assert bench_serve.goal_figures(summary[:2])["best_vllm_knob"] is None
+
+
+def test_engine_cpus_outside_the_usable_ones_are_refused_before_a_server_starts(tmp_path):
+    import os
+    cpu = max(os.sched_getaffinity(0)) + 1
+    with pytest.raises(ValueError, match=rf"engine_cpus=\[{cpu}\]: CPU {cpu} is not one this "
+                                         r"process may run on"):
+        bench_serve.Server(bench_serve.parse_config("vllm-default", 1, 1.0), "model",
+                           bench_serve.Engine(), tmp_path / "log", engine_cpus=(cpu,))
+    s = bench_serve.Server(bench_serve.parse_config("vllm-default", 1, 1.0), "model",
+                           bench_serve.Engine(), tmp_path / "log",
+                           engine_cpus=(min(os.sched_getaffinity(0)),))
+    assert s.proc is None and s.bound == []

@@ -334,6 +334,13 @@ class Server:
     engine_cpus: tuple[int, ...] = ()   # once up, the engine's processes bound to these (bind_engine)
     bound: list[str] = field(default_factory=list)      # the processes bound
 
+    def __post_init__(self):
+        usable = os.sched_getaffinity(0)
+        bad = [c for c in self.engine_cpus if c not in usable]
+        if bad:
+            raise ValueError(f"engine_cpus={list(self.engine_cpus)}: CPU {bad[0]} is not one "
+                             f"this process may run on ({sorted(usable)})")
+
     @property
     def base(self) -> str:
         return f"http://127.0.0.1:{self.port}"
