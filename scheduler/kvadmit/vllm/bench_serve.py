@@ -307,7 +307,10 @@ def bind_engine(pid: int, cpus: set[int]) -> list[str]:
     names. On a small CPU machine vLLM's CPU build binds its worker to one core and
     leaves the engine core, which spins while it waits for each step, on the core the
     API server and the benchmark's client run on: they then stall for seconds and the
-    measured TTFT is theirs. Bound beside its worker, the engine core yields to it."""
+    measured TTFT is theirs. Bound beside its worker, the engine core's scheduling no
+    longer overlaps the worker's step: the front end's delays go, and so does part of
+    the engine's throughput (on the 2-core dev VM the online bench's capacity fell
+    from 30 to 16 requests a second)."""
     import psutil   # a dependency of vLLM
 
     names = []
