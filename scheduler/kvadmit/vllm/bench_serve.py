@@ -370,11 +370,13 @@ class Server:
                                    f"{self.proc.returncode}; see {self.log}")
             try:
                 urllib.request.urlopen(self.base + "/health", timeout=2)
-                if self.engine_cpus:
-                    self.bound = bind_engine(self.proc.pid, set(self.engine_cpus))
-                return
-            except OSError:
+            except OSError:      # not answering yet
                 time.sleep(1)
+                continue
+            # outside the try: a failed binding is an error, not "not up yet"
+            if self.engine_cpus:
+                self.bound = bind_engine(self.proc.pid, set(self.engine_cpus))
+            return
         raise RuntimeError(f"vllm serve ({self.config.label}) not up in {timeout:.0f} s; "
                            f"see {self.log}")
 
