@@ -94,9 +94,9 @@ def test_auto_predicts_a_flows_requests_from_its_own_lengths(policy):
 
     core, chat, batch = core_after(flows=True)
     # The chat request: 16 more tokens, 10 blocks beside the batch one's 29.
-    assert core.decide(chat, 40 - 5, flows_headroom=False) == "admit"
+    assert core.decide(chat, 40 - 5) == "admit"
     # Another batch request: 96 more each, 29 + 30 blocks.
-    assert core.decide(batch, 40 - 5, flows_headroom=False) == "hold_capacity"
+    assert core.decide(batch, 40 - 5) == "hold_capacity"
     # Without flows the chat request is predicted as long as the others.
     core, chat, batch = core_after(flows=False)
     assert core.decide(chat, 40 - 5) == "hold_capacity"

@@ -91,17 +91,24 @@ def test_usage_is_block_steps_charged_at_admission_then_each_step():
 
 def test_the_capacity_invariant_holds_every_step():
     """The blocks every flow is charged in a step are the running set's, never more
-    than the pool; summed over the steps they are the flows' block-steps."""
+    than the pool; summed over the steps they are the flows' block-steps. The driver
+    is an engine: when the running requests' growth does not fit, it preempts the
+    core's victim (here: after b's three fill the pool while a has none running, a's
+    next request takes b's KV, and b gives it back)."""
     core = make_core("reserve", num_blocks=12)
     for i in range(8):
         arrive(core, flow=(A, B)[i % 2], prompt=8, max_new=8)
-    expected = 0
-    for step in range(40):
-        while (s := core.next_admissible(12 - sum(-(-core.info(r)["computed_tokens"] // 4)
-                                                for r in core.running()))) >= 0:
+
+    def blocks(r):
+        return -(-(8 + core.info(r)["generated_tokens"]) // 4)
+
+    expected = preempted = 0
+    for step in range(60):
+        while (s := core.next_admissible(12 - sum(blocks(r) for r in core.running()))) >= 0:
+            g = core.info(s)["generated_tokens"]
             core.admit(s, float(step))
-            core.update(s, 8, 0)
-        held = sum(-(-(8 + core.info(r)["generated_tokens"]) // 4) for r in core.running())
+            core.update(s, 8 + g, g)
+        held = sum(blocks(r) for r in core.running())
         assert held <= 12
         expected += held
         core.on_step(float(step))
@@ -111,10 +118,15 @@ def test_the_capacity_invariant_holds_every_step():
                 core.finish(r, float(step))
             else:
                 core.update(r, 8 + g - 1, g)
+        while sum(blocks(r) for r in core.running()) > 12:
+            v = core.victim()
+            assert core.info(v)["flow"] == B      # the flow over its share
+            core.preempt(v, float(step))
+            preempted += 1
     stats = core.flow_stats()
-    assert stats[str(A)]["admitted"] + stats[str(B)]["admitted"] == 8
+    assert preempted >= 1 and stats[str(B)]["preempted"] == preempted
+    assert stats[str(A)]["admitted"] + stats[str(B)]["admitted"] == 8 + preempted
     assert stats[str(A)]["kv_block_steps"] + stats[str(B)]["kv_block_steps"] == expected
-    assert stats[str(A)]["kv_block_steps"] == stats[str(B)]["kv_block_steps"]   # alike requests
     assert core.running() == [] and core.waiting() == []
 
 
@@ -188,37 +200,6 @@ def test_bypass_passes_a_held_request_only_toward_the_flow_holding_less():
     small_a = arrive(core, flow=A)
     assert core.next_admissible(20) == small_a                 # its own flow's may pass it
     assert core.next_admissible(100) == big                    # and what fits, starts
-
-
-def test_an_over_share_flow_leaves_headroom_for_a_live_flow_below_its_share():
-    """The noisy-neighbour rule (kvadmit._flows.c_headroom): a request of a flow holding
-    more of the pool per weight than another live flow must leave free, to the policy's
-    rule, four of that flow's requests (by the blocks its finished ones held), at most
-    what it lacks of its share; the flow holding least keeps nothing back, and once the
-    other flow is not live the pool is the over-share flow's again (work-conserving)."""
-    core = make_core("reserve", num_blocks=100)
-    a0 = arrive(core, flow=A)
-    core.admit(a0, 0.0)
-    core.update(a0, 11, 4)                     # 11 tokens: 3 blocks
-    core.finish(a0, 1.0)                       # a's requests: 3 blocks each so far
-    a1 = arrive(core, flow=A, now=1.0)
-    core.admit(a1, 1.0)                        # a live, holding 2 blocks (reserves 3)
-    b1 = arrive(core, flow=B, prompt=200, max_new=20, now=1.0)
-    core.admit(b1, 1.0)                        # b holds 50 (reserves 55): 58 reserved
-    b2 = arrive(core, flow=B, prompt=108, max_new=20, now=1.0)   # reserves 32
-    # 58 + 32 = 90 fits the 100 blocks, not the 100 - 4 x 3 = 88 b must leave a;
-    # decide() judges as the scan does, and without the headroom as the policy alone
-    assert core.next_admissible(48) == -1
-    assert core.decide(b2, 48) == "hold_capacity"
-    assert core.decide(b2, 48, flows_headroom=False) == "admit"
-    a2 = arrive(core, flow=A, prompt=108, max_new=20, now=1.0)   # a holds least: no headroom
-    assert core.next_admissible(48) == a2 and core.decide(a2, 48) == "admit"
-    core.abort(a2, 1.0)
-    assert core.next_admissible(48) == -1
-    core.finish(a1, 2.0)                       # a is not live: b alone gets the pool
-    assert core.next_admissible(50) == b2
-    stats = core.flow_stats()
-    assert stats[str(B)]["held"] >= 1 and stats[str(A)]["admitted"] == 2
 
 
 def test_two_saturating_flows_share_the_pool_by_weight():
@@ -375,3 +356,85 @@ def test_the_flows_accounting_matches_the_native_engines():
     assert sum(s["admitted"] for s in stats) == n + t["preemptions"]
     assert abs(sum(s["kv_share"] for s in stats) - 1) < 1e-9
     assert t["free_blocks_at_end"] == 64 and t["finished"] == n
+
+
+def running(core, flow, prompt, max_new=4, now=0.0, **kw):
+    s = arrive(core, now, prompt=prompt, max_new=max_new, flow=flow, **kw)
+    core.admit(s, now)
+    return s
+
+
+def batch_holds_the_pool(**cfg):
+    """40 blocks of 4 tokens; b's two running requests hold 15 blocks each and
+    reserve the whole pool (20 each); a has nothing running."""
+    core = make_core("reserve", num_blocks=40, **cfg)
+    b1, b2 = running(core, B, 60, 20), running(core, B, 60, 20)
+    return core, b1, b2
+
+
+def test_a_flow_within_its_share_takes_kv_from_a_flow_over_its_share():
+    """Flow displacement (kvadmit._decision's c_mark_takeable): a's request, which
+    the pool holds, may start on the KV of b, over its share (30 of 40 blocks, share
+    20), since a with it stays within its share and b without the victim still holds
+    more than a: the engine preempts b's, first victim (lifo: b2) first."""
+    core, b1, b2 = batch_holds_the_pool()
+    a1 = arrive(core, flow=A)
+    assert core.decide(a1, 10) == "admit" and core.next_admissible(10) == a1
+    assert core.displaceable(a1) == [b2, b1]
+    # without flows the same requests only wait
+    plain = make_core("reserve", num_blocks=40)
+    running(plain, -1, 60, 20), running(plain, -1, 60, 20)
+    w = arrive(plain)
+    assert plain.decide(w, 10) == "hold_capacity" and plain.displaceable(w) == []
+
+
+@pytest.mark.parametrize("waiting, cfg, why", [
+    (dict(prompt=100), {}, "a would hold 25 blocks, over its share of 20"),
+    (dict(priority=1), dict(queue_order="priority"), "a lower priority than b's"),
+    (dict(sheddable=True), {}, "sheddable: never takes a protected request's KV"),
+])
+def test_flow_displacement_only_toward_a_flow_within_its_share_in_its_band(waiting, cfg, why):
+    core, b1, b2 = batch_holds_the_pool(**cfg)
+    a1 = arrive(core, flow=A, **waiting)
+    assert core.displaceable(a1) == [], why
+    assert core.decide(a1, 30) == "hold_capacity", why
+
+
+def test_no_flow_displacement_near_a_balance():
+    """b is over its share (15 of 28 blocks, share 14) and a within it, but without
+    its one request b would hold less than a with its next: no displacement (it would
+    only move the imbalance the other way, at a recompute's cost)."""
+    core = make_core("reserve", num_blocks=28)
+    running(core, A, 40)                      # a holds 10 blocks (reserves 11)
+    running(core, B, 60, 20)                  # b holds 15 (reserves 20)
+    a2 = arrive(core, flow=A)
+    assert core.displaceable(a2) == [] and core.decide(a2, 3) == "hold_capacity"
+
+
+def test_the_victims_of_a_flow_over_its_share_go_first():
+    """Under flows the victim order takes a flow over its share first, within a
+    priority class: lifo alone would pick a's request, admitted last."""
+    core, b1, b2 = batch_holds_the_pool()
+    a1 = running(core, A, 8)
+    core.on_step(1.0)
+    core.on_step(2.0)                         # b has used more per weight than a since
+    assert core.victim_order()[-2:] == [b1, b2] and core.victim() == b2
+    assert make_core("reserve", num_blocks=40).victim() == -1
+
+
+def test_a_flow_over_its_share_only_for_a_burst_is_not_displaced():
+    """a (weight 1, share 10 of 40 blocks) has used less per weight over time than b
+    (weight 3): a burst of its requests now holds 14 blocks, over its share, but b's
+    next request may not take their KV (it would preempt the quiet flow's running
+    requests for the noisy one's). Without the usage rule it would: b with it stays
+    within its share (22 of 30) and a without a3 still holds more per weight."""
+    core = make_core("reserve", num_blocks=40, flows={"a": {"weight": 1}, "b": {"weight": 3}})
+    running(core, B, 80)                       # b: 20 blocks
+    running(core, A, 8)                        # a: 2 blocks
+    for t in range(1, 11):
+        core.on_step(float(t))                 # usage per weight: b 20/3 a step, a 2
+    a2, a3 = running(core, A, 24, now=10.0), running(core, A, 24, now=10.0)   # a holds 14
+    stats = core.flow_stats()
+    assert stats["a"]["usage_per_weight"] < stats["b"]["usage_per_weight"]
+    b2 = arrive(core, 10.0, flow=B)
+    assert core.displaceable(b2) == [] and core.decide(b2, 2) == "hold_capacity"

@@ -72,7 +72,8 @@ cdef class AdmissionCore(CoreView):
                                           config.queue_order == "priority",
                                           config.priority_preemption_threshold)
         self.decision = Decision(self.ledger, self.policy, self.slo_guard, self.agent_window,
-                                 self.queue, self.gate, num_blocks, config.queue_order == "priority")
+                                 self.queue, self.gate, self.flows, num_blocks,
+                                 config.queue_order == "priority")
         self._now = 0.0
         self._shape_tokens = -1.0
         self._n_arrived = self._n_admitted = self._n_preempted = 0
@@ -283,20 +284,14 @@ cdef class AdmissionCore(CoreView):
 
     # ------------------------------------------------------------------
     # Admission
-    def decide(self, int64_t slot, int64_t free_blocks, bint check_blocks=True,
-               bint flows_headroom=True):
+    def decide(self, int64_t slot, int64_t free_blocks, bint check_blocks=True):
         """What the policy says about one waiting request: 'admit', 'hold_blocks'
         (not enough free blocks now) or 'hold_capacity' (the policy's future rule).
 
         ``check_blocks=False`` leaves today's fit to the engine's own allocator
-        (which knows prefix hits the core does not); the policy rule still applies.
-        Under flows the request's flow leaves the headroom the queue's scan keeps for
-        flows below their share, as the scan judges it; ``flows_headroom=False``
-        judges without it (is the pool full, or only full to this flow?)."""
+        (which knows prefix hits the core does not); the policy rule still applies."""
         self.ledger.check_state(slot, ST_WAITING)
-        if not flows_headroom:
-            return DECISIONS[self.decision.c_decide(<int32_t>slot, free_blocks, check_blocks, 0)]
-        return DECISIONS[self.queue.c_judge(self.decision, <int32_t>slot, free_blocks, check_blocks)]
+        return DECISIONS[self.decision.c_decide(<int32_t>slot, free_blocks, check_blocks)]
 
     def plan_shortfall(self, want_tokens, computed_tokens, held_blocks, int64_t free_blocks,
                        int64_t token_budget, int64_t lookahead_tokens=0, priorities=None):
@@ -480,8 +475,6 @@ cdef class AdmissionCore(CoreView):
     cdef void c_finish(self, int32_t s, double now) noexcept nogil:
         """`finish`, unchecked (the native engine's path too)."""
         self._tick(now)
-        if self.flows.on:
-            self.flows.c_finished(s)
         self.ledger.finish(s)
         self._stopped(s)
         self.policy.c_on_finish(s)
@@ -674,5 +667,5 @@ cdef class AdmissionCore(CoreView):
         return self.c_victim()
 
     cdef int32_t c_victim(self) noexcept nogil:
-        return victim_slot(self.ledger, self._victim, self._victim_by_priority)
+        return victim_slot(self.ledger, self._victim, self._victim_by_priority, self._over_share())
 

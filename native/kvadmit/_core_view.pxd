@@ -2,7 +2,8 @@
 # counters, and the reads and stats over them. AdmissionCore (kvadmit._core)
 # extends it with everything that changes state.
 from libc.math cimport isfinite
-from libc.stdint cimport int64_t
+from libc.stdint cimport int32_t, int64_t
+from libcpp.vector cimport vector
 
 from kvadmit._agent_window cimport AgentWindow
 from kvadmit._arrival_gate cimport ArrivalGate
@@ -12,6 +13,7 @@ from kvadmit._ledger cimport Ledger
 from kvadmit._policies cimport Policy
 from kvadmit._shortfall cimport ShortfallPlanner
 from kvadmit._slo_guard cimport SloGuard
+from kvadmit._victims cimport victims_first
 from kvadmit._waiting_queue cimport WaitingQueue
 
 
@@ -41,6 +43,22 @@ cdef class CoreView:
     cdef readonly FlowTable flows          # flows: weights, caps, KV usage (the fair order)
     cdef int _victim                       # victim order (an index into VICTIMS)
     cdef bint _victim_by_priority          # queue_order "priority": victims within classes, least important first
+    cdef vector[char] _over                # scratch: the flows over their share (the victim order's)
     # counters and the latest time seen
     cdef int64_t _n_arrived, _n_admitted, _n_preempted, _n_finished, _n_aborted
     cdef double _now                       # the core's time: the latest `now` of any mutator (monotone)
+
+    cdef inline const char* _over_share(self) noexcept nogil:
+        """Per flow index, whether it is over its share (FlowTable.c_over_share: the
+        victim order's key under flows); NULL while flows are off."""
+        if not self.flows.on:
+            return NULL
+        self.flows.c_over_share(self._over)
+        return self._over.data()
+
+    cdef inline void c_displaceable(self, int32_t s, vector[int32_t]& out) noexcept nogil:
+        """`displaceable` for the waiting s, into `out`."""
+        out.clear()
+        if self.decision.c_mark_takeable(s):
+            victims_first(self.ledger, self._victim, self._victim_by_priority, self._over_share(),
+                          self.decision.takeable, out)

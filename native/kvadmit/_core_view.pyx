@@ -5,7 +5,7 @@
 from libc.stdint cimport int32_t, int64_t, INT64_MAX
 
 from kvadmit._curves cimport cdiv
-from kvadmit._victims cimport victim_order
+from kvadmit._victims cimport victim_order, victims_first
 from kvadmit._ledger cimport ST_WAITING
 
 from kvadmit._ledger import STATES
@@ -65,21 +65,28 @@ cdef class CoreView:
 
     def victim_order(self):
         """Running slots from most protected to first victim (the last one goes first)."""
-        return victim_order(self.ledger, self._victim, self._victim_by_priority)
+        return victim_order(self.ledger, self._victim, self._victim_by_priority, self._over_share())
 
     def displaceable(self, int64_t slot):
-        """Under queue_order "priority": the running requests the waiting request `slot`
-        may take KV from (priority retraction), first victim first: those less important
-        than it by more than priority_preemption_threshold, least important class first
-        (within a class, the victim order). Empty under any other queue order. An engine
-        that must free KV at once for `slot` (SGLang evicts at admission) takes them in
-        this order."""
+        """The running requests the waiting request `slot` may take KV from, first
+        victim first (kvadmit._decision's c_mark_takeable): under queue_order
+        "priority" those less important than it by more than
+        priority_preemption_threshold; under flows those of its band whose flow is
+        over its share, where its own flow with it stays within its share. In the
+        victim order (least important class first, then flows over their share). Empty
+        when neither applies. An engine that must free KV at once for `slot` (vLLM's
+        blocks for its prompt, SGLang evicts at admission) takes them in this order."""
         self.ledger.check_state(slot, ST_WAITING)
-        if not self._victim_by_priority:
-            return []
-        cdef int64_t margin = self.policy.priority_margin
-        return [r for r in reversed(victim_order(self.ledger, self._victim, True))
-                if self.ledger.ranks_below(<int32_t>r, <int32_t>slot, margin)]
+        cdef vector[int32_t] out
+        self.c_displaceable(<int32_t>slot, out)
+        return [r for r in out]
+
+    @property
+    def displaces(self):
+        """Whether a waiting request may ever take running requests' KV here (queue_order
+        "priority", or flows on): an engine that must free it at once asks
+        `displaceable`."""
+        return self._victim_by_priority or self.flows.on
 
     def state(self, int64_t slot):
         if slot < 0 or slot >= self.ledger.n_slots():

@@ -1,9 +1,11 @@
 # The core's two rules' C-level API (see _decision.pyx): may a waiting request
 # start now (the queue's scan asks c_decide), may a new arrival be queued (c_refusal).
 from libc.stdint cimport int32_t, int64_t
+from libcpp.vector cimport vector
 
 from kvadmit._agent_window cimport AgentWindow
 from kvadmit._arrival_gate cimport ArrivalGate, Rejection
+from kvadmit._flows cimport FlowTable
 from kvadmit._ledger cimport Ledger
 from kvadmit._policies cimport Policy
 from kvadmit._slo_guard cimport SloGuard
@@ -17,8 +19,11 @@ cdef class Decision(Judge):
     cdef AgentWindow agent_window
     cdef WaitingQueue queue
     cdef ArrivalGate gate
+    cdef FlowTable flows
     cdef int64_t block_size, num_blocks
     cdef bint by_priority                 # queue_order "priority": priority retraction
+    cdef vector[char] takeable            # c_mark_takeable's marks, by running position
+    cdef vector[char] _over               # scratch: the flows over their share
 
     cdef inline double c_predicted_delay(self, int64_t ahead, int64_t ahead_tokens,
                                          int64_t queued) noexcept nogil:
@@ -26,9 +31,8 @@ cdef class Decision(Judge):
         the core's time)."""
         return self.gate.c_predicted_delay(ahead, ahead_tokens, queued)
 
-    cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks,
-                      int64_t headroom) noexcept nogil
-    cdef bint c_takes_from_lower(self, int32_t s, int64_t free_blocks) noexcept nogil
-    cdef bint c_lower_priority_runs(self, int32_t s) noexcept nogil
+    cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil
+    cdef bint c_takes_running(self, int32_t s, int64_t free_blocks) noexcept nogil
+    cdef bint c_mark_takeable(self, int32_t s) noexcept nogil
     cdef bint c_may_displace(self, int32_t s) noexcept nogil
     cdef Rejection c_refusal(self, int32_t s)

@@ -1,18 +1,37 @@
 # The core's two rules, over its parts:
 #   c_decide(s)   may the waiting request s start now? The agent window (its session
 #                 outside it: hold_agent), the blocks it needs now (hold_blocks), the
-#                 policy's rule (hold_capacity; under queue_order "priority" with the
-#                 KV of strictly lower-priority running requests counted as free:
-#                 c_takes_from_lower), the TPOT guard (hold_slo); the queue's scan
-#                 asks it of each request it reaches.
+#                 policy's rule (hold_capacity; with the KV of the running requests s
+#                 may take counted as free: c_takes_running), the TPOT guard
+#                 (hold_slo); the queue's scan asks it of each request it reaches.
 #   c_refusal(s)  why the new arrival s can never be queued here (the KV pool, the
 #                 prefill cap) or cannot now (its predicted queueing delay or TTFT).
 # The queue caps and priority shedding are the core's (`_make_room`): they evict.
+#
+# Whose KV a waiting request may take (c_mark_takeable), the one place that says it:
+#   priority retraction (queue_order "priority"): a running request less important
+#     than s (sheddable where s is not, or a larger priority value by more than
+#     priority_preemption_threshold);
+#   flow displacement (flows on): a running request of s's band (its class and, under
+#     queue_order "priority", its priority value) whose flow holds more than its
+#     weighted share of the pool now, where s's flow, with s, stays within its own;
+#     the victim's flow has used no less of the pool per weight over time (block-steps,
+#     the fair order's usage) than s's; and without the victim it still holds no less
+#     per weight than s's with s. A block moves only from a flow above its share to
+#     one that stays within it (so no displacement is answered by one back), never
+#     from a flow that is over its share only for a burst, having used less than its
+#     share over time (a quiet flow's running requests are not preempted for the noisy
+#     one's), and only where the two are far apart (near a balance the recompute would
+#     cost more than the fairness it buys; the fair order evens out the rest).
+# The engine then takes that KV back as it needs it (the victim order goes least
+# important class, then flows over their share, first) or at once where it must
+# (CoreView.displaceable).
 
 from libc.stdint cimport int32_t, int64_t
 
 from kvadmit._agent_window cimport AgentWindow
 from kvadmit._arrival_gate cimport ArrivalGate, Rejection, R_KV_CAPACITY
+from kvadmit._flows cimport FlowTable
 from kvadmit._curves cimport cdiv
 from kvadmit._ledger cimport Ledger
 from kvadmit._policies cimport Policy
@@ -27,56 +46,66 @@ cdef class Decision(Judge):
     """The rules of one core, over its parts (a pool of `num_blocks` blocks)."""
 
     def __init__(self, Ledger ledger, Policy policy, SloGuard slo_guard, AgentWindow agent_window,
-                 WaitingQueue queue, ArrivalGate gate, int64_t num_blocks, bint by_priority=False):
+                 WaitingQueue queue, ArrivalGate gate, FlowTable flows, int64_t num_blocks,
+                 bint by_priority=False):
         self.ledger, self.policy = ledger, policy
         self.slo_guard, self.agent_window = slo_guard, agent_window
-        self.queue, self.gate = queue, gate
+        self.queue, self.gate, self.flows = queue, gate, flows
         self.block_size, self.num_blocks = ledger.block_size, num_blocks
         self.by_priority = by_priority
 
-    cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks,
-                      int64_t headroom) noexcept nogil:
+    cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil:
         if self.agent_window.c_holds(self.ledger.session(s)):
             return D_HOLD_AGENT
         cdef int64_t need_now = cdiv(self.ledger.tokens(s), self.block_size) \
             - self.ledger.cached(s) // self.block_size
-        if headroom > 0:       # the flows' headroom (kvadmit._flows.c_headroom)
-            free_blocks = free_blocks - headroom if free_blocks > headroom else 0
         if check_blocks and need_now > free_blocks:
             return D_HOLD_BLOCKS
-        self.policy.headroom = headroom
-        cdef bint fits = self.policy.c_fits(s, free_blocks)
-        self.policy.headroom = 0
-        if not fits and not self.c_takes_from_lower(s, free_blocks):
+        if not self.policy.c_fits(s, free_blocks) and not self.c_takes_running(s, free_blocks):
             return D_HOLD_CAPACITY
         if not self.slo_guard.c_tpot_ok(self.ledger.tpot(s), self.ledger.n_running(),
                                         <double>self.ledger.running_context() + self.ledger.tokens(s)):
             return D_HOLD_SLO
         return D_ADMIT
 
-    cdef bint c_takes_from_lower(self, int32_t s, int64_t free_blocks) noexcept nogil:
-        """Priority retraction, under queue_order "priority": may s, which the policy
-        holds, start on the KV of running requests of strictly lower priority (a larger
-        priority value)? The policy's rule with their KV, held and still to come,
-        counted as free (Policy.c_fits_taking_lower). The engine then takes that KV back
-        as it needs it: the victim order and the pause plan go lowest priority first.
-        Equal or higher priorities are never displaced, nor lower ones within
-        priority_preemption_threshold of it (SGLang's preemption threshold)."""
-        if not self.by_priority or not self.c_lower_priority_runs(s):
+    cdef bint c_takes_running(self, int32_t s, int64_t free_blocks) noexcept nogil:
+        """May s, which the policy holds, start on the KV of the running requests it
+        may take (c_mark_takeable)? The policy's rule with their KV, held and still to
+        come, counted as free (Policy.c_fits_taking)."""
+        if not self.c_mark_takeable(s):
             return False
-        return self.policy.c_fits_taking_lower(s, free_blocks)
+        return self.policy.c_fits_taking(s, free_blocks, self.takeable)
 
     cdef bint c_may_displace(self, int32_t s) noexcept nogil:
-        return self.by_priority and self.c_lower_priority_runs(s)
+        return self.c_mark_takeable(s)
 
-    cdef bint c_lower_priority_runs(self, int32_t s) noexcept nogil:
-        """Whether a running request is less important than s (sheddable where s is
-        not, or a larger priority value by more than priority_preemption_threshold)."""
-        cdef size_t i
-        for i in range(self.ledger.n_running()):
-            if self.ledger.ranks_below(self.ledger.running_at(i), s, self.policy.priority_margin):
-                return True
-        return False
+    cdef bint c_mark_takeable(self, int32_t s) noexcept nogil:
+        """Marks, by position in the ledger's running set, the running requests whose
+        KV the waiting s may take (see the top of this file); True if any."""
+        cdef size_t i, n = self.ledger.n_running()
+        cdef int32_t r, g, f = self.ledger.flow_ix(s)
+        cdef int64_t need = cdiv(self.ledger.tokens(s), self.block_size)
+        cdef bint any_marked = False, by_flow = False, take
+        self.takeable.assign(n, 0)
+        if not self.by_priority and not self.flows.on:
+            return False
+        if self.flows.on:
+            self.flows.c_over_share(self._over)
+            by_flow = self.flows.c_within_share(f, need)
+        for i in range(n):
+            r = self.ledger.running_at(i)
+            g = self.ledger.flow_ix(r)
+            if self.by_priority and self.ledger.ranks_below(r, s, self.policy.priority_margin):
+                take = True
+            else:
+                take = by_flow and g != f and self._over[g] \
+                    and self.flows.c_vtime(g) >= self.flows.c_vtime(f) \
+                    and self.flows.c_stays_ahead(g, self.ledger.held_blocks(r), f, need) \
+                    and self.ledger.sheddable(r) == self.ledger.sheddable(s) \
+                    and (not self.by_priority or self.ledger.priority(r) == self.ledger.priority(s))
+            self.takeable[i] = take
+            any_marked = any_marked or take
+        return any_marked
 
     cdef Rejection c_refusal(self, int32_t s):
         """Why the new request s can never be queued here, or cannot now (as of the

@@ -26,21 +26,21 @@
 # own flow holds no more of the pool (blocks per weight, now) than the held one's,
 # so that a bypass never moves KV from the flow holding less to the one holding more
 # (a noisy neighbour's small requests would otherwise take, one by one, the blocks a
-# quiet flow's request waits for). And the headroom (c_headroom): a request of a flow
-# holding more per weight than another live flow with nothing waiting leaves free, to
-# the policy's rule and the blocks check, room for HEADROOM_REQUESTS of that flow's
-# requests (at most what it lacks of its share), so the quiet flow's next arrivals
-# start at once instead of waiting for the noisy one's running requests to finish; a
-# flow alone keeps nothing back. Until the first
-# request with a flow arrives, nothing here runs and the queue is the plain one.
+# quiet flow's request waits for).
+#
+# The order alone cannot help a quiet flow whose request arrives while a noisy one's
+# running requests fill the pool: it would wait for them to finish. Its request may
+# take their KV instead (flow displacement, kvadmit._decision): a flow's share is the
+# pool times its weight over the live flows' weights (c_share, c_over_share), and a
+# request of a flow within its share may start on the KV of running requests of a
+# flow over it. Until the first request with a flow arrives, nothing here runs and
+# the queue is the plain one.
 
 from cython.operator cimport dereference as deref
 from libc.stdint cimport int32_t, int64_t
 
 from kvadmit._ledger cimport Ledger
 
-cdef double HEADROOM_REQUESTS = 4.0   # headroom kept per under-share flow: its requests
-cdef double SIZE_ALPHA = 0.05         # the moving mean of a flow's request size
 
 
 cdef class FlowTable:
@@ -69,7 +69,6 @@ cdef class FlowTable:
         self._block_steps.push_back(0.0)
         self._block_s.push_back(0.0)
         self._holding.push_back(0)
-        self._size.push_back(0.0)
         for i in range(N_FLOW_COUNTERS):
             self._counts.push_back(0)
         if self._id.size() > <size_t>self.ledger.n_flows():
@@ -139,41 +138,43 @@ cdef class FlowTable:
             self._last_t = now
         self._stepped = True
 
-    cdef void c_finished(self, int32_t s) noexcept nogil:
-        """The running s finishes: the blocks it holds feed its flow's request size."""
-        cdef int32_t f = self.ledger.flow_ix(s)
-        cdef double b = self.ledger.held_blocks(s)
-        self._size[f] = b if self._size[f] == 0.0 else self._size[f] + SIZE_ALPHA * (b - self._size[f])
-
-    cdef int64_t c_headroom(self, int32_t f) noexcept nogil:
-        """Blocks a request of flow f must leave free (to the policy's rule and to the
-        blocks it needs now) for the other live flows below their share: for each live
-        flow g with none of its requests waiting and holding less of the pool per weight
-        than f does, HEADROOM_REQUESTS of its
-        requests' size (the blocks they held when they finished), at most what g lacks
-        of its weighted share of the pool among the live flows. So an under-share flow's
-        next requests find room at once, instead of waiting for the over-share flow's
-        running requests to finish; a flow alone (no other live flow) keeps nothing
-        back, and nor does the flow holding least."""
-        cdef size_t g, n = self._id.size()
-        cdef double live_weight = 0.0, mine = self.c_holding(f), want, lack, total = 0.0
-        for g in range(n):
+    cdef double c_share(self, int32_t f) noexcept nogil:
+        """Flow f's weighted share of the pool, in blocks, among the live flows (f
+        counted live: its request is the one being judged)."""
+        cdef size_t g
+        cdef double live_weight = 0.0
+        for g in range(self._id.size()):
             if self.ledger.flow_live(<int32_t>g) > 0 or <int32_t>g == f:
                 live_weight += self._weight[g]
+        return self.num_blocks * self._weight[f] / live_weight
+
+    cdef void c_over_share(self, vector[char]& over) noexcept nogil:
+        """Per flow index: 1 if the flow is over its share: it holds more blocks than
+        its weighted share of the pool among the live flows (as of the last step, plus
+        admissions since), and it has used no less per weight over time (vtime) than
+        some live flow that holds no more than its own share. A flow over its share
+        only for a burst, having used less than the flows it outholds, is not."""
+        cdef size_t g, h, n = self._id.size()
+        cdef double live_weight = 0.0
+        cdef vector[char] above                  # holds more than its share now
+        over.assign(n, 0)
+        above.assign(n, 0)
         for g in range(n):
-            if <int32_t>g == f or self.ledger.flow_live(<int32_t>g) == 0 or self._size[g] == 0.0 \
-                    or self.ledger.flow_waiting(<int32_t>g) > 0:
-                continue      # not live, size unknown, or its own requests wait: the fair
-                              # order and the bypass rule serve those
-            if self.c_holding(<int32_t>g) >= mine:
+            if self.ledger.flow_live(<int32_t>g) > 0:
+                live_weight += self._weight[g]
+        if live_weight <= 0.0:
+            return
+        for g in range(n):
+            above[g] = self.ledger.flow_live(<int32_t>g) > 0 \
+                and self._holding[g] > self.num_blocks * self._weight[g] / live_weight
+        for g in range(n):
+            if not above[g]:
                 continue
-            lack = self.num_blocks * self._weight[g] / live_weight - self._holding[g]
-            want = HEADROOM_REQUESTS * self._size[g]
-            if lack < want:
-                want = lack
-            if want > 0:
-                total += want
-        return <int64_t>total
+            for h in range(n):
+                if h != g and self.ledger.flow_live(<int32_t>h) > 0 and not above[h] \
+                        and self._vtime[g] >= self._vtime[h]:
+                    over[g] = 1
+                    break
 
     cdef str c_name(self, int32_t f):
         """How messages and stats name flow f: its key in the config's flows, else its id."""

@@ -497,10 +497,36 @@ cdef class NativeEngine:
         self._paused_reqs.clear()
         return preempted
 
+    cdef bint _displace_for(self, int32_t s, int64_t need, int64_t* budget) noexcept nogil:
+        """The core admitted the waiting slot s but `need` blocks are not free: as
+        kvadmit's vLLM adapter does, preempt the running requests the core lets s take
+        KV from (its displaceable ones, first victim first) as far as need goes, or
+        none if even all of them would not free enough. True if need is now free."""
+        cdef vector[int32_t] victims
+        self.core.c_displaceable(s, victims)
+        if victims.empty():
+            return False
+        cdef int64_t gain = 0, free = self.allocator.c_num_free()
+        cdef size_t k, j, chosen = 0
+        cdef int32_t v
+        for k in range(victims.size()):
+            v = self._slot_req[victims[k]]
+            for j in range(self._blocks[v].size()):
+                if self.allocator.c_ref_count(self._blocks[v][j]) == 1:
+                    gain += 1
+            chosen = k + 1
+            if free + gain >= need:
+                break
+        if free + gain < need:
+            return False
+        for k in range(chosen):
+            self._preempt(self._slot_req[victims[k]], budget)
+        return need <= self.allocator.c_num_free()
+
     cdef void _schedule_waiting(self, int64_t* budget) noexcept nogil:
         """2. Waiting requests in the core's order while the core admits them, the
         budget lasts, max_num_seqs allows and their blocks fit (prefix hits first)."""
-        cdef int64_t n, tokens, hits, fresh, j, c0
+        cdef int64_t n, tokens, hits, fresh, j, c0, need
         cdef int32_t r, s, b
         while budget[0] > 0 and <int64_t>self._running.size() < self._max_active:
             s = self.core.c_next_admissible(self.allocator.c_num_free(), False)
@@ -519,9 +545,9 @@ cdef class NativeEngine:
             # vLLM 0.32 (scheduler_reserve_full_isl, on by default) admits only if the
             # whole input fits now, though it allocates for the first chunk only; with
             # --watermark it also keeps that many blocks free once anything runs.
-            if cdiv(tokens if self._full_input else c0 + n, self._bs) - hits + fresh \
-                    + (self._watermark if not self._running.empty() else 0) \
-                    > self.allocator.c_num_free():
+            need = cdiv(tokens if self._full_input else c0 + n, self._bs) - hits + fresh \
+                + (self._watermark if not self._running.empty() else 0)
+            if need > self.allocator.c_num_free() and not self._displace_for(s, need, budget):
                 self._held_blocks += 1
                 break
             for j in range(hits):

@@ -25,10 +25,9 @@ cdef enum:
 
 cdef class Policy:
     cdef readonly int kind                 # its index in POLICIES
-    cdef readonly int64_t priority_margin  # priority_preemption_threshold (c_fits_taking_lower)
+    cdef readonly int64_t priority_margin  # priority_preemption_threshold (the core's priority retraction)
     cdef Ledger ledger
     cdef int64_t num_blocks, block_size
-    cdef int64_t headroom        # blocks c_fits leaves free (the flows' headroom; 0 else)
     # The running requests' KV curves, longest first (rebuilt when dirty); every
     # policy has them (peak_blocks() reports them), peak, adaptive and auto admit by them.
     cdef vector[Curve] _profile
@@ -71,7 +70,7 @@ cdef class Policy:
 
     cdef inline bint _noted(self, bint fits, const Curve& c) noexcept nogil:
         """Returns fits; remembers c for this scan when refused (a few curves suffice)."""
-        if not fits and self._scanning and self.headroom == 0 \
+        if not fits and self._scanning \
                 and self._refused_in_scan.size() < REFUSED_CURVES_KEPT:
             self._refused_in_scan.push_back(c)
         return fits
@@ -83,7 +82,8 @@ cdef class Policy:
 
     cdef bint c_fits(self, int32_t s, int64_t free_blocks) noexcept nogil
     cdef bint c_fits_alone(self, int32_t s) noexcept nogil
-    cdef bint c_fits_taking_lower(self, int32_t s, int64_t free_blocks) noexcept nogil
+    cdef bint c_fits_taking(self, int32_t s, int64_t free_blocks,
+                            const vector[char]& takeable) noexcept nogil
     cdef int64_t c_forecast_blocks(self) noexcept nogil
     cdef int64_t c_peak_blocks(self) noexcept nogil
     cdef int64_t c_expected_output(self, int32_t s) noexcept nogil

@@ -19,9 +19,9 @@
 #               once; on an engine without pause (SGLang), a higher length quantile,
 #               growth no less than SGLang's own estimate and room for the largest
 #               single overrun.
-# `c_fits_taking_lower` is `c_fits` with the KV of running requests of strictly
-# lower priority (larger priority value, by more than priority_preemption_threshold)
-# counted as free: what they hold and their growth (the core's priority retraction, under queue_order "priority").
+# `c_fits_taking` is `c_fits` with the KV of the running requests the core marks
+# takeable counted as free: what they hold and their growth (the core's priority
+# retraction and the flows' displacement, kvadmit._decision).
 # `c_fits_alone` asks whether a request could ever run on this pool (else the core
 # refuses it at arrival); `c_forecast_blocks` is the policy's forecast of the
 # running requests' peak, for router signals.
@@ -106,9 +106,10 @@ cdef class Policy:
         """May waiting request s start beside the running ones?"""
         return True
 
-    cdef bint c_fits_taking_lower(self, int32_t s, int64_t free_blocks) noexcept nogil:
-        """May s start if every running request of strictly lower priority than s
-        (a larger priority value) gave back its KV, the blocks it holds and those it
+    cdef bint c_fits_taking(self, int32_t s, int64_t free_blocks,
+                            const vector[char]& takeable) noexcept nogil:
+        """May s start if every running request marked in `takeable` (by position in
+        the ledger's running set) gave back its KV, the blocks it holds and those it
         would still take? (overcommit: c_fits admits always.)"""
         return True
 
@@ -223,19 +224,18 @@ cdef class ReservePolicy(Policy):
     """Every running request may reach its max_tokens: reserve it all up front."""
 
     cdef bint c_fits(self, int32_t s, int64_t free_blocks) noexcept nogil:
-        return self.ledger.reserve_load() + self.ledger.reserve_blocks(s) <= self.num_blocks - self.headroom
+        return self.ledger.reserve_load() + self.ledger.reserve_blocks(s) <= self.num_blocks
 
     cdef bint c_fits_alone(self, int32_t s) noexcept nogil:
         return self.ledger.reserve_blocks(s) <= self.num_blocks
 
-    cdef bint c_fits_taking_lower(self, int32_t s, int64_t free_blocks) noexcept nogil:
+    cdef bint c_fits_taking(self, int32_t s, int64_t free_blocks,
+                            const vector[char]& takeable) noexcept nogil:
         cdef int64_t lower = 0
-        cdef int32_t r
         cdef size_t i
         for i in range(self.ledger.n_running()):
-            r = self.ledger.running_at(i)
-            if self.ledger.ranks_below(r, s, self.priority_margin):
-                lower += self.ledger.reserve_blocks(r)
+            if takeable[i]:
+                lower += self.ledger.reserve_blocks(self.ledger.running_at(i))
         return self.ledger.reserve_load() - lower + self.ledger.reserve_blocks(s) <= self.num_blocks
 
     cdef int64_t c_forecast_blocks(self) noexcept nogil:
@@ -253,18 +253,17 @@ cdef class PeakPolicy(Policy):
             return False
         return self._noted(peak_blocks_sorted(self._profile.data(), self._profile.size(), &c,
                                               self.block_size, self.num_blocks, self._fenwick)
-                           + self._shared_term() + self._margin_term(s) <= self.num_blocks - self.headroom, c)
+                           + self._shared_term() + self._margin_term(s) <= self.num_blocks, c)
 
-    cdef bint c_fits_taking_lower(self, int32_t s, int64_t free_blocks) noexcept nogil:
-        """The peak of the curves of s and of the running requests of its priority or
-        higher fits (those of lower priority are left out)."""
+    cdef bint c_fits_taking(self, int32_t s, int64_t free_blocks,
+                            const vector[char]& takeable) noexcept nogil:
+        """The peak of the curves of s and of the running requests not takeable fits
+        (the takeable ones are left out)."""
         cdef vector[Curve] kept
-        cdef int32_t r
         cdef size_t i
         for i in range(self.ledger.n_running()):
-            r = self.ledger.running_at(i)
-            if not self.ledger.ranks_below(r, s, self.priority_margin):
-                kept.push_back(self._curve(r))
+            if not takeable[i]:
+                kept.push_back(self._curve(self.ledger.running_at(i)))
         sort(kept.begin(), kept.end(), curve_longer)
         cdef Curve c = self._curve(s)
         return peak_blocks_sorted(kept.data(), kept.size(), &c, self.block_size, self.num_blocks,
@@ -300,8 +299,9 @@ cdef class PredictPolicy(Policy):
     cdef int64_t c_forecast_blocks(self) noexcept nogil:
         return self._held_blocks() + <int64_t>ceil(self._offsets() / self.block_size)
 
-    cdef bint c_fits_taking_lower(self, int32_t s, int64_t free_blocks) noexcept nogil:
-        """SGLang's rule with the blocks of running requests of lower priority free and
+    cdef bint c_fits_taking(self, int32_t s, int64_t free_blocks,
+                            const vector[char]& takeable) noexcept nogil:
+        """SGLang's rule with the blocks of the takeable running requests free and
         their offsets gone."""
         cdef int64_t held = 0
         cdef double offsets = self._offsets()
@@ -309,7 +309,7 @@ cdef class PredictPolicy(Policy):
         cdef size_t i
         for i in range(self.ledger.n_running()):
             r = self.ledger.running_at(i)
-            if self.ledger.ranks_below(r, s, self.priority_margin):
+            if takeable[i]:
                 held += cdiv(self.ledger.computed(r), self.block_size)
                 offsets -= self._offset(r)
         return <double>(self.ledger.queued_of(s) + min(self.ledger.max_new(s) - self.ledger.generated(s), self._clip_tokens)) \

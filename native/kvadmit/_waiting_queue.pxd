@@ -73,10 +73,8 @@ cdef inline int rank_cmp(const QKey& a, const QKey& b) noexcept nogil:
 
 cdef class Judge:
     """What a scan asks of each waiting request it reaches: one of D_* (the core's
-    decision: the agent window, the blocks, the policy, the SLO guard). `headroom`:
-    blocks the request judged must leave free (the flows' headroom, c_judge's)."""
-    cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks,
-                      int64_t headroom) noexcept nogil
+    decision: the agent window, the blocks, the policy, the SLO guard)."""
+    cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil
     cdef bint c_may_displace(self, int32_t s) noexcept nogil
 
 
@@ -167,7 +165,6 @@ cdef class WaitingQueue:
     cdef void c_count_passed(self, int32_t s) noexcept nogil
     cdef int32_t c_scan(self, Judge judge, int64_t free_blocks, bint check_blocks,
                         bint paused, double unpassable_from) noexcept nogil
-    cdef int c_judge(self, Judge judge, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil
     cdef void _count_hold(self, int32_t s, int d) noexcept nogil
     cdef void c_pick_expired(self, double now, vector[int32_t]* picked) noexcept nogil
     cdef bint c_pick_shed(self, int32_t s, bint sheddable_only, int64_t over_reqs,

@@ -20,8 +20,7 @@ DECISIONS = ("admit", "hold_blocks", "hold_capacity", "hold_slo", "hold_agent", 
 
 cdef class Judge:
     """The decision a scan asks for (a subclass gives it: the core's)."""
-    cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks,
-                      int64_t headroom) noexcept nogil:
+    cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil:
         return D_ADMIT
 
     cdef bint c_may_displace(self, int32_t s) noexcept nogil:
@@ -206,12 +205,6 @@ cdef class WaitingQueue:
                 self.ledger.bypass(passed)
             inc(it)
 
-    cdef int c_judge(self, Judge judge, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil:
-        """judge's decision on waiting request s, with the flows' headroom for s's flow
-        (the scan's and the core's `decide` alike)."""
-        return judge.c_decide(s, free_blocks, check_blocks,
-                              self.flows.c_headroom(self.ledger.flow_ix(s)) if self._fair else 0)
-
     cdef int32_t c_scan(self, Judge judge, int64_t free_blocks, bint check_blocks,
                         bint paused, double unpassable_from) noexcept nogil:
         """The first waiting request that may start now, in queue order with bypass
@@ -264,7 +257,7 @@ cdef class WaitingQueue:
                     self._count_hold(s, D_HOLD_PAUSED)
                 self._saturated = self._saturated or not self.ledger.sheddable(s)
                 return -1
-            d = self.c_judge(judge, s, free_blocks, check_blocks)
+            d = judge.c_decide(s, free_blocks, check_blocks)
             if d == D_ADMIT:
                 return s
             if head:

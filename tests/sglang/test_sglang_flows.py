@@ -28,37 +28,36 @@ def test_the_flow_field_reaches_the_core_and_its_cap_names_it(kvadmit_hooks):
     assert stats["a"]["kv_block_steps"] > 0 and stats["7"]["kv_block_steps"] > 0
 
 
-def test_a_flows_headroom_hold_leaves_the_batch_open_for_another_flow(kvadmit_hooks):
-    """A request held only by the flows' headroom (its flow holds more than another live
-    flow below its share: kvadmit._flows.c_headroom) does not mark SGLang's batch full
-    (NO_TOKEN), so the quiet flow's next request starts on the next step, not after a
-    running request finishes."""
+def test_a_flow_within_its_share_evicts_a_flow_over_it(kvadmit_hooks):
+    """Flow displacement on SGLang's real classes (it cannot pause): b's two running
+    requests hold 360 of the 400 tokens (its share, with a live: 200); a's request
+    (80 tokens) has no KV now. The core lets it take b's (a stays within its share, b
+    without its latest still holds more than a): the adder evicts b's latest for it,
+    a's request starts at once, and everything finishes with every token back. Without
+    flows the same request waits for b's to finish."""
     from sglang_harness import Harness, make_req
 
-    h = Harness(AdmissionConfig.from_dict({"policy": "reserve", "flows": {"a": {}, "b": {}}}),
-                pool_tokens=400)
-    a, b = {"kvadmit": {"flow": "a"}}, {"kvadmit": {"flow": "b"}}
-    h.submit(make_req("a0", 8, 4, out_len=4, custom_params=a))
-    for _ in range(8):
-        h.step()                     # a0 finished: a's requests hold 12 tokens
-    h.submit(make_req("a1", 8, 100, out_len=100, custom_params=a))    # reserves 108
-    h.submit(make_req("b1", 50, 100, out_len=100, custom_params=b))   # reserves 150
-    h.step()
-    h.step()
-    core = h.adapter.core
-    # b2 reserves 130: 388 of the 400 fit, not the 400 - 4 x 12 b must leave a
-    b2 = make_req("b2", 30, 100, out_len=100, custom_params=b)
-    h.submit(b2)
-    h.step()
-    stats = core.flow_stats()
-    assert stats["b"]["admitted"] == 1 and stats["b"]["waiting"] == 1
-    slot = h.adapter.slot_for(b2)
-    free = int(h.allocator.available_size())
-    assert core.decide(slot, free, flows_headroom=False) == "admit"
-    assert core.decide(slot, free) == "hold_capacity"
-    assert not h.sched.running_batch.batch_is_full
-    h.submit(make_req("a2", 8, 4, out_len=4, custom_params=a))
-    h.step()
-    assert core.flow_stats()["a"]["admitted"] == 3      # a2 started at once
-    h.run()
-    assert len(h.finished) == 5
+    def run(flows):
+        h = Harness(AdmissionConfig.from_dict({"policy": "overcommit",
+                                               **({"flows": {"a": {}, "b": {}}} if flows else {})}),
+                    pool_tokens=400)
+        a, b = ({"kvadmit": {"flow": f}} if flows else {} for f in ("a", "b"))
+        for rid, prompt in (("b1", 200), ("b2", 150)):
+            assert h.submit(make_req(rid, prompt, 100, out_len=100, custom_params=b))
+            h.step()
+            h.step()
+        a1 = make_req("a1", 80, 4, out_len=4, custom_params=a)
+        assert h.submit(a1)
+        h.step()
+        started = len(a1.output_ids) > 0
+        displaced = list(h.displaced)
+        h.run()
+        assert sorted(r.rid for r in h.finished) == ["a1", "b1", "b2"]
+        assert h.allocator.available_size() + h.tree_cache.evictable_size() == 400
+        return started, displaced, h.adapter.core.flow_stats()
+
+    started, displaced, stats = run(flows=True)
+    assert started and displaced == ["b2"]
+    assert stats["b"]["preempted"] >= 1 and stats["a"]["preempted"] == 0   # (overcommit: b retracts too)
+    started, displaced, _ = run(flows=False)
+    assert not started and displaced == []

@@ -120,20 +120,16 @@ class KvadmitPrefillAdder(PrefillAdder):
                 # bypass, or this one's session is outside the agent window:
                 # a later request goes first
                 return AddReqResult.CONTINUE
-            # A hold by the flows' headroom is not a full batch: NO_TOKEN would set
-            # SGLang's batch_is_full and no prefill would be tried again until a
-            # request finishes, not even for a flow the headroom is kept for.
-            if adapter.core.decide(slot, free_blocks, flows_headroom=False) in (
-                    "hold_blocks", "hold_capacity"):
-                # memory: the batch is full for now, unless lower-priority running
-                # requests give it their KV now (priority preemption)
+            if adapter.core.decide(slot, free_blocks) in ("hold_blocks", "hold_capacity"):
+                # memory: the batch is full for now, unless running requests it may
+                # take KV from give it theirs now (priority preemption, flows)
                 if not self.displace_for(req, slot, need_row=False):
                     return AddReqResult.NO_TOKEN
             else:
-                # Held by the TPOT guard, the agent window or the flows' headroom:
-                # stop this step without marking the batch full (a finishing request
-                # is not the only thing that lifts these holds: the step-time fit, the
-                # window and another flow's arrival do too), so the next step scans again.
+                # Held by the TPOT guard or the agent window: stop this step without
+                # marking the batch full (a finishing request is not the only thing
+                # that lifts these holds: the step-time fit and the window do too),
+                # so the next step scans again.
                 return AddReqResult.OTHER
         before = len(self.can_run_list)
         prefix = int(req.prefix_len)
@@ -169,10 +165,11 @@ class KvadmitPrefillAdder(PrefillAdder):
         return self.displace_for(req, slot, need_row=True)
 
     def displace_for(self, req, slot: int, need_row: bool) -> bool:
-        """Priority preemption, SGLang's way (it cannot pause): the waiting request
-        ``slot`` takes KV now from running requests less important than it by more
-        than SGLang's --priority-scheduling-preemption-threshold (the core's
-        `displaceable`, least important first). Only if the core admits it with all
+        """Priority preemption and flow displacement, SGLang's way (it cannot
+        pause): the waiting request ``slot`` takes KV now from running requests less
+        important than it by more than SGLang's
+        --priority-scheduling-preemption-threshold, or, under flows, from those of
+        flows over their share (the core's `displaceable`, first victim first). Only if the core admits it with all
         of those gone (their blocks counted free) is any evicted; then they are
         evicted one by one until the core admits it (``need_row``: at least one,
         SGLang's batch has no slot for it). Evicted requests are released as
@@ -180,9 +177,9 @@ class KvadmitPrefillAdder(PrefillAdder):
         batch (``preempt_list``); the core counts each as preempted. True: ``req``
         may be admitted now."""
         adapter = self.kvadmit
-        if not adapter.priority_preemption:
-            return False
         core = adapter.core
+        if not (adapter.priority_preemption or core.flows.on):
+            return False
         victims = core.displaceable(slot)
         if not victims:
             return False

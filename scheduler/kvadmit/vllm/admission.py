@@ -132,6 +132,9 @@ class VllmAdmission:
         # Samples of parallel-sampling requests that arrived before their siblings:
         # parent id -> [Request]; the request arrives once all n are here.
         self.samples_awaiting_siblings: dict[str, list] = {}
+        # The waiting slot this step's displacement preempted running requests for: it
+        # starts first (its victims, back in the queue, may rank before it there).
+        self._displaced_for: int | None = None
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -153,7 +156,12 @@ class VllmAdmission:
 
     # -- the waiting queue's verbs -----------------------------------------------
     def choose(self) -> int | None:
-        """The slot the core lets start now (None: none may)."""
+        """The slot the core lets start now (None: none may): the one this step's
+        displacement made room for first, while it waits."""
+        if self._displaced_for is not None:
+            if self.core.state(self._displaced_for) == "waiting":
+                return self._displaced_for
+            self._displaced_for = None
         slot = self.core.next_admissible(self._pool.get_num_free_blocks(), False)
         return None if slot < 0 else slot
 
@@ -315,6 +323,7 @@ class VllmAdmission:
         # From the previous schedule() to this one: that step's scheduling, forward
         # pass and output processing (with async scheduling, the pipeline's period).
         self._step_now = now = self.clock()
+        self._displaced_for = None
         slots, computed, generated, by_slot = [], [], [], {}
         for req in sched.running:
             slot = bridge.slot(req.request_id)
@@ -337,19 +346,19 @@ class VllmAdmission:
             order = [by_slot[s] for s in plan.victim_order if s in by_slot]
             if len(order) == len(sched.running):
                 sched.running = order
-        else:
+        if self.core.displaces:
             self._displace_for_waiting()
         if self.pause_plan_blocks is not None:
             self._plan_pauses(throttle_prefills)
 
     def _displace_for_waiting(self) -> None:
-        """vLLM's priority scheduling: priority retraction for the waiting request the
-        core lets start (it may start on the KV of running requests less important
-        than it, `AdmissionCore.displaceable`). vLLM preempts only for a running
-        request short of blocks, never for a waiting one, and kvadmit's pool seldom
-        runs short: so the displaceable ones are preempted here, least important
-        first, as far as its prompt's blocks need (none if even all of them would
-        not free enough)."""
+        """Priority retraction (vLLM's priority scheduling) and flow displacement
+        (flows on) for the waiting request the core lets start: it may start on the KV
+        of running requests less important than it, or of flows over their share
+        (`AdmissionCore.displaceable`). vLLM preempts only for a running request short
+        of blocks, never for a waiting one, and kvadmit's pool seldom runs short: so
+        the displaceable ones are preempted here, first victim first, as far as its
+        prompt's blocks need (none if even all of them would not free enough)."""
         slot = self.choose()
         if slot is None:
             return
@@ -385,6 +394,7 @@ class VllmAdmission:
             sched.running.remove(vreq)
             sched._preempt_request(vreq, now,    # the core hears of it (Scheduler)
                                    drop_stale_output=getattr(sched, "requires_kv_delivery", False))
+        self._displaced_for = slot
         sched.waiting.invalidate()
 
     def _plan_pauses(self, throttle_prefills: bool) -> None:
