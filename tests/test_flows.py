@@ -438,3 +438,15 @@ def test_a_flow_over_its_share_only_for_a_burst_is_not_displaced():
     assert stats["a"]["usage_per_weight"] < stats["b"]["usage_per_weight"]
     b2 = arrive(core, 10.0, flow=B)
     assert core.displaceable(b2) == [] and core.decide(b2, 2) == "hold_capacity"
+
+
+def test_a_preempted_request_leaves_its_flows_holding_at_once():
+    """Within a step (before the next on_step) a preemption takes the victim's blocks
+    off its flow's holding: b, down to 15 blocks (its share 20), is no longer over its
+    share, and a's next request takes nothing more from it."""
+    core, b1, b2 = batch_holds_the_pool()
+    a1, a2 = arrive(core, flow=A), arrive(core, flow=A)
+    assert core.displaceable(a1) == [b2, b1]
+    core.preempt(b2, 0.0)                     # the engine frees a1's blocks
+    core.admit(a1, 0.0)
+    assert core.displaceable(a2) == []

@@ -458,6 +458,8 @@ cdef class AdmissionCore(CoreView):
     cdef void c_preempt(self, int32_t s, double now) noexcept nogil:
         """`preempt`, unchecked (the native engine's path too)."""
         self._tick(now)
+        if self.flows.on:
+            self.flows.c_released(s)
         self.ledger.preempt(s)
         self._stopped(s)
         self._enqueue(s)
@@ -475,6 +477,8 @@ cdef class AdmissionCore(CoreView):
     cdef void c_finish(self, int32_t s, double now) noexcept nogil:
         """`finish`, unchecked (the native engine's path too)."""
         self._tick(now)
+        if self.flows.on:
+            self.flows.c_released(s)
         self.ledger.finish(s)
         self._stopped(s)
         self.policy.c_on_finish(s)
@@ -488,6 +492,8 @@ cdef class AdmissionCore(CoreView):
         self._tick(now)
         cdef int32_t s = <int32_t>slot
         if self.ledger.state(s) == ST_RUNNING:
+            if self.flows.on:
+                self.flows.c_released(s)
             self.ledger.stop(s)
             self._stopped(s)
         else:

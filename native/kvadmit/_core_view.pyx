@@ -81,13 +81,6 @@ cdef class CoreView:
         self.c_displaceable(<int32_t>slot, out)
         return [r for r in out]
 
-    @property
-    def displaces(self):
-        """Whether a waiting request may ever take running requests' KV here (queue_order
-        "priority", or flows on): an engine that must free it at once asks
-        `displaceable`."""
-        return self._victim_by_priority or self.flows.on
-
     def state(self, int64_t slot):
         if slot < 0 or slot >= self.ledger.n_slots():
             return "free"

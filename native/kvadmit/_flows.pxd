@@ -28,6 +28,9 @@ cdef class FlowTable:
     cdef vector[double] _block_steps, _block_s
     cdef vector[int64_t] _holding         # blocks its running requests held at the last step,
                                           # plus those admitted since
+    cdef vector[int64_t] _now             # blocks its running requests hold now: _holding
+                                          # less those preempted or finished since (the
+                                          # shares' judgments within a step)
     cdef vector[int64_t] _counts          # N_FLOW_COUNTERS per flow
     cdef dict _configured                 # flow id -> its key in the config's flows
     cdef double _last_t
@@ -53,13 +56,14 @@ cdef class FlowTable:
     cdef void c_activate(self, int32_t f) noexcept nogil
     cdef void c_charge(self, int32_t s, int sign=*) noexcept nogil
     cdef void c_accrue(self, double now) noexcept nogil
+    cdef void c_released(self, int32_t s) noexcept nogil
     cdef double c_share(self, int32_t f) noexcept nogil
     cdef inline bint c_within_share(self, int32_t f, int64_t more) noexcept nogil:
         """Whether flow f, holding `more` blocks besides, stays within its share."""
-        return self._holding[f] + more <= self.c_share(f)
+        return self._now[f] + more <= self.c_share(f)
     cdef void c_over_share(self, vector[char]& over) noexcept nogil
     cdef inline bint c_stays_ahead(self, int32_t g, int64_t less, int32_t f, int64_t more) noexcept nogil:
         """Whether flow g, `less` blocks lighter, still holds no less per weight than
         flow f does `more` blocks heavier."""
-        return (self._holding[g] - less) / self._weight[g] >= (self._holding[f] + more) / self._weight[f]
+        return (self._now[g] - less) / self._weight[g] >= (self._now[f] + more) / self._weight[f]
     cdef str c_name(self, int32_t f)

@@ -69,6 +69,7 @@ cdef class FlowTable:
         self._block_steps.push_back(0.0)
         self._block_s.push_back(0.0)
         self._holding.push_back(0)
+        self._now.push_back(0)
         for i in range(N_FLOW_COUNTERS):
             self._counts.push_back(0)
         if self._id.size() > <size_t>self.ledger.n_flows():
@@ -112,6 +113,7 @@ cdef class FlowTable:
         self._vtime[f] += b / self._weight[f]
         self._block_steps[f] += b
         self._holding[f] += b
+        self._now[f] += b
         self._counts[N_FLOW_COUNTERS * f + FL_ADMITTED] += sign
 
     cdef void c_accrue(self, double now) noexcept nogil:
@@ -126,17 +128,27 @@ cdef class FlowTable:
         for i in range(n):
             self._block_s[i] += self._holding[i] * dt
             self._holding[i] = 0
+            self._now[i] = 0
         for i in range(<size_t>self.ledger.n_running()):
             s = self.ledger.running_at(i)
             f = self.ledger.flow_ix(s)
             b = self.ledger.held_blocks(s)
             self._holding[f] += b
+            self._now[f] += b
             if self.ledger.admit_step(s) != self.ledger.step():
                 self._vtime[f] += b / self._weight[f]
                 self._block_steps[f] += b
         if now > self._last_t or not self._stepped:
             self._last_t = now
         self._stepped = True
+
+    cdef void c_released(self, int32_t s) noexcept nogil:
+        """The running s leaves the running set (preempted, finished, aborted) before
+        the next step: its blocks no longer count to its flow's holding now."""
+        cdef int32_t f = self.ledger.flow_ix(s)
+        self._now[f] -= self.ledger.held_blocks(s)
+        if self._now[f] < 0:
+            self._now[f] = 0
 
     cdef double c_share(self, int32_t f) noexcept nogil:
         """Flow f's weighted share of the pool, in blocks, among the live flows (f
@@ -150,8 +162,8 @@ cdef class FlowTable:
 
     cdef void c_over_share(self, vector[char]& over) noexcept nogil:
         """Per flow index: 1 if the flow is over its share: it holds more blocks than
-        its weighted share of the pool among the live flows (as of the last step, plus
-        admissions since), and it has used no less per weight over time (vtime) than
+        its weighted share of the pool among the live flows (now: as of the last step,
+        plus admissions since, less what was preempted or finished since), and it has used no less per weight over time (vtime) than
         some live flow that holds no more than its own share. A flow over its share
         only for a burst, having used less than the flows it outholds, is not."""
         cdef size_t g, h, n = self._id.size()
@@ -166,7 +178,7 @@ cdef class FlowTable:
             return
         for g in range(n):
             above[g] = self.ledger.flow_live(<int32_t>g) > 0 \
-                and self._holding[g] > self.num_blocks * self._weight[g] / live_weight
+                and self._now[g] > self.num_blocks * self._weight[g] / live_weight
         for g in range(n):
             if not above[g]:
                 continue

@@ -501,7 +501,9 @@ cdef class NativeEngine:
         """The core admitted the waiting slot s but `need` blocks are not free: as
         kvadmit's vLLM adapter does, preempt the running requests the core lets s take
         KV from (its displaceable ones, first victim first) as far as need goes, or
-        none if even all of them would not free enough. True if need is now free."""
+        none if even all of them would not free enough. True if any was preempted
+        (the caller counts its need again: a block only a victim held may be one of
+        its prefix hits, cached-free now)."""
         cdef vector[int32_t] victims
         self.core.c_displaceable(s, victims)
         if victims.empty():
@@ -521,33 +523,42 @@ cdef class NativeEngine:
             return False
         for k in range(chosen):
             self._preempt(self._slot_req[victims[k]], budget)
-        return need <= self.allocator.c_num_free()
+        return True
 
     cdef void _schedule_waiting(self, int64_t* budget) noexcept nogil:
         """2. Waiting requests in the core's order while the core admits them, the
         budget lasts, max_num_seqs allows and their blocks fit (prefix hits first)."""
         cdef int64_t n, tokens, hits, fresh, j, c0, need
         cdef int32_t r, s, b
+        cdef bint displaced
         while budget[0] > 0 and <int64_t>self._running.size() < self._max_active:
             s = self.core.c_next_admissible(self.allocator.c_num_free(), False)
             if s < 0:
                 break
             r = self._slot_req[s]
             tokens = self._prompt[r] + self._gen[r]
-            hits = self._prefix_hit_blocks(r, tokens, &fresh) if self._prefix else 0
-            fresh = fresh if self._prefix else 0
-            c0 = hits * self._bs
-            n = tokens - c0
-            if n > budget[0]:
-                if not self._chunked:
+            displaced = False
+            while True:
+                hits = self._prefix_hit_blocks(r, tokens, &fresh) if self._prefix else 0
+                fresh = fresh if self._prefix else 0
+                c0 = hits * self._bs
+                n = tokens - c0
+                if n > budget[0] and self._chunked:
+                    n = budget[0]
+                # vLLM 0.32 (scheduler_reserve_full_isl, on by default) admits only if the
+                # whole input fits now, though it allocates for the first chunk only; with
+                # --watermark it also keeps that many blocks free once anything runs.
+                need = cdiv(tokens if self._full_input else c0 + n, self._bs) - hits + fresh \
+                    + (self._watermark if not self._running.empty() else 0)
+                if n > budget[0] or need <= self.allocator.c_num_free() or displaced:
                     break
-                n = budget[0]
-            # vLLM 0.32 (scheduler_reserve_full_isl, on by default) admits only if the
-            # whole input fits now, though it allocates for the first chunk only; with
-            # --watermark it also keeps that many blocks free once anything runs.
-            need = cdiv(tokens if self._full_input else c0 + n, self._bs) - hits + fresh \
-                + (self._watermark if not self._running.empty() else 0)
-            if need > self.allocator.c_num_free() and not self._displace_for(s, need, budget):
+                # At most once, and the need counted again after it (see _displace_for).
+                displaced = self._displace_for(s, need, budget)
+                if not displaced:
+                    break
+            if n > budget[0]:
+                break                 # no chunked prefill: the whole prompt waits for a step
+            if need > self.allocator.c_num_free():
                 self._held_blocks += 1
                 break
             for j in range(hits):

@@ -346,7 +346,7 @@ class VllmAdmission:
             order = [by_slot[s] for s in plan.victim_order if s in by_slot]
             if len(order) == len(sched.running):
                 sched.running = order
-        if self.core.displaces:
+        if self.request_id_ties is not None or self.core.flows.on:
             self._displace_for_waiting()
         if self.pause_plan_blocks is not None:
             self._plan_pauses(throttle_prefills)
@@ -421,6 +421,7 @@ class VllmAdmission:
         """After vLLM's schedule() returned ``out``: what the step runs (its tokens and
         context, the prefix hits of the requests the gate started) to the bridge,
         which steps the core at the step's time."""
+        self._displaced_for = None       # this step's: the next one displaces anew
         tokens = out.total_num_scheduled_tokens
         started = self.started_this_step
         context = hits = queries = 0
