@@ -61,3 +61,34 @@ def test_a_flow_within_its_share_evicts_a_flow_over_it(kvadmit_hooks):
     assert stats["b"]["preempted"] >= 1 and stats["a"]["preempted"] == 0   # (overcommit: b retracts too)
     started, displaced, _ = run(flows=False)
     assert not started and displaced == []
+
+
+def test_without_priority_preemption_flows_evict_no_sheddable_request(kvadmit_hooks):
+    """With --enable-priority-scheduling and --disable-priority-preemption, flows take
+    KV only within a request's class: b's running requests are sheddable, so a's
+    protected request waits for them (with SGLang's preemption on, the core's priority
+    retraction evicts the sheddable one for it)."""
+    from sglang_harness import Harness, make_req
+
+    def run(disable):
+        h = Harness(AdmissionConfig.from_dict({"policy": "overcommit",
+                                               "flows": {"a": {}, "b": {}}}),
+                    pool_tokens=400, enable_priority_scheduling=True,
+                    disable_priority_preemption=disable)
+        b = {"kvadmit": {"flow": "b", "sheddable": True}}
+        for rid, prompt in (("b1", 200), ("b2", 150)):
+            assert h.submit(make_req(rid, prompt, 100, out_len=100, priority=5, custom_params=b))
+            h.step()
+            h.step()
+        # priority 5 under SGLang's sign: protected (a negative one would be sheddable)
+        a1 = make_req("a1", 80, 4, out_len=4, priority=5, custom_params={"kvadmit": {"flow": "a"}})
+        assert h.submit(a1)
+        h.step()
+        started, displaced = len(a1.output_ids) > 0, list(h.displaced)
+        h.run()
+        assert sorted(r.rid for r in h.finished) == ["a1", "b1", "b2"]
+        return started, displaced
+
+    assert run(disable=True) == (False, [])
+    started, displaced = run(disable=False)
+    assert started and displaced
