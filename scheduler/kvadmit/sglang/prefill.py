@@ -169,13 +169,13 @@ class KvadmitPrefillAdder(PrefillAdder):
         pause): the waiting request ``slot`` takes KV now from running requests less
         important than it by more than SGLang's
         --priority-scheduling-preemption-threshold, or, under flows, from those of
-        flows over their share (the core's `displaceable`, first victim first). Only if the core admits it with all
-        of those gone (their blocks counted free) is any evicted; then they are
-        evicted one by one until the core admits it (``need_row``: at least one,
-        SGLang's batch has no slot for it). Evicted requests are released as
-        SGLang's own preemption does and go back to the waiting queue after this
-        batch (``preempt_list``); the core counts each as preempted. True: ``req``
-        may be admitted now."""
+        flows over their share (the core's `displaceable`, first victim first). Only
+        if the core admits it with all of those gone (their blocks counted free) is
+        any evicted; then they are evicted one by one until the core admits it
+        (``need_row``: at least one, SGLang's batch has no slot for it). Evicted
+        requests are released as SGLang's own preemption does and go back to the
+        waiting queue after this batch (``preempt_list``); the core counts each as
+        preempted. True: ``req`` may be admitted now."""
         adapter = self.kvadmit
         core = adapter.core
         if not (adapter.priority_preemption or core.flows.on):
