@@ -59,6 +59,7 @@ cdef class CoreView:
     cdef inline void c_displaceable(self, int32_t s, vector[int32_t]& out) noexcept nogil:
         """`displaceable` for the waiting s, into `out`."""
         out.clear()
-        if self.decision.c_mark_takeable(s):
-            victims_first(self.ledger, self._victim, self._victim_by_priority, self._over_share(),
+        if self.decision.c_mark_takeable(s):      # (it has just judged the flows' shares)
+            victims_first(self.ledger, self._victim, self._victim_by_priority,
+                          self.decision.over.data() if self.flows.on else NULL,
                           self.decision.takeable, out)

@@ -23,7 +23,7 @@ cdef class Decision(Judge):
     cdef int64_t block_size, num_blocks
     cdef bint by_priority                 # queue_order "priority": priority retraction
     cdef vector[char] takeable            # c_mark_takeable's marks, by running position
-    cdef vector[char] _over               # scratch: the flows over their share
+    cdef vector[char] over                # the flows over their share, as c_mark_takeable saw them
 
     cdef inline double c_predicted_delay(self, int64_t ahead, int64_t ahead_tokens,
                                          int64_t queued) noexcept nogil:

@@ -90,7 +90,7 @@ cdef class Decision(Judge):
         if not self.by_priority and not self.flows.on:
             return False
         if self.flows.on:
-            self.flows.c_over_share(self._over)
+            self.flows.c_over_share(self.over)
             by_flow = self.flows.c_within_share(f, need)
         for i in range(n):
             r = self.ledger.running_at(i)
@@ -98,7 +98,7 @@ cdef class Decision(Judge):
             if self.by_priority and self.ledger.ranks_below(r, s, self.policy.priority_margin):
                 take = True
             else:
-                take = by_flow and g != f and self._over[g] \
+                take = by_flow and g != f and self.over[g] \
                     and self.flows.c_vtime(g) >= self.flows.c_vtime(f) \
                     and self.flows.c_stays_ahead(g, self.ledger.held_blocks(r), f, need) \
                     and self.ledger.sheddable(r) == self.ledger.sheddable(s) \

@@ -57,6 +57,7 @@ cdef class FlowTable:
     cdef void c_charge(self, int32_t s, int sign=*) noexcept nogil
     cdef void c_accrue(self, double now) noexcept nogil
     cdef void c_released(self, int32_t s) noexcept nogil
+    cdef double c_live_weight(self, int32_t f) noexcept nogil
     cdef double c_share(self, int32_t f) noexcept nogil
     cdef inline bint c_within_share(self, int32_t f, int64_t more) noexcept nogil:
         """Whether flow f, holding `more` blocks besides, stays within its share."""

@@ -150,15 +150,19 @@ cdef class FlowTable:
         if self._now[f] < 0:
             self._now[f] = 0
 
+    cdef double c_live_weight(self, int32_t f) noexcept nogil:
+        """The weights of the live flows, f counted live (-1: none besides)."""
+        cdef size_t g
+        cdef double total = 0.0
+        for g in range(self._id.size()):
+            if self.ledger.flow_live(<int32_t>g) > 0 or <int32_t>g == f:
+                total += self._weight[g]
+        return total
+
     cdef double c_share(self, int32_t f) noexcept nogil:
         """Flow f's weighted share of the pool, in blocks, among the live flows (f
         counted live: its request is the one being judged)."""
-        cdef size_t g
-        cdef double live_weight = 0.0
-        for g in range(self._id.size()):
-            if self.ledger.flow_live(<int32_t>g) > 0 or <int32_t>g == f:
-                live_weight += self._weight[g]
-        return self.num_blocks * self._weight[f] / live_weight
+        return self.num_blocks * self._weight[f] / self.c_live_weight(f)
 
     cdef void c_over_share(self, vector[char]& over) noexcept nogil:
         """Per flow index: 1 if the flow is over its share: it holds more blocks than
@@ -167,13 +171,10 @@ cdef class FlowTable:
         some live flow that holds no more than its own share. A flow over its share
         only for a burst, having used less than the flows it outholds, is not."""
         cdef size_t g, h, n = self._id.size()
-        cdef double live_weight = 0.0
+        cdef double live_weight = self.c_live_weight(-1)
         cdef vector[char] above                  # holds more than its share now
         over.assign(n, 0)
         above.assign(n, 0)
-        for g in range(n):
-            if self.ledger.flow_live(<int32_t>g) > 0:
-                live_weight += self._weight[g]
         if live_weight <= 0.0:
             return
         for g in range(n):
