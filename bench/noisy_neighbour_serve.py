@@ -1,17 +1,18 @@
 """The noisy neighbour (issue 22) on `vllm serve`: a batch flow offering about 10x its
 share of the server beside an interactive flow at its usual rate, over HTTP.
 
-One `vllm serve` of the tiny local model (`kvadmit.vllm.tiny_model`, its tokenizer,
-a pool of `--num-blocks` blocks of 32 tokens) per config, started with kvadmit's
-launcher (`python -m kvadmit.vllm.serve`, which starts vLLM's CPU build), one config
-at a time. Each server runs three phases, `--seconds` of Poisson arrivals each, the
-same requests in every config: the interactive requests alone, the batch requests
-alone, both together. A request stops at its real length (the bench's stop-at
+A `vllm serve` of the tiny local model (`kvadmit.vllm.tiny_model`, its tokenizer,
+a pool of `--num-blocks` blocks of 32 tokens) per config and phase, started with
+kvadmit's launcher (`python -m kvadmit.vllm.serve`, which starts vLLM's CPU build),
+one at a time. Three phases, `--seconds` of Poisson arrivals each, the same requests
+in every config: the interactive requests alone, the batch requests alone, both
+together. Each phase runs on a fresh server after the same warm-up, as separate runs
+would (with `--shared-server`, one server runs the three in turn: kvadmit's length
+quantile, raised by batch alone's preemptions, then carried into both). A request stops at its real length (the bench's stop-at
 logits processor, `kvadmit_stop_at` with `min_tokens` one less) under a slack
 `max_tokens` cap, as in `kvadmit bench serve`. When a phase's arrival window ends,
 the batch requests still in flight are cancelled (the client closes them: vLLM
-aborts them); the interactive ones run to the end. Between phases the server goes
-idle.
+aborts them); the interactive ones run to the end.
 
 Measured per phase: the interactive flow's goodput (the share of its requests that
 got a 200 and met both `--ttft` and `--tpot`, streamed: TTFT to the first token,
@@ -397,10 +398,12 @@ def run_config(args, name: str) -> dict:
 
     def progress(msg):
         print(f"[{name} {time.time() - t_start:6.1f} s] {msg}", flush=True)
-    progress(f"starting {' '.join(server.command())} (log {log})")
-    server.start()
-    out = {"config": name, "doc": cfg.doc, "flags": list(server.command()[3:]), "phases": {}}
-    try:
+    out = {"config": name, "doc": cfg.doc, "flags": list(server.command()[3:]), "phases": {},
+           "server_per_phase": not args.shared_server}
+
+    def up():
+        progress(f"starting {' '.join(server.command())} (log {log})")
+        server.start()
         server.wait_ready(300)
         if server.bound:
             progress(f"engine processes on CPUs {args.engine_cpus}: {server.bound}")
@@ -408,7 +411,15 @@ def run_config(args, name: str) -> dict:
         run_clients(server.base, model, make_requests(
             "interactive", 4.0, 2.0, 999, 64, 8, 128, args.max_model_len), 2.0, priority, flow,
             lambda m: None)
-        for phase, reqs in zip(PHASES, (chat, batch, both)):
+
+    try:
+        for i, (phase, reqs) in enumerate(zip(PHASES, (chat, batch, both))):
+            if i == 0 or not args.shared_server:
+                # A phase on a server of its own, as the goal's runs are: what a phase
+                # taught kvadmit (its length quantile, raised by the batch flow's
+                # preemptions) must not carry into the next one.
+                server.stop()
+                up()
             wait_idle(server)
             before = scrape_metrics(server.base)
             progress(f"phase {phase}: {len(reqs)} requests over {args.seconds:g} s")
@@ -424,10 +435,18 @@ def run_config(args, name: str) -> dict:
             s["preemptions"] = int(round(after.get("vllm:num_preemptions_total", 0)
                                          - before.get("vllm:num_preemptions_total", 0)))
             s["wall_s"] = res["wall_s"]
+            if "kvadmit_displacements_total" in after:   # of the preemptions, kvadmit's displacements
+                s["displacements"] = int(round(after["kvadmit_displacements_total"]
+                                               - before.get("kvadmit_displacements_total", 0)))
             # kvadmit's holds in the phase, by reason ((request, step) pairs at the queue head)
             s["kvadmit_held"] = {k.split('"')[1]: int(round(v - before.get(k, 0)))
                                  for k, v in after.items()
                                  if k.startswith("kvadmit_held_total{") and v - before.get(k, 0)}
+            # the length quantile kvadmit's default predicts by, at the phase's start
+            # and end (its controller raises it after preemptions; phases share a server)
+            if "kvadmit_length_quantile" in after:
+                s["kvadmit_quantile"] = [before.get("kvadmit_length_quantile"),
+                                         after["kvadmit_length_quantile"]]
             out["phases"][phase] = s
             progress(f"phase {phase}: interactive goodput {s['interactive_goodput']}, util "
                      f"{s['util']}, batch finished {s['batch_finished_in_window']}, "
@@ -518,6 +537,10 @@ def main(argv=None) -> int:
     ap.add_argument("--engine-cpus", type=int, nargs="*", default=[],
                     help="bind the server's engine processes (engine core, worker) to these "
                          "CPUs, leaving the others to the API server and the clients")
+    ap.add_argument("--shared-server", action="store_true",
+                    help="run the three phases on one server, one after another (before "
+                         "2026-12-03 21:30 UTC the bench's only way): what kvadmit learns in "
+                         "batch alone then carries into both")
     ap.add_argument("--tag", default="", help="a suffix for the result files (another workload)")
     ap.add_argument("--split-ttft", action="store_true",
                     help="time each interactive request's way in the server too (a hook, "

@@ -74,6 +74,30 @@ def test_predict_ratio_decays_and_resets_after_preemption():
     assert core.new_token_ratio == pytest.approx(11 / 21)
 
 
+@pytest.mark.parametrize("displaced", [False, True])
+def test_a_displacement_is_no_forecast_miss(displaced):
+    """A request preempted for a waiting one the core let take its KV (priority
+    retraction, flow displacement: `displaced`) is the core's choice, not a forecast
+    that fell short: SGLang's ratio is not re-estimated and keeps decaying, and
+    the adaptive quantile (auto's) does not climb. A preemption for a pool run short
+    does both."""
+    core = make_core("predict", num_blocks=100, predict_retract_steps=5)
+    a, b = add_running(core, 20, 20), add_running(core, 8, 60)
+    core.update(a, 25, 6)
+    core.preempt(b, 0.0, displaced=displaced)
+    core.on_step(0.0)
+    decayed = 0.7 - (0.7 - 0.7 * 0.14) / 600
+    assert core.new_token_ratio == pytest.approx(decayed if displaced else 11 / 21)
+
+    core = make_core("adaptive", num_blocks=100, adaptive_interval=4)
+    q0 = core.quantile
+    core.preempt(add_running(core, 4, 20), 0.0, displaced=displaced)
+    for _ in range(3):
+        add_running(core, 4, 20)          # the 4th admission: the controller looks
+    assert core.stats()["preempted"] == 1
+    assert (core.quantile == q0) == displaced and core.quantile >= q0
+
+
 def test_adaptive_uses_the_length_model():
     core = make_core("adaptive", num_blocks=40, adaptive_bucket_tokens=4, adaptive_min_samples=10)
     for _ in range(20):                        # every finished request produced 8 tokens

@@ -53,7 +53,7 @@ cdef class AdmissionCore(CoreView):
                           int64_t query_tokens, double seconds) noexcept nogil
     cdef void c_note_prefix_hits(self, int64_t hit_tokens, int64_t query_tokens) noexcept nogil
     cdef void c_engine_idle(self) noexcept nogil
-    cdef void c_preempt(self, int32_t s, double now) noexcept nogil
+    cdef void c_preempt(self, int32_t s, double now, bint displaced) noexcept nogil
     cdef void c_finish(self, int32_t s, double now) noexcept nogil
     cdef void c_observe_cache(self, int64_t used_blocks, int64_t hit_tokens, int64_t query_tokens,
                                double now) noexcept nogil

@@ -76,7 +76,7 @@ cdef class AdmissionCore(CoreView):
                                  config.queue_order == "priority")
         self._now = 0.0
         self._shape_tokens = -1.0
-        self._n_arrived = self._n_admitted = self._n_preempted = 0
+        self._n_arrived = self._n_admitted = self._n_preempted = self._n_displaced = 0
         self._n_finished = self._n_aborted = 0
 
     # ------------------------------------------------------------------
@@ -448,14 +448,16 @@ cdef class AdmissionCore(CoreView):
         self.policy.c_on_step(self.ledger.n_running() == 0 and self.queue.c_empty())
         self.shortfall.c_new_step()
 
-    def preempt(self, int64_t slot, double now):
+    def preempt(self, int64_t slot, double now, bint displaced=False):
         """Commits: a running request gives its memory back and waits again
-        (recompute: its KV is gone, its output so far is kept)."""
+        (recompute: its KV is gone, its output so far is kept). `displaced`: the
+        engine preempted it for a waiting request the core let take its KV
+        (`displaceable`), not because the pool ran short."""
         self.ledger.check_state(slot, ST_RUNNING)
         check_now(now)
-        self.c_preempt(<int32_t>slot, now)
+        self.c_preempt(<int32_t>slot, now, displaced)
 
-    cdef void c_preempt(self, int32_t s, double now) noexcept nogil:
+    cdef void c_preempt(self, int32_t s, double now, bint displaced) noexcept nogil:
         """`preempt`, unchecked (the native engine's path too)."""
         self._tick(now)
         if self.flows.on:
@@ -466,7 +468,12 @@ cdef class AdmissionCore(CoreView):
         self._n_preempted += 1
         if self.flows.on:
             self.flows.c_count(self.ledger.flow_ix(s), FL_PREEMPTED)
-        self.policy.c_on_preempt()
+        if displaced:
+            self._n_displaced += 1
+        else:
+            # A displacement is the core's choice, not a forecast that fell short: the
+            # policy's controllers (auto's quantile, SGLang's ratio) do not hear of it.
+            self.policy.c_on_preempt()
 
     def finish(self, int64_t slot, double now):
         """A running request is done; its output length feeds the length model."""

@@ -45,7 +45,7 @@ cdef class CoreView:
     cdef bint _victim_by_priority          # queue_order "priority": victims within classes, least important first
     cdef vector[char] _over                # scratch: the flows over their share (the victim order's)
     # counters and the latest time seen
-    cdef int64_t _n_arrived, _n_admitted, _n_preempted, _n_finished, _n_aborted
+    cdef int64_t _n_arrived, _n_admitted, _n_preempted, _n_displaced, _n_finished, _n_aborted
     cdef double _now                       # the core's time: the latest `now` of any mutator (monotone)
 
     cdef inline const char* _over_share(self) noexcept nogil:

@@ -170,6 +170,8 @@ cdef class CoreView:
             **self.router_signals(),
             "arrived": self._n_arrived, "admitted": self._n_admitted,
             "preempted": self._n_preempted, "paused": self.paused,
+            # of the preempted: for a waiting request the core let take their KV
+            "displaced": self._n_displaced,
             "finished": self._n_finished, "aborted": self._n_aborted,
             "held": self.queue.held(),
             "rejected": self.gate.rejected(),

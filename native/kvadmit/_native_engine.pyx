@@ -293,13 +293,14 @@ cdef class NativeEngine:
                 return i
         return self._running.size()
 
-    cdef size_t _preempt(self, int32_t v, int64_t* budget) noexcept nogil:
-        """Preempts v (recompute); returns its index in the running list before."""
+    cdef size_t _preempt(self, int32_t v, int64_t* budget, bint displaced) noexcept nogil:
+        """Preempts v (recompute; `displaced`: for a waiting request, see
+        `_displace_for`); returns its index in the running list before."""
         if self._sched[v] > 0:
             budget[0] += self._sched[v]
             self._sched[v] = 0
         self._release_blocks(v)
-        self.core.c_preempt(self._slot[v], self._clock)
+        self.core.c_preempt(self._slot[v], self._clock, displaced)
         self._computed[v] = 0
         self._npre[v] += 1
         self._rstate[v] = RQ_WAITING
@@ -481,7 +482,7 @@ cdef class NativeEngine:
             while not self._grow(r, self._computed[r] + n):
                 v = self.core.c_victim()
                 v = self._slot_req[v]
-                if self._preempt(v, budget) < i:
+                if self._preempt(v, budget, False) < i:
                     i -= 1        # an earlier, already scheduled request went
                 preempted = True
                 if v == r:
@@ -522,7 +523,7 @@ cdef class NativeEngine:
         if free + gain < need:
             return False
         for k in range(chosen):
-            self._preempt(self._slot_req[victims[k]], budget)
+            self._preempt(self._slot_req[victims[k]], budget, True)
         return True
 
     cdef void _schedule_waiting(self, int64_t* budget) noexcept nogil:

@@ -54,12 +54,13 @@ def test_a_flow_within_its_share_evicts_a_flow_over_it(kvadmit_hooks):
         h.run()
         assert sorted(r.rid for r in h.finished) == ["a1", "b1", "b2"]
         assert h.allocator.available_size() + h.tree_cache.evictable_size() == 400
-        return started, displaced, h.adapter.core.flow_stats()
+        return started, displaced, h.adapter.core.flow_stats(), h.adapter.core.stats()
 
-    started, displaced, stats = run(flows=True)
+    started, displaced, stats, totals = run(flows=True)
     assert started and displaced == ["b2"]
     assert stats["b"]["preempted"] >= 1 and stats["a"]["preempted"] == 0   # (overcommit: b retracts too)
-    started, displaced, _ = run(flows=False)
+    assert totals["displaced"] == 1     # b2's eviction; b's retractions count as preempted only
+    started, displaced, *_ = run(flows=False)
     assert not started and displaced == []
 
 

@@ -51,3 +51,19 @@ def test_negative_priority_is_not_sheddable_where_lower_values_come_first(kvadmi
     h.run({0: [long], 1: [first, chat]})
     assert h.outbox.sent == []
     assert len(first.output_ids) == 5 and len(chat.output_ids) == 5
+
+
+def test_a_request_without_priority_is_not_sheddable(kvadmit_hooks):
+    from sglang_harness import Harness, make_req
+
+    # Under --enable-priority-scheduling SGLang gives a request without a priority its
+    # least important value before kvadmit sees it: it is served last, never shed.
+    h = Harness(AdmissionConfig.from_dict({"policy": "reserve"}), pool_tokens=600,
+                step_model=(0.01, 0.0, 0.0), enable_priority_scheduling=True)
+    long = make_req("long", 100, 400, ignore_eos=True, priority=0)
+    unset = make_req("unset", 50, 20, out_len=5, priority=None)
+    chat = make_req("chat", 100, 200, out_len=5, priority=0)
+    h.run({0: [long], 1: [unset, chat]})
+    assert h.outbox.sent == []
+    assert len(unset.output_ids) == 5 and len(chat.output_ids) == 5
+    assert h.adapter.core.stats()["rejected"]["shed"] == 0

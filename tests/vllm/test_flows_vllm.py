@@ -49,10 +49,12 @@ def test_a_flow_within_its_share_starts_on_the_kv_of_a_flow_over_it(model_dir):
         assert all(len(eng.log.outputs[r]) == 12 for r in b)
         core = eng.scheduler.kvadmit.core
         assert core.num_waiting == 0 and core.num_running == 0
-        return started, preempted, core.flow_stats()
+        return started, preempted, core.flow_stats(), core.stats()
 
-    started, preempted, stats = run(flows=True)
+    started, preempted, stats, totals = run(flows=True)
     assert started and preempted == [0, 1]
     assert stats["b"]["preempted"] == 1 and stats["a"]["preempted"] == 0
-    started, preempted, _ = run(flows=False)
+    # the adapter told the core: no forecast miss for the length quantile
+    assert totals["preempted"] == totals["displaced"] == 1
+    started, preempted, *_ = run(flows=False)
     assert not started and preempted == [0, 0]

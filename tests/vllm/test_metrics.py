@@ -41,6 +41,8 @@ def test_get_metrics_lists_kvadmit_counters(model_dir, tmp_path):
     assert series.get("vllm:kvadmit_rejected{reason=queue_full}", 0) == res["refused"]
     assert series.get("vllm:kvadmit_admitted", 0) == 12 - res["refused"]
     assert series.get("vllm:kvadmit_paused") == 0      # exported; peak never pauses
+    assert series.get("vllm:kvadmit_displacements") == 0   # exported; no flows, FCFS
+    assert series.get("vllm:kvadmit_length_quantile") == 0.7   # adaptive_quantile (peak: unused)
     # the router signals, at idle after the run: the whole pool, no pressure, no wait
     assert series.get("vllm:kvadmit_kv_headroom_blocks") == 23       # 24 less vLLM's null block
     assert series.get("vllm:kvadmit_admission_pressure") == 0.0

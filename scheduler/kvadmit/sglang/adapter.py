@@ -23,6 +23,7 @@ import difflib
 import json
 import logging
 import os
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -40,6 +41,9 @@ ENV_VAR = "KVADMIT_CONFIG"
 # Priorities are clamped so that negating them (SGLang's "higher value first"
 # default) stays inside int64; SGLang itself uses +/-sys.maxsize as sentinels.
 _PRIORITY_LIMIT = (1 << 62) - 1
+# What SGLang's Scheduler._set_or_validate_priority gives a request without a priority
+# under --enable-priority-scheduling (a larger value more important): its least.
+UNSET_PRIORITY = -sys.maxsize - 1
 # A preemption threshold no two clamped priorities exceed (--disable-priority-preemption).
 NO_PREEMPTION = (1 << 63) - 1
 
@@ -240,7 +244,8 @@ class SGLangAdmission:
         self.core.set_step_budget(self.step_budget)
         # rids <-> core slots, arrivals, leaving, step timing, cache signals.
         self.bridge = EngineBridge(self.core)
-        self.counters = {"rejected_sent": 0, "shed_sent": 0, "requeued": 0, "displaced": 0,
+        # ("displaced" is the core's: stats())
+        self.counters = {"rejected_sent": 0, "shed_sent": 0, "requeued": 0,
                          "adopted": 0, "untracked": 0, "steps": 0, "ticks": 0}
         self._tick_t: Optional[float] = None   # rank 0's clock, latest tick
         self._step_tick = 0                    # ticks seen at the start of the last step
@@ -375,10 +380,12 @@ class SGLangAdmission:
                              prompt_hash=prompt_hash(req.origin_input_ids))
 
     def _negative_priority(self, req) -> bool:
-        """GIE's sheddable class, a negative priority, where SGLang's order is GIE's
-        (priority scheduling on, a larger value more important: SGLang's default)."""
+        """GIE's sheddable class, a negative priority the client gave, where SGLang's
+        order is GIE's (priority scheduling on, a larger value more important:
+        SGLang's default). A request without one is not sheddable: SGLang fills in
+        its least important value, UNSET_PRIORITY, before kvadmit sees it."""
         return (self.config.queue_order == "priority" and not self.low_priority_values_first
-                and req.priority is not None and req.priority < 0)
+                and req.priority is not None and UNSET_PRIORITY < req.priority < 0)
 
     def _check_body(self, req) -> None:
         """Refuses (FieldError) what would crash the scheduler further on: a prompt token
@@ -398,10 +405,10 @@ class SGLangAdmission:
 
     def displaced(self, slot: int, req) -> None:
         """The adder evicts running ``req`` for a more important waiting request
-        (priority preemption): the core preempts it, with its progress so far."""
+        (priority preemption, flow displacement): the core preempts it, with its
+        progress so far."""
         self._update(slot, req)
-        self.core.preempt(slot, self.now())
-        self.counters["displaced"] += 1
+        self.core.preempt(slot, self.now(), displaced=True)
 
     def forget(self, req) -> None:
         """SGLang dropped a request kvadmit had accepted (e.g. its own queue cap)."""

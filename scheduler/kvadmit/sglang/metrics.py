@@ -20,6 +20,8 @@ COUNTERS = {
     "arrived": "requests that reached kvadmit's queue",
     "admitted": "admissions (a retracted request counts again when re-admitted)",
     "preempted": "running requests retracted back to the queue",
+    "displaced": "of those, evicted for a waiting request kvadmit let take their KV "
+                 "(priority retraction, flow displacement)",
     "finished": "requests that finished",
     "aborted": "requests aborted or dropped while tracked",
     "requeued": "retracted or preempted requests re-queued by SGLang",

@@ -135,6 +135,8 @@ class VllmAdmission:
         # The waiting slot this step's displacement preempted running requests for: it
         # starts first (its victims, back in the queue, may rank before it there).
         self._displaced_for: int | None = None
+        # True while _displace_for_waiting preempts: the Scheduler tells the core so
+        self.displacing = False
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -390,10 +392,14 @@ class VllmAdmission:
         if free + gain < need:
             return
         now = time.monotonic()
-        for vreq in chosen:
-            sched.running.remove(vreq)
-            sched._preempt_request(vreq, now,    # the core hears of it (Scheduler)
-                                   drop_stale_output=getattr(sched, "requires_kv_delivery", False))
+        self.displacing = True
+        try:
+            for vreq in chosen:
+                sched.running.remove(vreq)
+                sched._preempt_request(vreq, now,    # the core hears of it (Scheduler)
+                                       drop_stale_output=getattr(sched, "requires_kv_delivery", False))
+        finally:
+            self.displacing = False
         self._displaced_for = slot
         sched.waiting.invalidate()
 

@@ -33,6 +33,9 @@ class KvadmitMetrics:
         self.aborted = Counter("kvadmit_aborted", "Accepted sequences that left without "
                                "finishing (client cancelled, engine error)")
         self.preempted = Counter("kvadmit_preemptions", "Running requests preempted")
+        self.displaced = Counter("kvadmit_displacements", "Of the preempted, those preempted "
+                                 "for a waiting request kvadmit let take their KV (priority "
+                                 "retraction, flow displacement)")
         self.paused = Counter("kvadmit_paused", "Steps running requests were paused "
                               "(shortfall: pause), counted per request")
         self.finished = Counter("kvadmit_finished", "Requests finished")
@@ -41,6 +44,9 @@ class KvadmitMetrics:
         self.actual = Counter("kvadmit_actual_output_tokens",
                               "Output tokens actually generated, for finished requests")
         self.waiting = Gauge("kvadmit_waiting_requests", "Requests waiting", multiprocess_mode="livesum")
+        self.quantile = Gauge("kvadmit_length_quantile", "The output-length quantile the "
+                              "adaptive and auto policies predict by (their controller "
+                              "raises it after preemptions)", multiprocess_mode="livemax")
         # The online step-time fit T = a + b * tokens + c * context, per engine process.
         self.step_a = Gauge("kvadmit_step_time_base_seconds",
                             "Step-time fit: seconds a step (a)", multiprocess_mode="liveall")
@@ -81,6 +87,7 @@ class KvadmitMetrics:
         self.admitted.inc(delta("admitted"))
         self.aborted.inc(delta("aborted"))
         self.preempted.inc(delta("preempted"))
+        self.displaced.inc(delta("displaced"))
         self.paused.inc(delta("paused"))
         self.finished.inc(delta("finished"))
         for reason in stats["held"]:
@@ -92,6 +99,7 @@ class KvadmitMetrics:
         self.predicted.inc(max(lp["mean_predicted"] * n - lp0.get("mean_predicted", 0) * n0, 0))
         self.actual.inc(max(lp["mean_actual"] * n - lp0.get("mean_actual", 0) * n0, 0))
         self.waiting.set(stats["waiting"])
+        self.quantile.set(stats["quantile"])
         fit, window = stats["step_time_fit"], stats["agent_window"]
         self.step_a.set(fit["a"])
         self.step_b.set(fit["b"])

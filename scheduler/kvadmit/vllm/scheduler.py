@@ -270,7 +270,7 @@ class _KvadmitMixin:
     def _preempt_request(self, request: Request, timestamp: float, *args, **kwargs) -> None:
         slot = self.kvadmit.bridge.slot(request.request_id)
         if slot is not None:
-            self.kvadmit.core.preempt(slot, self.kvadmit.clock())
+            self.kvadmit.core.preempt(slot, self.kvadmit.clock(), displaced=self.kvadmit.displacing)
         return super()._preempt_request(request, timestamp, *args, **kwargs)
 
     def _free_request(self, request: Request, *args, **kwargs):
