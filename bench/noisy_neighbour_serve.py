@@ -539,7 +539,7 @@ def main(argv=None) -> int:
                          "CPUs, leaving the others to the API server and the clients")
     ap.add_argument("--shared-server", action="store_true",
                     help="run the three phases on one server, one after another (before "
-                         "2026-12-03 21:30 UTC the bench's only way): what kvadmit learns in "
+                         "2026-12-03 20:58 UTC the bench's only way): what kvadmit learns in "
                          "batch alone then carries into both")
     ap.add_argument("--tag", default="", help="a suffix for the result files (another workload)")
     ap.add_argument("--split-ttft", action="store_true",

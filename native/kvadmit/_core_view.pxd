@@ -13,7 +13,7 @@ from kvadmit._ledger cimport Ledger
 from kvadmit._policies cimport Policy
 from kvadmit._shortfall cimport ShortfallPlanner
 from kvadmit._slo_guard cimport SloGuard
-from kvadmit._victims cimport victims_first
+from kvadmit._victims cimport victim_order_into, victims_first
 from kvadmit._waiting_queue cimport WaitingQueue
 
 
@@ -55,6 +55,16 @@ cdef class CoreView:
             return NULL
         self.flows.c_over_share(self._over)
         return self._over.data()
+
+    cdef inline bint c_may_displace(self) noexcept nogil:
+        """Whether a waiting request may ever take KV from running ones: under
+        queue_order "priority" (priority retraction) or flows (displacement)."""
+        return self._victim_by_priority or self.flows.on
+
+    cdef inline void c_victim_order(self, vector[int32_t]& out) noexcept nogil:
+        """`victim_order`, into `out`."""
+        victim_order_into(self.ledger, self._victim, self._victim_by_priority,
+                          self._over_share(), out)
 
     cdef inline void c_displaceable(self, int32_t s, vector[int32_t]& out) noexcept nogil:
         """`displaceable` for the waiting s, into `out`."""

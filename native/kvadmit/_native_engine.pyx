@@ -1,8 +1,12 @@
 # The simulator's native engine: continuous batching on a virtual clock.
 #
 # A model of vLLM V1's step loop, driven by the same AdmissionCore the engine
-# adapters use, with the core's BlockAllocator as the KV pool:
-#   1. running requests first, in admission order: a decode takes 1 token, an
+# adapters use, with the core's BlockAllocator as the KV pool, as kvadmit's vLLM
+# adapter runs it: before the step the running requests are put in the core's victim
+# order (most protected first; admission order under lifo), a waiting request the
+# core lets take KV from running ones displaces them (priority classes, flows) and
+# the pause plan is made; then
+#   1. running requests first, in that order: a decode takes 1 token, an
 #      unfinished (chunked) prefill the rest of its prompt up to the step's token
 #      budget; a request whose blocks do not fit preempts the core's victim
 #      (recompute: blocks go back, with their prefix hashes, and the request waits
@@ -31,6 +35,7 @@ from kvadmit._arrival cimport ArrivalRecord
 from kvadmit._arrival_gate cimport ArrivalResult, Rejection
 from kvadmit._core cimport AdmissionCore
 from kvadmit._curves cimport cdiv
+from kvadmit._ledger cimport ST_WAITING
 from kvadmit._requests cimport Requests
 
 from kvadmit._arrival_gate import REJECT_REASONS
@@ -94,6 +99,8 @@ cdef class NativeEngine:
     cdef vector[int32_t] _slot_req, _running, _scheduled
     cdef vector[int64_t] _plan_cols    # the pause plan's columns: want, computed, held, priority
     cdef vector[int32_t] _hit_ids      # the admission candidate's prefix-cache hit blocks
+    cdef vector[int32_t] _order        # scratch: the core's victim order (slots)
+    cdef int32_t _pinned               # the slot this step displaced for (it starts first), or -1
     cdef vector[char] _pause           # per running position: paused this step (shortfall: pause)
     cdef vector[int32_t] _paused_reqs  # the requests paused this step
     cdef vector[char] _is_paused       # per request
@@ -123,6 +130,7 @@ cdef class NativeEngine:
         # The core checks the pool's numbers first (the checks below divide by block_size).
         self.core = AdmissionCore(config, num_blocks, block_size, max_model_len)
         self.allocator = BlockAllocator(num_blocks)
+        self._pinned = -1
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs}: must be >= 1")
         if max_num_batched_tokens < 1:
@@ -441,6 +449,8 @@ cdef class NativeEngine:
         was preempted: try again at the same time) or STEP_IDLE (nothing to run)."""
         cdef int64_t budget = self._budget
         self._scheduled.clear()
+        self._order_running()
+        self._displace_for_waiting(&budget)
         if self.core.c_pauses_on_shortfall() and self._plan_pauses():
             self._mark_paused()
         cdef bint preempted = self._schedule_running(&budget)
@@ -453,6 +463,18 @@ cdef class NativeEngine:
         self._run_scheduled()
         return STEP_RAN
 
+    cdef void _order_running(self) noexcept nogil:
+        """The running list in the core's victim order, most protected first, as
+        kvadmit's vLLM adapter puts vLLM's before each step: the step serves them in
+        that order and the pause plan reads it. Admission order under lifo, unless
+        priority classes or flows over their share move a request back."""
+        self.core.c_victim_order(self._order)
+        if self._order.size() != self._running.size():
+            return
+        cdef size_t i
+        for i in range(self._order.size()):
+            self._running[i] = self._slot_req[self._order[i]]
+
     cdef void _mark_paused(self) noexcept nogil:
         """The running requests the core's pause plan skips this step."""
         cdef size_t k
@@ -464,7 +486,7 @@ cdef class NativeEngine:
                 self._paused_reqs.push_back(r)
 
     cdef bint _schedule_running(self, int64_t* budget) noexcept nogil:
-        """1. Running requests, in admission order, take their tokens from the
+        """1. Running requests, in the core's victim order, take their tokens from the
         budget; one whose blocks do not fit preempts the core's victims until they
         do (or it is the victim). True if anything was preempted."""
         cdef size_t i = 0, k
@@ -498,24 +520,35 @@ cdef class NativeEngine:
         self._paused_reqs.clear()
         return preempted
 
+    cdef bint _is_hit(self, int32_t b) noexcept nogil:
+        """Whether block b is one of the admission candidate's prefix hits (`_hit_ids`)."""
+        cdef size_t i
+        for i in range(self._hit_ids.size()):
+            if self._hit_ids[i] == b:
+                return True
+        return False
+
     cdef bint _displace_for(self, int32_t s, int64_t need, int64_t* budget) noexcept nogil:
         """The core admitted the waiting slot s but `need` blocks are not free: as
         kvadmit's vLLM adapter does, preempt the running requests the core lets s take
         KV from (its displaceable ones, first victim first) as far as need goes, or
-        none if even all of them would not free enough. True if any was preempted
-        (the caller counts its need again: a block only a victim held may be one of
-        its prefix hits, cached-free now)."""
+        none if even all of them would not free enough. A block only a victim holds
+        that s hits is no gain: s takes it back, cached-free, when it starts. True if
+        any was preempted."""
         cdef vector[int32_t] victims
         self.core.c_displaceable(s, victims)
         if victims.empty():
             return False
         cdef int64_t gain = 0, free = self.allocator.c_num_free()
         cdef size_t k, j, chosen = 0
-        cdef int32_t v
+        cdef int32_t v, b
         for k in range(victims.size()):
             v = self._slot_req[victims[k]]
             for j in range(self._blocks[v].size()):
-                if self.allocator.c_ref_count(self._blocks[v][j]) == 1:
+                b = self._blocks[v][j]
+                # a block only v holds comes free, unless s hits it (`_hit_ids`, from
+                # the caller's count): then s takes it straight back
+                if self.allocator.c_ref_count(b) == 1 and not self._is_hit(b):
                     gain += 1
             chosen = k + 1
             if free + gain >= need:
@@ -526,37 +559,63 @@ cdef class NativeEngine:
             self._preempt(self._slot_req[victims[k]], budget, True)
         return True
 
+    cdef int64_t _prompt_need(self, int32_t r, int64_t tokens, int64_t budget, int64_t* hits,
+                              int64_t* fresh, int64_t* n) noexcept nogil:
+        """The free blocks waiting request r (`tokens` of input) takes if it starts now
+        with `budget` tokens left: its prefix hits (`hits`, `_hit_ids`) on cached-free
+        blocks (`fresh`: touching one takes it from the free pool) and the blocks of
+        its uncached tokens; `n` of those it computes this step. vLLM 0.32
+        (scheduler_reserve_full_isl, on by default) admits only if the whole input
+        fits now, though it allocates for the first chunk only."""
+        hits[0] = self._prefix_hit_blocks(r, tokens, fresh) if self._prefix else 0
+        if not self._prefix:
+            fresh[0] = 0
+        cdef int64_t c0 = hits[0] * self._bs
+        n[0] = tokens - c0
+        if n[0] > budget and self._chunked:
+            n[0] = budget
+        return cdiv(tokens if self._full_input else c0 + n[0], self._bs) - hits[0] + fresh[0]
+
+    cdef void _displace_for_waiting(self, int64_t* budget) noexcept nogil:
+        """Before the step's schedule, as kvadmit's vLLM adapter does: the waiting
+        request the core lets start, if its prompt's blocks are not free, takes them
+        from the running requests the core lets it take KV from (`_displace_for`);
+        it then starts first in this step (`_pinned`). Only where a request may take
+        KV from running ones: under queue_order "priority" (vLLM's priority
+        scheduling, for the adapter) or flows."""
+        self._pinned = -1
+        if not self.core.c_may_displace():
+            return
+        cdef int32_t s = self.core.c_next_admissible(self.allocator.c_num_free(), False)
+        if s < 0:
+            return
+        cdef int32_t r = self._slot_req[s]
+        cdef int64_t hits, fresh, n
+        cdef int64_t need = self._prompt_need(r, self._prompt[r] + self._gen[r], budget[0],
+                                              &hits, &fresh, &n)
+        if need > self.allocator.c_num_free() and self._displace_for(s, need, budget):
+            self._pinned = s
+
     cdef void _schedule_waiting(self, int64_t* budget) noexcept nogil:
-        """2. Waiting requests in the core's order while the core admits them, the
-        budget lasts, max_num_seqs allows and their blocks fit (prefix hits first)."""
+        """2. Waiting requests in the core's order (the one this step displaced for
+        first) while the core admits them, the budget lasts, max_num_seqs allows and
+        their blocks fit (prefix hits first)."""
         cdef int64_t n, tokens, hits, fresh, j, c0, need
         cdef int32_t r, s, b
-        cdef bint displaced
         while budget[0] > 0 and <int64_t>self._running.size() < self._max_active:
-            s = self.core.c_next_admissible(self.allocator.c_num_free(), False)
+            if self._pinned >= 0 and self.core.ledger.state(self._pinned) == ST_WAITING:
+                s = self._pinned      # the one this step displaced for
+            else:
+                s = self.core.c_next_admissible(self.allocator.c_num_free(), False)
+            self._pinned = -1
             if s < 0:
                 break
             r = self._slot_req[s]
             tokens = self._prompt[r] + self._gen[r]
-            displaced = False
-            while True:
-                hits = self._prefix_hit_blocks(r, tokens, &fresh) if self._prefix else 0
-                fresh = fresh if self._prefix else 0
-                c0 = hits * self._bs
-                n = tokens - c0
-                if n > budget[0] and self._chunked:
-                    n = budget[0]
-                # vLLM 0.32 (scheduler_reserve_full_isl, on by default) admits only if the
-                # whole input fits now, though it allocates for the first chunk only; with
-                # --watermark it also keeps that many blocks free once anything runs.
-                need = cdiv(tokens if self._full_input else c0 + n, self._bs) - hits + fresh \
-                    + (self._watermark if not self._running.empty() else 0)
-                if n > budget[0] or need <= self.allocator.c_num_free() or displaced:
-                    break
-                # At most once, and the need counted again after it (see _displace_for).
-                displaced = self._displace_for(s, need, budget)
-                if not displaced:
-                    break
+            # --watermark keeps that many blocks free once anything runs
+            need = self._prompt_need(r, tokens, budget[0], &hits, &fresh, &n) \
+                + (self._watermark if not self._running.empty() else 0)
+            c0 = hits * self._bs
             if n > budget[0]:
                 break                 # no chunked prefill: the whole prompt waits for a step
             if need > self.allocator.c_num_free():
@@ -601,6 +660,13 @@ cdef class NativeEngine:
         self._kv_block_s += used * dt
         self._busy_s += dt
         self._batch_tokens += batch
+        # The core's step sequence (AdmissionCore.step_done / step), as kvadmit's vLLM
+        # adapter runs it: the step is scheduled (done, at its start time and with its
+        # known time dt: its running requests at their progress before it); its tokens
+        # then run and its finishes are reported; the next step starts at its end (the
+        # blocks in use after the finishes, the progress reported as it ran), before
+        # that instant's arrivals.
+        self.core.c_step_done(batch, ctx, t_start, self._step_hit, self._step_query, dt)
         for k in range(self._scheduled.size()):
             r = self._scheduled[k]
             n = self._sched[r]
@@ -630,11 +696,6 @@ cdef class NativeEngine:
                 self._finish(r, t_end)
         self._clock = t_end
         self._steps += 1
-        # The core's step sequence (AdmissionCore.step_done / step), as every engine
-        # runs it: the step is done, at its start time and with its known time dt;
-        # the next step starts at its end (the blocks in use after the finishes, the
-        # progress reported above as it ran), before that instant's arrivals.
-        self.core.c_step_done(batch, ctx, t_start, self._step_hit, self._step_query, dt)
         used = self._nblocks - self.allocator.c_num_free()
         self.core.c_step(t_end, used, NULL, 0, True)
         self._step_hit = self._step_query = 0

@@ -12,6 +12,8 @@ cdef enum:  # indexes into VICTIMS
 
 cdef int32_t victim_slot(Ledger ledger, int order, bint by_priority=*,
                          const char* over_share=*) noexcept nogil
+cdef void victim_order_into(Ledger ledger, int order, bint by_priority, const char* over_share,
+                            vector[int32_t]& out) noexcept nogil
 cdef list victim_order(Ledger ledger, int order, bint by_priority=*, const char* over_share=*)
 cdef void victims_first(Ledger ledger, int order, bint by_priority, const char* over_share,
                         const vector[char]& among, vector[int32_t]& out) noexcept nogil

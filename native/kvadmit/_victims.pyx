@@ -84,14 +84,25 @@ cdef int32_t victim_slot(Ledger L, int order, bint by_priority=False,
     return best.slot
 
 
-cdef list victim_order(Ledger L, int order, bint by_priority=False, const char* over_share=NULL):
-    """Running slots from most protected to first victim (the last one goes first)."""
+cdef void victim_order_into(Ledger L, int order, bint by_priority, const char* over_share,
+                            vector[int32_t]& out) noexcept nogil:
+    """Running slots from most protected to first victim (the last one goes first),
+    into `out`."""
     cdef vector[VictimKey] keys
     cdef size_t i
     for i in range(L.n_running()):
         keys.push_back(victim_key(L, order, L.running_at(i), by_priority, over_share))
     sort(keys.begin(), keys.end(), victim_key_less)
-    return [k.slot for k in keys]
+    out.clear()
+    for i in range(keys.size()):
+        out.push_back(keys[i].slot)
+
+
+cdef list victim_order(Ledger L, int order, bint by_priority=False, const char* over_share=NULL):
+    """`victim_order_into`, as a list."""
+    cdef vector[int32_t] out
+    victim_order_into(L, order, by_priority, over_share, out)
+    return list(out)
 
 
 cdef void victims_first(Ledger L, int order, bint by_priority, const char* over_share,

@@ -25,3 +25,72 @@ def test_the_flow_column_reaches_kvadmit_through_vllm(model_dir):
     assert flows["1"]["weight"] == 2.0 and flows["2"]["weight"] == 1.0
     assert run.totals.finished == n
     assert abs(flows["1"]["kv_share"] + flows["2"]["kv_share"] - 1) < 1e-9
+
+
+AUTO_FLOWS = {"flows": {"1": {}, "2": {}}}
+PAUSE_FLOWS = {**AUTO_FLOWS, "policy": "adaptive", "shortfall": "pause", "adaptive_quantile": 0.3,
+               "adaptive_max_quantile": 0.3, "adaptive_min_samples": 1}
+
+
+def _both(model_dir, config, prefix):
+    """The Azure excerpt with flow 2 sending three of every four requests, flow 1 the
+    fourth (with `prefix`, every request shares a 64-token prefix), run by vLLM's
+    scheduler with kvadmit's adapter and by the native engine model."""
+    import dataclasses
+    import pathlib
+
+    from kvadmit.simulate.engine import run_native
+    from kvadmit.simulate.steptime import CPU_TINY
+    from kvadmit.simulate.workload import from_trace
+
+    data = pathlib.Path(__file__).resolve().parent.parent / "data"
+    w = from_trace(data / "azure2023_conv_head200.csv", limit=120, rate=1.0, max_model_len=2048,
+                   max_tokens_cap=512)
+    w = dataclasses.replace(w, flow=[1 if i % 4 == 0 else 2 for i in range(len(w))])
+    shape = EngineShape(num_blocks=80, block_size=32, max_model_len=2048, max_num_seqs=64,
+                        max_num_batched_tokens=2048, prefix_caching=prefix)
+    if prefix:
+        w = dataclasses.replace(w, hash_block_tokens=64, hash_offsets=list(range(len(w) + 1)),
+                                hash_ids=[7] * len(w), hashed_tokens=[64] * len(w))
+    cfg = AdmissionConfig.from_dict(config)
+    return w, run_vllm(w, cfg, shape, CPU_TINY, model_dir), run_native(w, cfg, shape, CPU_TINY)
+
+
+@pytest.mark.parametrize("config,prefix", [
+    (AUTO_FLOWS, False), (AUTO_FLOWS, True), (PAUSE_FLOWS, False),
+], ids=["auto-flows", "auto-flows-shared-prefix", "adaptive-pause-flows"])
+def test_flows_displace_as_in_the_native_engine(model_dir, config, prefix):
+    """Flows with displacement: the native engine model displaces, preempts and
+    admits what vLLM's scheduler with kvadmit's adapter does, request by request. It
+    orders its running requests as the adapter orders vLLM's (the core's victim
+    order: a flow over its share last), displaces before the step's schedule and pause
+    plan, and counts a victim's block the displacing request hits as no gain."""
+    w, ours, native = _both(model_dir, config, prefix)
+    assert native.extra["core"]["displaced"] > 0
+    for k in ("displaced", "preempted", "admitted"):
+        assert ours.extra["core"][k] == native.extra["core"][k], k
+    for k in ("preemptions", "output_tokens", "prefill_tokens", "finished", "rejected",
+              "free_blocks_at_end", "prefix_hit_tokens"):
+        assert getattr(ours.totals, k) == getattr(native.totals, k), k
+    assert ours.per_request["preemptions"] == native.per_request["preemptions"]
+    assert ours.per_request["rejected"] == native.per_request["rejected"]
+
+
+@pytest.mark.parametrize("config,prefix", [
+    (AUTO_FLOWS, False), (AUTO_FLOWS, True), (PAUSE_FLOWS, False),
+], ids=["auto-flows", "auto-flows-shared-prefix", "adaptive-pause-flows"])
+def test_flows_schedule_as_in_the_native_engine(model_dir, config, prefix):
+    """The same schedule step by step: the same pauses, steps and times (context_length
+    refusals aside: vLLM's front end refuses at the arrival time, the native engine at
+    the next step boundary). The flows' block-steps are charged as the adapter's step
+    sequence charges them: each step's running requests at their progress before it,
+    a request finishing in it included."""
+    w, ours, native = _both(model_dir, config, prefix)
+    assert ours.extra["core"]["paused"] == native.extra["core"]["paused"] > 0
+    for k in ("steps", "recomputed_tokens", "batch_tokens"):
+        assert getattr(ours.totals, k) == getattr(native.totals, k), k
+    a, b = ours.per_request, native.per_request
+    for i in range(len(w)):
+        if a["rejected"][i] != "context_length":
+            assert (a["first_token_s"][i], a["finish_s"][i]) == \
+                pytest.approx((b["first_token_s"][i], b["finish_s"][i])), i

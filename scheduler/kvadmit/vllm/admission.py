@@ -369,12 +369,7 @@ class VllmAdmission:
             return
         sched, pool = self._sched, self._pool
         req = self.bridge.obj(self.bridge.key(slot))
-        # prefix-cache hits the core knows of need no new blocks
-        cached = self.core.info(slot)["cached_tokens"]
-        tokens = req.num_tokens - max(req.num_computed_tokens, cached)
-        if not getattr(sched, "scheduler_reserve_full_isl", True):
-            tokens = min(tokens, sched.max_num_scheduled_tokens)
-        need = -(-(tokens + sched.num_lookahead_tokens) // sched.block_size)
+        need, hit_ids = self._prompt_need(req)
         free = pool.get_num_free_blocks()
         if need <= free:
             return
@@ -386,7 +381,10 @@ class VllmAdmission:
             if vreq not in running or not sched._request_blocks_can_be_freed(vreq):
                 continue
             chosen.append(vreq)
-            gain += sum(1 for b in held.get(vreq.request_id, ()) if b.ref_cnt == 1)
+            # a block only the victim holds comes free, unless the request hits it: then
+            # it takes it straight back (counted in its need, once cached-free)
+            gain += sum(1 for b in held.get(vreq.request_id, ())
+                        if b.ref_cnt == 1 and b.block_id not in hit_ids)
             if free + gain >= need:
                 break
         if free + gain < need:
@@ -402,6 +400,23 @@ class VllmAdmission:
             self.displacing = False
         self._displaced_for = slot
         sched.waiting.invalidate()
+
+    def _prompt_need(self, req) -> tuple[int, set]:
+        """The free blocks a waiting request takes when it starts, as vLLM allocates
+        them: its uncached tokens' (the whole input under vLLM's full-input check, else
+        the step's budget at most), plus each prefix-cache hit on a cached-free block
+        (touching it takes it out of the free queue); and the hit blocks' ids."""
+        sched = self._sched
+        kvm, bs = sched.kv_cache_manager, sched.block_size
+        hits = ()
+        if req.num_computed_tokens == 0 and kvm.prefix_cache_lookup_enabled(req):
+            found = kvm.get_computed_blocks(req)     # (blocks, tokens, ...): no state moves
+            hits = found[0].blocks[0][:found[1] // bs]
+        tokens = req.num_tokens - max(req.num_computed_tokens, len(hits) * bs)
+        if not getattr(sched, "scheduler_reserve_full_isl", True):
+            tokens = min(tokens, sched.max_num_scheduled_tokens)
+        fresh = sum(1 for b in hits if b.ref_cnt == 0)
+        return -(-(tokens + sched.num_lookahead_tokens) // bs) + fresh, {b.block_id for b in hits}
 
     def _plan_pauses(self, throttle_prefills: bool) -> None:
         """shortfall: pause. The core picks which running requests sit this step out
