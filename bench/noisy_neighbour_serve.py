@@ -8,9 +8,10 @@ one at a time. Three phases, `--seconds` of Poisson arrivals each, the same requ
 in every config: the interactive requests alone, the batch requests alone, both
 together. Each phase runs on a fresh server after the same warm-up, as separate runs
 would (with `--shared-server`, one server runs the three in turn: kvadmit's length
-quantile, raised by batch alone's preemptions, then carried into both). A request stops at its real length (the bench's stop-at
-logits processor, `kvadmit_stop_at` with `min_tokens` one less) under a slack
-`max_tokens` cap, as in `kvadmit bench serve`. When a phase's arrival window ends,
+quantile, raised by batch alone's preemptions, then carried into both). A request
+stops at its real length (the bench's stop-at logits processor, `kvadmit_stop_at`
+with `min_tokens` one less) under a slack `max_tokens` cap, as in `kvadmit bench
+serve`. When a phase's arrival window ends,
 the batch requests still in flight are cancelled (the client closes them: vLLM
 aborts them); the interactive ones run to the end.
 
@@ -443,7 +444,8 @@ def run_config(args, name: str) -> dict:
                                  for k, v in after.items()
                                  if k.startswith("kvadmit_held_total{") and v - before.get(k, 0)}
             # the length quantile kvadmit's default predicts by, at the phase's start
-            # and end (its controller raises it after preemptions; phases share a server)
+            # and end (its controller raises it after preemptions; with --shared-server
+            # the next phase starts where this one ended)
             if "kvadmit_length_quantile" in after:
                 s["kvadmit_quantile"] = [before.get("kvadmit_length_quantile"),
                                          after["kvadmit_length_quantile"]]

@@ -293,7 +293,7 @@ cdef class NativeEngine:
             self._sess_blocks.erase(it)
 
     cdef size_t _running_erase(self, int32_t r) noexcept nogil:
-        """Takes r out of the running list (admission order kept); its old index."""
+        """Takes r out of the running list (the others' order kept); its old index."""
         cdef size_t i
         for i in range(self._running.size()):
             if self._running[i] == r:
@@ -641,9 +641,9 @@ cdef class NativeEngine:
             budget[0] -= n
 
     cdef void _run_scheduled(self) noexcept nogil:
-        """3. The step: its time from the batch's tokens and context; each scheduled
-        request computes its tokens, emits one when its input is all computed and
-        finishes at its real length; then the core hears of the step."""
+        """3. The step: its time from the batch's tokens and context; the core hears
+        of the step as scheduled; each scheduled request computes its tokens, emits one
+        when its input is all computed and finishes at its real length."""
         cdef int64_t n, c0, c1, j, ctx = 0, batch = 0
         cdef size_t k
         cdef int32_t r

@@ -410,7 +410,9 @@ class VllmAdmission:
         kvm, bs = sched.kv_cache_manager, sched.block_size
         hits = ()
         if req.num_computed_tokens == 0 and kvm.prefix_cache_lookup_enabled(req):
-            found = kvm.get_computed_blocks(req)     # (blocks, tokens, ...): no state moves
+            # (blocks, tokens, ...): no block moves (with KV cache events in vLLM's "full"
+            # report mode it emits the hit blocks' events again)
+            found = kvm.get_computed_blocks(req)
             hits = found[0].blocks[0][:found[1] // bs]
         tokens = req.num_tokens - max(req.num_computed_tokens, len(hits) * bs)
         if not getattr(sched, "scheduler_reserve_full_isl", True):
