@@ -13,7 +13,7 @@ from kvadmit._ledger cimport Ledger
 from kvadmit._policies cimport Policy
 from kvadmit._shortfall cimport ShortfallPlanner
 from kvadmit._slo_guard cimport SloGuard
-from kvadmit._victims cimport victim_order_into, victims_first
+from kvadmit._victims cimport V_LIFO, victim_order_into, victims_first
 from kvadmit._waiting_queue cimport WaitingQueue
 
 
@@ -56,15 +56,20 @@ cdef class CoreView:
         self.flows.c_over_share(self._over)
         return self._over.data()
 
-    cdef inline bint c_may_displace(self) noexcept nogil:
-        """Whether a waiting request may ever take KV from running ones: under
-        queue_order "priority" (priority retraction) or flows (displacement)."""
-        return self._victim_by_priority or self.flows.on
-
-    cdef inline void c_victim_order(self, vector[int32_t]& out) noexcept nogil:
-        """`victim_order`, into `out`."""
+    cdef inline bint c_victim_order(self, vector[int32_t]& out) noexcept nogil:
+        """`victim_order`, into `out`; False (out untouched) where it is the order of
+        admission: lifo with no priority classes, no flows and no sheddable request
+        running (the common case needs no sort)."""
+        cdef size_t i
+        if self._victim == V_LIFO and not self._victim_by_priority and not self.flows.on:
+            for i in range(self.ledger.n_running()):
+                if self.ledger.sheddable(self.ledger.running_at(i)):
+                    break
+            else:
+                return False
         victim_order_into(self.ledger, self._victim, self._victim_by_priority,
                           self._over_share(), out)
+        return True
 
     cdef inline void c_displaceable(self, int32_t s, vector[int32_t]& out) noexcept nogil:
         """`displaceable` for the waiting s, into `out`."""

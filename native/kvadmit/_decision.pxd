@@ -31,6 +31,11 @@ cdef class Decision(Judge):
         the core's time)."""
         return self.gate.c_predicted_delay(ahead, ahead_tokens, queued)
 
+    cdef inline bint c_may_take_kv(self) noexcept nogil:
+        """Whether any waiting request may take KV from running ones: under queue_order
+        "priority" (priority retraction) or flows (displacement)."""
+        return self.by_priority or self.flows.on
+
     cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil
     cdef bint c_takes_running(self, int32_t s, int64_t free_blocks) noexcept nogil
     cdef bint c_mark_takeable(self, int32_t s) noexcept nogil

@@ -87,7 +87,7 @@ cdef class Decision(Judge):
         cdef int64_t need = cdiv(self.ledger.tokens(s), self.block_size)
         cdef bint any_marked = False, by_flow = False, take
         self.takeable.assign(n, 0)
-        if not self.by_priority and not self.flows.on:
+        if not self.c_may_take_kv():
             return False
         if self.flows.on:
             self.flows.c_over_share(self.over)

@@ -468,8 +468,7 @@ cdef class NativeEngine:
         kvadmit's vLLM adapter puts vLLM's before each step: the step serves them in
         that order and the pause plan reads it. Admission order under lifo, unless
         priority classes or flows over their share move a request back."""
-        self.core.c_victim_order(self._order)
-        if self._order.size() != self._running.size():
+        if not self.core.c_victim_order(self._order) or self._order.size() != self._running.size():
             return
         cdef size_t i
         for i in range(self._order.size()):
@@ -584,7 +583,7 @@ cdef class NativeEngine:
         KV from running ones: under queue_order "priority" (vLLM's priority
         scheduling, for the adapter) or flows."""
         self._pinned = -1
-        if not self.core.c_may_displace():
+        if not self.core.decision.c_may_take_kv():
             return
         cdef int32_t s = self.core.c_next_admissible(self.allocator.c_num_free(), False)
         if s < 0:
