@@ -532,16 +532,19 @@ cdef class NativeEngine:
         kvadmit's vLLM adapter does, preempt the running requests the core lets s take
         KV from (its displaceable ones, first victim first) as far as need goes, or
         none if even all of them would not free enough. A block only a victim holds
-        that s hits is no gain: s takes it back, cached-free, when it starts. True if
-        any was preempted."""
+        that s hits is no gain: s takes it back, cached-free, when it starts. While
+        any other request runs, --watermark's blocks must stay free beside need (as
+        _schedule_waiting admits). True if any was preempted."""
         cdef vector[int32_t] victims
         self.core.c_displaceable(s, victims)
         if victims.empty():
             return False
-        cdef int64_t gain = 0, free = self.allocator.c_num_free()
+        cdef int64_t gain = 0, free = self.allocator.c_num_free(), target = need
         cdef size_t k, j, chosen = 0
         cdef int32_t v, b
         for k in range(victims.size()):
+            # the watermark while a running request stays (vLLM's has_scheduled_reqs)
+            target = need + (self._watermark if k + 1 < self._running.size() else 0)
             v = self._slot_req[victims[k]]
             for j in range(self._blocks[v].size()):
                 b = self._blocks[v][j]
@@ -550,9 +553,9 @@ cdef class NativeEngine:
                 if self.allocator.c_ref_count(b) == 1 and not self._is_hit(b):
                     gain += 1
             chosen = k + 1
-            if free + gain >= need:
+            if free + gain >= target:
                 break
-        if free + gain < need:
+        if free + gain < target:
             return False
         for k in range(chosen):
             self._preempt(self._slot_req[victims[k]], budget, True)
@@ -580,8 +583,8 @@ cdef class NativeEngine:
         request the core lets start, if its prompt's blocks are not free, takes them
         from the running requests the core lets it take KV from (`_displace_for`);
         it then starts first in this step (`_pinned`). Only where a request may take
-        KV from running ones: under queue_order "priority" (vLLM's priority
-        scheduling, for the adapter) or flows."""
+        KV from running ones: under queue_order "priority" (which vLLM's priority
+        scheduling sets) or flows."""
         self._pinned = -1
         if not self.core.decision.c_may_take_kv():
             return
@@ -592,7 +595,8 @@ cdef class NativeEngine:
         cdef int64_t hits, fresh, n
         cdef int64_t need = self._prompt_need(r, self._prompt[r] + self._gen[r], budget[0],
                                               &hits, &fresh, &n)
-        if need > self.allocator.c_num_free() and self._displace_for(s, need, budget):
+        cdef int64_t watermark = self._watermark if not self._running.empty() else 0
+        if need + watermark > self.allocator.c_num_free() and self._displace_for(s, need, budget):
             self._pinned = s
 
     cdef void _schedule_waiting(self, int64_t* budget) noexcept nogil:

@@ -94,3 +94,53 @@ def test_flows_schedule_as_in_the_native_engine(model_dir, config, prefix):
         if a["rejected"][i] != "context_length":
             assert (a["first_token_s"][i], a["finish_s"][i]) == \
                 pytest.approx((b["first_token_s"][i], b["finish_s"][i])), i
+
+
+PRIORITY = {"queue_order": "priority"}
+PAUSE_PRIORITY = {**PRIORITY, "policy": "adaptive", "shortfall": "pause", "adaptive_quantile": 0.3,
+                  "adaptive_max_quantile": 0.3, "adaptive_min_samples": 1}
+
+
+def _both_priority(model_dir, config, watermark=0.0):
+    """The Azure excerpt with every fourth request of priority 0 and the others of
+    priority 1, under queue_order priority on vLLM's FCFS scheduler (run_vllm's) with
+    kvadmit's adapter and on the native engine model (`watermark`: vLLM's)."""
+    import dataclasses
+    import pathlib
+
+    from kvadmit.simulate.engine import run_native
+    from kvadmit.simulate.steptime import CPU_TINY
+    from kvadmit.simulate.workload import from_trace
+
+    data = pathlib.Path(__file__).resolve().parent.parent / "data"
+    w = from_trace(data / "azure2023_conv_head200.csv", limit=120, rate=1.0, max_model_len=2048,
+                   max_tokens_cap=512)
+    w = dataclasses.replace(w, priority=[0 if i % 4 == 0 else 1 for i in range(len(w))])
+    shape = EngineShape(num_blocks=80, block_size=32, max_model_len=2048, max_num_seqs=64,
+                        max_num_batched_tokens=2048, watermark=watermark)
+    cfg = AdmissionConfig.from_dict(config)
+    return w, run_vllm(w, cfg, shape, CPU_TINY, model_dir), run_native(w, cfg, shape, CPU_TINY)
+
+
+@pytest.mark.parametrize("config,watermark", [
+    (PRIORITY, 0.0), (PAUSE_PRIORITY, 0.0), (PRIORITY, 0.1),
+], ids=["auto", "adaptive-pause", "auto-watermark"])
+def test_priority_retraction_as_in_the_native_engine(model_dir, config, watermark):
+    """queue_order priority on vLLM's FCFS scheduler: the adapter displaces running
+    requests of a lower priority for a waiting one as the native engine model does
+    (before, only under vLLM's priority scheduling, so a simulated run displaced and
+    the real one did not), with the same schedule step by step; with --watermark both
+    free its blocks too before a request displaces for."""
+    w, ours, native = _both_priority(model_dir, config, watermark)
+    assert native.extra["core"]["displaced"] > 0
+    for k in ("displaced", "preempted", "admitted", "paused"):
+        assert ours.extra["core"][k] == native.extra["core"][k], k
+    for k in ("steps", "preemptions", "output_tokens", "prefill_tokens", "finished", "rejected",
+              "free_blocks_at_end", "recomputed_tokens", "batch_tokens"):
+        assert getattr(ours.totals, k) == getattr(native.totals, k), k
+    a, b = ours.per_request, native.per_request
+    assert a["preemptions"] == b["preemptions"] and a["rejected"] == b["rejected"]
+    for i in range(len(w)):
+        if a["rejected"][i] != "context_length":
+            assert (a["first_token_s"][i], a["finish_s"][i]) == \
+                pytest.approx((b["first_token_s"][i], b["finish_s"][i])), i

@@ -50,3 +50,29 @@ def test_an_equal_priority_waits_and_displaces_no_one(model_dir):
     assert eng.log.preemptions == 0
     eng.run()
     assert len(eng.log.outputs[chat]) == 20
+
+
+
+def test_a_displacement_leaves_vllms_watermark_free(model_dir):
+    """With --watermark vLLM starts a waiting request only if the watermark's blocks
+    stay free beside it while another request runs: the displacement preempts enough
+    for both (here both less important requests: after 150 tokens each holds 11
+    blocks and 10 are free; the prompt needs 13 and the watermark 9, so one victim
+    is not enough, and with none left running the watermark no longer applies), not
+    one that leaves the request waiting."""
+    eng = InProcessEngine(model_dir, scheduler_cls=Scheduler, num_blocks=33, block_size=16,
+                          max_model_len=512, additional_config={"kvadmit": {}},
+                          scheduling_policy="priority", engine_args={"watermark": 0.28})
+    kvm = eng.scheduler.kv_cache_manager
+    assert kvm.watermark_blocks == 9
+    batch = [eng.add([9 + i] * 16, 200, priority=5 + i) for i in range(2)]
+    for _ in range(151):
+        eng.step()
+    assert kvm.block_pool.get_num_free_blocks() == 10
+    chat = eng.add([3] * 200, 20, priority=0)
+    assert run_until_started(eng, chat, steps=1)
+    reqs = eng.scheduler.requests
+    assert [reqs[r].num_preemptions for r in batch] == [1, 1]
+    eng.run()
+    assert len(eng.log.outputs[chat]) == 20
+    assert all(len(eng.log.outputs[r]) == 200 for r in batch)

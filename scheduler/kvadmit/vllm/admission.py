@@ -348,13 +348,15 @@ class VllmAdmission:
             order = [by_slot[s] for s in plan.victim_order if s in by_slot]
             if len(order) == len(sched.running):
                 sched.running = order
-        if self.request_id_ties is not None or self.core.flows.on:
+        # A waiting request may take KV from running ones under queue_order priority
+        # (vLLM's priority scheduling sets it; under vLLM's FCFS a config may) or flows.
+        if self.config.queue_order == "priority" or self.core.flows.on:
             self._displace_for_waiting()
         if self.pause_plan_blocks is not None:
             self._plan_pauses(throttle_prefills)
 
     def _displace_for_waiting(self) -> None:
-        """Priority retraction (vLLM's priority scheduling) and flow displacement
+        """Priority retraction (queue_order priority) and flow displacement
         (flows on) for the waiting request the core lets start: it may start on the KV
         of running requests less important than it, or of flows over their share
         (`AdmissionCore.displaceable`). vLLM preempts only for a running request short
@@ -371,7 +373,11 @@ class VllmAdmission:
         req = self.bridge.obj(self.bridge.key(slot))
         need, hit_ids = self._prompt_need(req)
         free = pool.get_num_free_blocks()
-        if need <= free:
+        # --watermark: vLLM keeps these free beside a waiting request's blocks while
+        # another request is scheduled in the step (KVCacheManager.allocate_slots)
+        watermark = getattr(sched.kv_cache_manager, "watermark_blocks", 0)
+        target = need + (watermark if sched.running else 0)
+        if target <= free:
             return
         held = sched.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
         running = set(sched.running)
@@ -385,9 +391,10 @@ class VllmAdmission:
             # it takes it straight back (counted in its need, once cached-free)
             gain += sum(1 for b in held.get(vreq.request_id, ())
                         if b.ref_cnt == 1 and b.block_id not in hit_ids)
-            if free + gain >= need:
+            target = need + (watermark if len(chosen) < len(running) else 0)
+            if free + gain >= target:
                 break
-        if free + gain < need:
+        if free + gain < target:
             return
         now = time.monotonic()
         self.displacing = True
@@ -430,8 +437,8 @@ class VllmAdmission:
         want = compat.running_step_tokens(sched, self.step_rules, throttle_prefills)
         computed = [req.num_computed_tokens for req in running]
         held = [len(blocks.get(req.request_id, ())) for req in running]
-        # vLLM's priority scheduling: the plan pauses the lowest priorities first
-        priorities = [r.priority for r in running] if self.request_id_ties is not None else None
+        # queue_order priority: the plan pauses the lowest priorities first
+        priorities = [r.priority for r in running] if self.config.queue_order == "priority" else None
         paused = self.core.plan_shortfall(want, computed, held, self._pool.get_num_free_blocks(),
                                           sched.max_num_scheduled_tokens, sched.num_lookahead_tokens,
                                           priorities)
