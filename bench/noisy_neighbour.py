@@ -15,7 +15,9 @@ pool, one step-time model, the same requests in every run:
 Runs: the interactive requests alone, the batch requests alone, and both together
 under (a) FCFS, no flows (kvadmit's default `{}`); (b) vLLM-style priority, the
 interactive ones priority 0 and batch 1 with queue_order priority, under vLLM's own
-rule (overcommit, LIFO victim: `--scheduling-policy priority`), under SGLang's rule
+rule (overcommit, LIFO victim, displacing as kvadmit's adapter does under
+`--scheduling-policy priority`; with --model-dir, on vLLM's FCFS scheduler with
+queue_order priority), under SGLang's rule
 (the predict policy, its retraction order; the simulator has no model of SGLang's
 preemption threshold) and under kvadmit's default policy; (c) flows: interactive flow 1, batch flow 2, both priority 0,
 weight 1 (the default), under kvadmit's default policy, with head_of_line strict,
@@ -30,7 +32,8 @@ arrival window, from the engine's timeline) with batch alone.
 
 The second runs vLLM 0.32's own V1 scheduler in-process instead (fake model outputs on
 the same virtual step clock; DIR: the tiny test model, `kvadmit.vllm.tiny_model`),
-for the runs it can: alone, FCFS, vLLM's priority, flows.
+for the runs it can: alone, FCFS, vLLM's rule with priority (kvadmit's adapter on
+vLLM's FCFS scheduler, queue_order priority), flows.
 """
 from __future__ import annotations
 

@@ -61,6 +61,20 @@ def test_feature_symbols_are_checked_only_with_the_feature(model_dir, monkeypatc
             build(model_dir, **cfg)
 
 
+def test_displacement_symbols_are_checked_under_every_config(model_dir, monkeypatch):
+    """A displacement can run under any config (a request's flow header turns flows
+    on), so what it reads in vLLM is checked even without pause or priority."""
+    from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+    monkeypatch.delattr(VllmScheduler, "_request_blocks_can_be_freed")
+    with pytest.raises(compat.VllmCompatError, match=r"Scheduler._request_blocks_can_be_freed"):
+        build(model_dir, policy="overcommit", shortfall="preempt")
+    monkeypatch.undo()
+    monkeypatch.setattr(compat, "DISPLACE_MANAGER_ATTRS", ("req_to_blocks", "blocks_by_request"))
+    with pytest.raises(compat.VllmCompatError, match=r"single_type_managers\[0\].blocks_by_request "
+                       r"\(displacement\)"):
+        build(model_dir, policy="overcommit", shortfall="preempt")
+
+
 def test_a_moved_module_fails_naming_it():
     with pytest.raises(compat.VllmCompatError, match=r"vllm.v1.core.sched.gone.Scheduler \("):
         compat.import_names(("vllm.v1.core.sched.gone:Scheduler",))

@@ -375,7 +375,7 @@ class VllmAdmission:
         free = pool.get_num_free_blocks()
         # --watermark: vLLM keeps these free beside a waiting request's blocks while
         # another request is scheduled in the step (KVCacheManager.allocate_slots)
-        watermark = getattr(sched.kv_cache_manager, "watermark_blocks", 0)
+        watermark = sched.kv_cache_manager.watermark_blocks
         target = need + (watermark if sched.running else 0)
         if target <= free:
             return

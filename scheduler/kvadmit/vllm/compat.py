@@ -126,6 +126,12 @@ NATIVE_QUEUE_BLOCK_POOL_ATTRS = ("free_block_queue", "blocks", "null_block")
 PAUSE_MANAGER_PATH = ("coordinator", "single_type_managers")
 PAUSE_MANAGER_ATTRS = ("req_to_blocks",)
 PAUSE_BLOCK_ATTRS = ("ref_cnt",)
+# A displacement (queue_order priority, or flows, which a request's header turns on
+# under any config) reads the victims' blocks the same way, asks vLLM whether a
+# victim's blocks can be freed, and counts prefix hits and the watermark.
+DISPLACE_SCHEDULER_ATTRS = ("_request_blocks_can_be_freed",)
+DISPLACE_KV_CACHE_MANAGER_ATTRS = ("get_computed_blocks", "watermark_blocks")
+DISPLACE_MANAGER_ATTRS = ("req_to_blocks",)
 CONFIG_ATTRS = {   # config object -> the fields kvadmit reads
     "vllm_config": ("additional_config", "scheduler_config", "model_config", "speculative_config"),
     "scheduler_config": ("enable_chunked_prefill", "max_num_batched_tokens",
@@ -199,21 +205,23 @@ def check_scheduler(sched, queue_cls, *, native_allocator: bool, pause: bool) ->
     v = import_names(SCHEDULER_IMPORTS)
     base = next(c for c in type(sched).__mro__ if c.__module__.startswith("vllm."))
     problems = check_classes(base, v.RequestQueue, queue_cls)
-    problems += _missing_attrs(sched, SCHEDULER_ATTRS, "Scheduler")
+    problems += _missing_attrs(sched, SCHEDULER_ATTRS + DISPLACE_SCHEDULER_ATTRS, "Scheduler")
+    blocks = import_names(("vllm.v1.core.kv_cache_utils:KVCacheBlock",))
+    problems += _missing_class_attrs(blocks.KVCacheBlock, PAUSE_BLOCK_ATTRS, "KVCacheBlock")
     if pause:
         rules = step_rules(sched=sched)
         problems += _missing_attrs(sched, PAUSE_SCHEDULER_ATTRS + rules.scheduler_attrs,
                                    "Scheduler")
         problems += _missing_class_attrs(v.Request, PAUSE_REQUEST_ATTRS, "Request")
-        blocks = import_names(("vllm.v1.core.kv_cache_utils:KVCacheBlock",))
-        problems += _missing_class_attrs(blocks.KVCacheBlock, PAUSE_BLOCK_ATTRS, "KVCacheBlock")
     for owner, fields in CONFIG_ATTRS.items():
         obj = sched.vllm_config if owner == "vllm_config" else getattr(
             getattr(sched, "vllm_config", None), owner, None)
         problems += _missing_attrs(obj, fields, type(obj).__name__ if obj is not None else owner)
     kvm = getattr(sched, "kv_cache_manager", None)
     if kvm is not None:
-        problems += _missing_attrs(kvm, KV_CACHE_MANAGER_ATTRS, "KVCacheManager")
+        problems += _missing_attrs(kvm, KV_CACHE_MANAGER_ATTRS + DISPLACE_KV_CACHE_MANAGER_ATTRS,
+                                   "KVCacheManager")
+        problems += _manager_problems(kvm, DISPLACE_MANAGER_ATTRS, "displacement")
         pool = getattr(kvm, "block_pool", None)
         if pool is not None:
             problems += _missing_attrs(pool, BLOCK_POOL_ATTRS, "BlockPool")
@@ -221,7 +229,7 @@ def check_scheduler(sched, queue_cls, *, native_allocator: bool, pause: bool) ->
                 problems += _missing_attrs(pool, NATIVE_QUEUE_BLOCK_POOL_ATTRS, "BlockPool")
                 problems += _free_queue_problems(pool)
         if pause:
-            problems += _pause_manager_problems(kvm)
+            problems += _manager_problems(kvm, PAUSE_MANAGER_ATTRS, "shortfall: pause")
     if problems:
         raise _fail(problems)
     version = installed_version()
@@ -241,16 +249,17 @@ def _free_queue_problems(pool) -> list[str]:
             for n in sorted(theirs - set(dir(BlockObjectQueue)))]
 
 
-def _pause_manager_problems(kvm) -> list[str]:
+def _manager_problems(kvm, attrs, feature: str) -> list[str]:
+    """`attrs` missing on the coordinator's first KV cache manager, which `feature`
+    reads."""
     obj, path = kvm, "KVCacheManager"
     for name in PAUSE_MANAGER_PATH:
         if not hasattr(obj, name):
-            return [f"{path}.{name} (shortfall: pause)"]
+            return [f"{path}.{name} ({feature})"]
         obj, path = getattr(obj, name), f"{path}.{name}"
     if not obj:
         return []
-    return [p + " (shortfall: pause)"
-            for p in _missing_attrs(obj[0], PAUSE_MANAGER_ATTRS, f"{path}[0]")]
+    return [f"{p} ({feature})" for p in _missing_attrs(obj[0], attrs, f"{path}[0]")]
 
 
 # -- what vLLM would schedule --------------------------------------------------------
