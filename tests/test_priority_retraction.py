@@ -182,3 +182,8 @@ def test_threshold_beyond_any_priority_difference():
     core = make_core("peak", queue_order="priority")
     add_running(core, 35, 41, generated=1, priority=big)
     assert core.decide(add_waiting(core, 8, 40, priority=-big), 11) == "admit"
+
+
+def test_the_engine_models_scheduling_policy_is_checked():
+    with pytest.raises(ValueError, match=r"scheduling_policy='lifo': one of 'fcfs', 'priority'"):
+        EngineShape(num_blocks=64, scheduling_policy="lifo")

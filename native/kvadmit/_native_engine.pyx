@@ -79,6 +79,9 @@ cdef class NativeEngine:
     cdef readonly BlockAllocator allocator
     cdef int64_t _bs, _nblocks, _max_seqs, _max_active, _budget, _hash_block, _watermark
     cdef bint _chunked, _prefix, _full_input
+    # vLLM's --scheduling-policy priority: vLLM keeps its running order and picks its
+    # own victim (the largest priority value, then the latest arrival)
+    cdef bint _vllm_priority
     cdef double _step_a_s, _step_b_s, _step_c_s, _sample_dt
     # requests, by index in arrival order
     cdef vector[double] _arr
@@ -126,7 +129,7 @@ cdef class NativeEngine:
                  bint prefix_caching=False, double step_a=0.0, double step_b=0.0,
                  double step_c=0.0, int64_t hash_block_tokens=0, double sample_interval_s=1.0,
                  bint reserve_full_input=True, int64_t watermark_blocks=0,
-                 int64_t max_num_active_seqs=0):
+                 int64_t max_num_active_seqs=0, bint vllm_priority_policy=False):
         # The core checks the pool's numbers first (the checks below divide by block_size).
         self.core = AdmissionCore(config, num_blocks, block_size, max_model_len)
         self.allocator = BlockAllocator(num_blocks)
@@ -161,6 +164,7 @@ cdef class NativeEngine:
         self._max_seqs = max_num_seqs
         self._max_active = max_num_active_seqs if max_num_active_seqs > 0 else max_num_seqs
         self._watermark = watermark_blocks
+        self._vllm_priority = vllm_priority_policy
         self._budget = max_num_batched_tokens
         self._chunked = chunked_prefill
         self._prefix = prefix_caching
@@ -468,11 +472,28 @@ cdef class NativeEngine:
         kvadmit's vLLM adapter puts vLLM's before each step: the step serves them in
         that order and the pause plan reads it. Admission order under lifo, unless
         priority classes or flows over their share move a request back."""
+        if self._vllm_priority:
+            return                # vLLM's priority scheduling keeps its own order
         if not self.core.c_victim_order(self._order) or self._order.size() != self._running.size():
             return
         cdef size_t i
         for i in range(self._order.size()):
             self._running[i] = self._slot_req[self._order[i]]
+
+    cdef int32_t _priority_victim(self) noexcept nogil:
+        """vLLM's victim under its priority scheduling: the running request with the
+        largest (priority, arrival time), the later of equal ones (vLLM stamps its
+        arrivals in the order they come)."""
+        cdef int32_t r, best = self._running[0]
+        cdef size_t i
+        for i in range(1, self._running.size()):
+            r = self._running[i]
+            if self._rec[r].priority > self._rec[best].priority or (
+                    self._rec[r].priority == self._rec[best].priority
+                    and (self._arr[r] > self._arr[best]
+                         or (self._arr[r] == self._arr[best] and r > best))):
+                best = r
+        return best
 
     cdef void _mark_paused(self) noexcept nogil:
         """The running requests the core's pause plan skips this step."""
@@ -501,8 +522,8 @@ cdef class NativeEngine:
             if n > budget[0]:
                 n = budget[0]
             while not self._grow(r, self._computed[r] + n):
-                v = self.core.c_victim()
-                v = self._slot_req[v]
+                v = self._priority_victim() if self._vllm_priority \
+                    else self._slot_req[self.core.c_victim()]
                 if self._preempt(v, budget, False) < i:
                     i -= 1        # an earlier, already scheduled request went
                 preempted = True

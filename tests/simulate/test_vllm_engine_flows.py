@@ -101,10 +101,11 @@ PAUSE_PRIORITY = {**PRIORITY, "policy": "adaptive", "shortfall": "pause", "adapt
                   "adaptive_max_quantile": 0.3, "adaptive_min_samples": 1}
 
 
-def _both_priority(model_dir, config, watermark=0.0):
+def _both_priority(model_dir, config, watermark=0.0, policy="fcfs"):
     """The Azure excerpt with every fourth request of priority 0 and the others of
-    priority 1, under queue_order priority on vLLM's FCFS scheduler (run_vllm's) with
-    kvadmit's adapter and on the native engine model (`watermark`: vLLM's)."""
+    priority 1, under queue_order priority on vLLM's scheduler (`policy`: its
+    --scheduling-policy) with kvadmit's adapter and on the native engine model
+    (`watermark`: vLLM's)."""
     import dataclasses
     import pathlib
 
@@ -117,21 +118,27 @@ def _both_priority(model_dir, config, watermark=0.0):
                    max_tokens_cap=512)
     w = dataclasses.replace(w, priority=[0 if i % 4 == 0 else 1 for i in range(len(w))])
     shape = EngineShape(num_blocks=80, block_size=32, max_model_len=2048, max_num_seqs=64,
-                        max_num_batched_tokens=2048, watermark=watermark)
+                        max_num_batched_tokens=2048, watermark=watermark,
+                        scheduling_policy=policy)
     cfg = AdmissionConfig.from_dict(config)
     return w, run_vllm(w, cfg, shape, CPU_TINY, model_dir), run_native(w, cfg, shape, CPU_TINY)
 
 
-@pytest.mark.parametrize("config,watermark", [
-    (PRIORITY, 0.0), (PAUSE_PRIORITY, 0.0), (PRIORITY, 0.1),
-], ids=["auto", "adaptive-pause", "auto-watermark"])
-def test_priority_retraction_as_in_the_native_engine(model_dir, config, watermark):
+@pytest.mark.parametrize("config,watermark,policy", [
+    (PRIORITY, 0.0, "fcfs"), (PAUSE_PRIORITY, 0.0, "fcfs"), (PRIORITY, 0.1, "fcfs"),
+    ({}, 0.0, "priority"), (PAUSE_PRIORITY, 0.0, "priority"),
+], ids=["auto", "adaptive-pause", "auto-watermark", "vllm-priority-auto",
+        "vllm-priority-adaptive-pause"])
+def test_priority_retraction_as_in_the_native_engine(model_dir, config, watermark, policy):
     """queue_order priority on vLLM's FCFS scheduler: the adapter displaces running
     requests of a lower priority for a waiting one as the native engine model does
     (before, only under vLLM's priority scheduling, so a simulated run displaced and
     the real one did not), with the same schedule step by step; with --watermark both
-    free its blocks too before a request displaces for."""
-    w, ours, native = _both_priority(model_dir, config, watermark)
+    free its blocks too before a request displaces for. Under vLLM's
+    --scheduling-policy priority (the empty config: the adapter sets queue_order
+    priority) the model keeps vLLM's running order and takes vLLM's victim (the
+    largest priority value, then the latest arrival)."""
+    w, ours, native = _both_priority(model_dir, config, watermark, policy)
     assert native.extra["core"]["displaced"] > 0
     for k in ("displaced", "preempted", "admitted", "paused"):
         assert ours.extra["core"][k] == native.extra["core"][k], k

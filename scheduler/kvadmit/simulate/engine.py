@@ -30,6 +30,7 @@ class EngineShape:
     reserve_full_input: bool = True     # vLLM's scheduler_reserve_full_isl: admit only if the whole input fits
     watermark: float = 0.0  # vLLM's --watermark: share of the pool kept free at admission
     max_num_active_seqs: int = 0        # vLLM's --max-num-active-seqs: admission stops here (0: max_num_seqs)
+    scheduling_policy: str = "fcfs"     # vLLM's --scheduling-policy: fcfs or priority
 
     def __post_init__(self) -> None:
         for k, lo in (("num_blocks", 1), ("block_size", 1), ("max_model_len", 1),
@@ -38,6 +39,9 @@ class EngineShape:
                 raise ValueError(f"{k}={getattr(self, k)}: must be >= {lo}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark={self.watermark}: must be in [0, 1) (vLLM's range)")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r}: one of 'fcfs', "
+                             f"'priority' (vLLM's --scheduling-policy)")
         if not 0 <= self.max_num_active_seqs <= self.max_num_seqs:
             raise ValueError(f"max_num_active_seqs={self.max_num_active_seqs}: must be in "
                              f"[0, max_num_seqs={self.max_num_seqs}] (0: max_num_seqs)")
@@ -71,6 +75,9 @@ def native_engine(workload: Workload, config: AdmissionConfig, shape: EngineShap
     """A NativeEngine of this shape and step time, for this workload's prefix ids
     (no requests added yet): run_native's and the fleet's instances."""
     workload.check_block_size(shape.block_size)
+    if shape.scheduling_policy == "priority" and config.queue_order != "priority":
+        # as kvadmit's vLLM adapter fits it: vLLM's priority order is the queue's
+        config = config.replace(queue_order="priority")
     if sample_interval_s is None:
         sample_interval_s = workload.sample_interval_s()
     return NativeEngine(config, shape.num_blocks, shape.block_size, shape.max_model_len,
@@ -81,7 +88,8 @@ def native_engine(workload: Workload, config: AdmissionConfig, shape: EngineShap
                         sample_interval_s=sample_interval_s,
                         reserve_full_input=shape.reserve_full_input,
                         watermark_blocks=shape.watermark_blocks,
-                        max_num_active_seqs=shape.max_num_active_seqs)
+                        max_num_active_seqs=shape.max_num_active_seqs,
+                        vllm_priority_policy=shape.scheduling_policy == "priority")
 
 
 def run_native(workload: Workload, config: AdmissionConfig, shape: EngineShape,

@@ -459,7 +459,7 @@ def _in_process_engine(config: AdmissionConfig | None, shape: EngineShape, model
     from kvadmit.vllm.inprocess import InProcessEngine
 
     engine_args = dict(engine_args or {})
-    policy = engine_args.pop("scheduling_policy", "fcfs")      # InProcessEngine's own argument
+    policy = engine_args.pop("scheduling_policy", shape.scheduling_policy)   # InProcessEngine's own argument
     engine_args.setdefault("scheduler_reserve_full_isl", shape.reserve_full_input)
     engine_args.setdefault("watermark", shape.watermark)
     if shape.max_num_active_seqs:
