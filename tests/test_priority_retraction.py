@@ -6,7 +6,7 @@ tests/vllm/test_upstream_priority.py)."""
 import pytest
 
 from helpers import add_running, add_waiting, make_core
-from kvadmit import AdmissionConfig
+from kvadmit import AdmissionConfig, ArrivalRecord
 from kvadmit.simulate.engine import EngineShape, run_native
 from kvadmit.simulate.steptime import CPU_TINY
 from kvadmit.simulate.workload import Workload
@@ -187,3 +187,13 @@ def test_threshold_beyond_any_priority_difference():
 def test_the_engine_models_scheduling_policy_is_checked():
     with pytest.raises(ValueError, match=r"scheduling_policy='lifo': one of 'fcfs', 'priority'"):
         EngineShape(num_blocks=64, scheduling_policy="lifo")
+
+
+def test_a_request_may_take_kv_only_under_priority_or_flows():
+    """The core's one rule the engines ask before displacing (AdmissionCore.may_take_kv):
+    queue_order priority, or flows once a flow id has arrived; not plain FCFS."""
+    assert make_core("auto", queue_order="priority").may_take_kv()
+    core = make_core("auto")
+    assert not core.may_take_kv()
+    core.arrive(ArrivalRecord(8, 4, flow=1), now=0.0)
+    assert core.may_take_kv()

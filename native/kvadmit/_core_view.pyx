@@ -67,6 +67,12 @@ cdef class CoreView:
         """Running slots from most protected to first victim (the last one goes first)."""
         return victim_order(self.ledger, self._victim, self._victim_by_priority, self._over_share())
 
+    def may_take_kv(self):
+        """Whether a waiting request may take KV from running ones now: under
+        queue_order "priority" (priority retraction) or flows (displacement, on once a
+        flow id arrives). Where not, `displaceable` is always empty."""
+        return self.decision.c_may_take_kv()
+
     def displaceable(self, int64_t slot):
         """The running requests the waiting request `slot` may take KV from, first
         victim first (kvadmit._decision's c_mark_takeable): under queue_order

@@ -560,12 +560,10 @@ cdef class NativeEngine:
         self.core.c_displaceable(s, victims)
         if victims.empty():
             return False
-        cdef int64_t gain = 0, free = self.allocator.c_num_free(), target = need
+        cdef int64_t gain = 0, free = self.allocator.c_num_free()
         cdef size_t k, j, chosen = 0
         cdef int32_t v, b
         for k in range(victims.size()):
-            # the watermark while a running request stays (vLLM's has_scheduled_reqs)
-            target = need + (self._watermark if k + 1 < self._running.size() else 0)
             v = self._slot_req[victims[k]]
             for j in range(self._blocks[v].size()):
                 b = self._blocks[v][j]
@@ -574,13 +572,19 @@ cdef class NativeEngine:
                 if self.allocator.c_ref_count(b) == 1 and not self._is_hit(b):
                     gain += 1
             chosen = k + 1
-            if free + gain >= target:
+            if free + gain >= need + self._watermark_beside(self._running.size() - chosen):
                 break
-        if free + gain < target:
+        if free + gain < need + self._watermark_beside(self._running.size() - chosen):
             return False
         for k in range(chosen):
             self._preempt(self._slot_req[victims[k]], budget, True)
         return True
+
+    cdef inline int64_t _watermark_beside(self, size_t running) noexcept nogil:
+        """The blocks --watermark keeps free beside a waiting request's when it starts
+        with `running` requests running (vLLM's allocate_slots: while another request
+        is scheduled in the step)."""
+        return self._watermark if running > 0 else 0
 
     cdef int64_t _prompt_need(self, int32_t r, int64_t tokens, int64_t budget, int64_t* hits,
                               int64_t* fresh, int64_t* n) noexcept nogil:
@@ -616,8 +620,8 @@ cdef class NativeEngine:
         cdef int64_t hits, fresh, n
         cdef int64_t need = self._prompt_need(r, self._prompt[r] + self._gen[r], budget[0],
                                               &hits, &fresh, &n)
-        cdef int64_t watermark = self._watermark if not self._running.empty() else 0
-        if need + watermark > self.allocator.c_num_free() and self._displace_for(s, need, budget):
+        if need + self._watermark_beside(self._running.size()) > self.allocator.c_num_free() \
+                and self._displace_for(s, need, budget):
             self._pinned = s
 
     cdef void _schedule_waiting(self, int64_t* budget) noexcept nogil:
@@ -636,9 +640,8 @@ cdef class NativeEngine:
                 break
             r = self._slot_req[s]
             tokens = self._prompt[r] + self._gen[r]
-            # --watermark keeps that many blocks free once anything runs
             need = self._prompt_need(r, tokens, budget[0], &hits, &fresh, &n) \
-                + (self._watermark if not self._running.empty() else 0)
+                + self._watermark_beside(self._running.size())
             c0 = hits * self._bs
             if n > budget[0]:
                 break                 # no chunked prefill: the whole prompt waits for a step

@@ -348,9 +348,7 @@ class VllmAdmission:
             order = [by_slot[s] for s in plan.victim_order if s in by_slot]
             if len(order) == len(sched.running):
                 sched.running = order
-        # A waiting request may take KV from running ones under queue_order priority
-        # (vLLM's priority scheduling sets it; under vLLM's FCFS a config may) or flows.
-        if self.config.queue_order == "priority" or self.core.flows.on:
+        if self.core.may_take_kv():
             self._displace_for_waiting()
         if self.pause_plan_blocks is not None:
             self._plan_pauses(throttle_prefills)
@@ -373,14 +371,17 @@ class VllmAdmission:
         req = self.bridge.obj(self.bridge.key(slot))
         need, hit_ids = self._prompt_need(req)
         free = pool.get_num_free_blocks()
-        # --watermark: vLLM keeps these free beside a waiting request's blocks while
-        # another request is scheduled in the step (KVCacheManager.allocate_slots)
+        running = set(sched.running)
         watermark = sched.kv_cache_manager.watermark_blocks
-        target = need + (watermark if sched.running else 0)
-        if target <= free:
+
+        def target(n_chosen: int) -> int:
+            # --watermark: vLLM keeps these free beside a waiting request's blocks while
+            # another request is scheduled in the step (KVCacheManager.allocate_slots)
+            return need + (watermark if n_chosen < len(running) else 0)
+
+        if target(0) <= free:
             return
         held = sched.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
-        running = set(sched.running)
         chosen, gain = [], 0
         for v in victims:
             vreq = self.bridge.obj(self.bridge.key(v))
@@ -391,10 +392,9 @@ class VllmAdmission:
             # it takes it straight back (counted in its need, once cached-free)
             gain += sum(1 for b in held.get(vreq.request_id, ())
                         if b.ref_cnt == 1 and b.block_id not in hit_ids)
-            target = need + (watermark if len(chosen) < len(running) else 0)
-            if free + gain >= target:
+            if free + gain >= target(len(chosen)):
                 break
-        if free + gain < target:
+        if free + gain < target(len(chosen)):
             return
         now = time.monotonic()
         self.displacing = True

@@ -120,15 +120,15 @@ KV_CACHE_MANAGER_ATTRS = ("block_pool", "enable_caching", "prefix_cache_lookup_e
 BLOCK_POOL_ATTRS = ("get_num_free_blocks", "num_gpu_blocks")
 # native_allocator: the pool's free-block queue kvadmit replaces, and what it reads there.
 NATIVE_QUEUE_BLOCK_POOL_ATTRS = ("free_block_queue", "blocks", "null_block")
-# The pause plan (and policy auto's shared-prefix count) reads a request's blocks in the
-# coordinator's one full-attention manager:
+# The pause plan, a displacement (and policy auto's shared-prefix count) read a
+# request's blocks in the coordinator's one full-attention manager:
 # kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks, and their ref_cnt.
-PAUSE_MANAGER_PATH = ("coordinator", "single_type_managers")
+MANAGER_PATH = ("coordinator", "single_type_managers")
 PAUSE_MANAGER_ATTRS = ("req_to_blocks",)
-PAUSE_BLOCK_ATTRS = ("ref_cnt",)
+BLOCK_ATTRS = ("ref_cnt",)
 # A displacement (queue_order priority, or flows, which a request's header turns on
-# under any config) reads the victims' blocks the same way, asks vLLM whether a
-# victim's blocks can be freed, and counts prefix hits and the watermark.
+# under any config) also asks vLLM whether a victim's blocks can be freed, and counts
+# prefix hits and the watermark.
 DISPLACE_SCHEDULER_ATTRS = ("_request_blocks_can_be_freed",)
 DISPLACE_KV_CACHE_MANAGER_ATTRS = ("get_computed_blocks", "watermark_blocks")
 DISPLACE_MANAGER_ATTRS = ("req_to_blocks",)
@@ -207,7 +207,7 @@ def check_scheduler(sched, queue_cls, *, native_allocator: bool, pause: bool) ->
     problems = check_classes(base, v.RequestQueue, queue_cls)
     problems += _missing_attrs(sched, SCHEDULER_ATTRS + DISPLACE_SCHEDULER_ATTRS, "Scheduler")
     blocks = import_names(("vllm.v1.core.kv_cache_utils:KVCacheBlock",))
-    problems += _missing_class_attrs(blocks.KVCacheBlock, PAUSE_BLOCK_ATTRS, "KVCacheBlock")
+    problems += _missing_class_attrs(blocks.KVCacheBlock, BLOCK_ATTRS, "KVCacheBlock")
     if pause:
         rules = step_rules(sched=sched)
         problems += _missing_attrs(sched, PAUSE_SCHEDULER_ATTRS + rules.scheduler_attrs,
@@ -253,7 +253,7 @@ def _manager_problems(kvm, attrs, feature: str) -> list[str]:
     """`attrs` missing on the coordinator's first KV cache manager, which `feature`
     reads."""
     obj, path = kvm, "KVCacheManager"
-    for name in PAUSE_MANAGER_PATH:
+    for name in MANAGER_PATH:
         if not hasattr(obj, name):
             return [f"{path}.{name} ({feature})"]
         obj, path = getattr(obj, name), f"{path}.{name}"
