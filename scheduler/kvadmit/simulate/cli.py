@@ -62,6 +62,10 @@ def add_parser(sub) -> None:
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--prefix-caching", action="store_true",
                    help="reuse KV of shared prefixes (Mooncake hash_ids, agent sessions)")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="vLLM's --scheduling-policy: priority orders the queue by each "
+                   "request's priority (the workload's column; mixed: interactive 0, batch 1) "
+                   "and preempts the least important first, for every row")
     p.add_argument("--policies", nargs="+", metavar="POLICY",
                    help=f"built-in ({', '.join(BUILTIN)}) or NAME=JSON with kvadmit keys "
                    f"(default: all built-in; with --instances: vllm-default and auto)")
@@ -129,7 +133,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks or step.num_blocks, block_size=args.block_size or step.block_size,
         max_model_len=args.max_model_len or step.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        chunked_prefill=not args.no_chunked_prefill, prefix_caching=args.prefix_caching)
+        chunked_prefill=not args.no_chunked_prefill, prefix_caching=args.prefix_caching,
+        scheduling_policy=args.scheduling_policy)
     base = AdmissionConfig.from_json(args.config) if args.config else AdmissionConfig()
     if args.instances is not None:
         from kvadmit.simulate.fleet_cli import check_fleet_args
@@ -149,7 +154,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
           f"{shape.num_blocks} blocks x {shape.block_size} tokens; max_model_len "
           f"{shape.max_model_len}; max_num_seqs {shape.max_num_seqs}; token budget "
           f"{shape.max_num_batched_tokens}{'' if shape.chunked_prefill else ', no chunked prefill'}"
-          f"{', prefix caching' if shape.prefix_caching else ''}")
+          f"{', prefix caching' if shape.prefix_caching else ''}"
+          f"{', priority scheduling' if shape.scheduling_policy == 'priority' else ''}")
     if workload.ttft_slo_s is not None:
         print("SLO: each request's own TTFT and TPOT targets; goodput = share of all requests "
               "meeting both")
