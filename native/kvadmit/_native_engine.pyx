@@ -130,7 +130,12 @@ cdef class NativeEngine:
                  double step_c=0.0, int64_t hash_block_tokens=0, double sample_interval_s=1.0,
                  bint reserve_full_input=True, int64_t watermark_blocks=0,
                  int64_t max_num_active_seqs=0, bint vllm_priority_policy=False):
-        # The core checks the pool's numbers first (the checks below divide by block_size).
+        from kvadmit.vllm.fit import fit_to_vllm
+        # The config as kvadmit's vLLM scheduler runs it on an engine of this shape. The
+        # core checks the pool's numbers first (the checks below divide by block_size).
+        config = fit_to_vllm(config, chunked_prefill=chunked_prefill,
+                             max_num_batched_tokens=max_num_batched_tokens,
+                             priority_scheduling=vllm_priority_policy)
         self.core = AdmissionCore(config, num_blocks, block_size, max_model_len)
         self.allocator = BlockAllocator(num_blocks)
         self._pinned = -1

@@ -75,9 +75,6 @@ def native_engine(workload: Workload, config: AdmissionConfig, shape: EngineShap
     """A NativeEngine of this shape and step time, for this workload's prefix ids
     (no requests added yet): run_native's and the fleet's instances."""
     workload.check_block_size(shape.block_size)
-    if shape.scheduling_policy == "priority" and config.queue_order != "priority":
-        # as kvadmit's vLLM adapter fits it: vLLM's priority order is the queue's
-        config = config.replace(queue_order="priority")
     if sample_interval_s is None:
         sample_interval_s = workload.sample_interval_s()
     return NativeEngine(config, shape.num_blocks, shape.block_size, shape.max_model_len,

@@ -42,6 +42,7 @@ from kvadmit.config import AdmissionConfig, ConfigError, json_object, section_fr
 from kvadmit.protocol import PREFIX as STOP_REASON_PREFIX  # noqa: F401
 from kvadmit.vllm import compat
 from kvadmit.vllm.admission import RequestIdTies, VllmAdmission  # noqa: F401 - RequestIdTies re-exported
+from kvadmit.vllm.fit import fit_to_vllm
 from kvadmit.vllm.settings import VllmSettings
 
 # vLLM's (private) names, imported through compat: a moved one fails naming itself.
@@ -191,16 +192,14 @@ class _KvadmitMixin:
         """The configuration as this engine runs it: its prefill chunk, vLLM's priority
         order, and shortfall "auto" resolved for the model's KV layout."""
         sched_cfg = self.vllm_config.scheduler_config
-        if cfg.prefill_chunk_tokens == 0 and sched_cfg.enable_chunked_prefill:
-            # Long prompts take several steps to prefill: extend the KV curves by them.
-            cfg = cfg.replace(prefill_chunk_tokens=sched_cfg.max_num_batched_tokens)
-        if self.policy == SchedulingPolicy.PRIORITY:
-            if cfg.queue_order != "priority":
-                cfg = cfg.replace(queue_order="priority")
-            if cfg.victim != "priority":
-                logger.warning("vLLM's priority scheduling picks its own victim (highest "
-                               "priority value, latest arrival); kvadmit victim=%r is not used",
-                               cfg.victim)
+        priority = self.policy == SchedulingPolicy.PRIORITY
+        cfg = fit_to_vllm(cfg, chunked_prefill=sched_cfg.enable_chunked_prefill,
+                          max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
+                          priority_scheduling=priority)
+        if priority and cfg.victim != "priority":
+            logger.warning("vLLM's priority scheduling picks its own victim (highest "
+                           "priority value, latest arrival); kvadmit victim=%r is not used",
+                           cfg.victim)
         if cfg.pause_on_shortfall and not self._kvadmit_single_full_attention_group():
             if cfg.shortfall == "pause":
                 groups = self.kv_cache_config.kv_cache_groups
