@@ -635,13 +635,16 @@ cdef class NativeEngine:
         their blocks fit (prefix hits first)."""
         cdef int64_t n, tokens, hits, fresh, j, c0, need
         cdef int32_t r, s, b
-        while budget[0] > 0 and <int64_t>self._running.size() < self._max_active:
+        while budget[0] > 0:
             if self._pinned >= 0 and self.core.ledger.state(self._pinned) == ST_WAITING:
                 s = self._pinned      # the one this step displaced for
             else:
+                # vLLM looks at its waiting queue (the core's scan) before it checks
+                # max_num_seqs: the scan's holds count (a held request saturates the
+                # pool, and sheddable ones are shed) even when no request may start.
                 s = self.core.c_next_admissible(self.allocator.c_num_free(), False)
             self._pinned = -1
-            if s < 0:
+            if s < 0 or <int64_t>self._running.size() >= self._max_active:
                 break
             r = self._slot_req[s]
             tokens = self._prompt[r] + self._gen[r]

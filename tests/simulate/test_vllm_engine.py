@@ -391,3 +391,26 @@ def test_prompts_longer_than_the_token_budget_match_the_native_engine(model_dir,
         assert native.totals.preemptions == 0
     a, b = ours.per_request, native.per_request
     assert a["first_token_s"] + a["finish_s"] == pytest.approx(b["first_token_s"] + b["finish_s"])
+
+
+def test_sheddable_requests_are_shed_as_vllm_sheds_them_at_max_num_seqs(model_dir):
+    """vLLM looks at its waiting queue (kvadmit's scan) before it checks max_num_seqs,
+    so with the running set full the scan still holds the next request that does not
+    fit, the pool counts as saturated and the sheddable requests are shed (GIE's rule).
+    The engine model scans in the same order: the same refusals. Before, it stopped at
+    max_num_seqs without a scan, and served the two sheddable requests."""
+    from kvadmit.simulate.engine import run_native
+    # two 1-token requests, two sheddable ones, then three whose reserve (prompt +
+    # max_tokens) fills the 12 blocks: the fourth running request fills max_num_seqs
+    prompts, outs = [1] * 7, [1, 1, 1, 1, 12, 28, 28]
+    w = Workload("shed-at-max-seqs", arrival_s=[0.0] * 7, prompt_tokens=prompts,
+                 output_tokens=outs, max_tokens=[o + (20 if o > 1 else 0) for o in outs],
+                 sheddable=[False, False, True, True, False, False, False])
+    shape = EngineShape(num_blocks=12, block_size=16, max_model_len=160, max_num_seqs=4,
+                        max_num_batched_tokens=256)
+    step = StepTimeModel(a=0.01, b=0.0005, c=0.0)
+    cfg = AdmissionConfig(policy="reserve")
+    ours, native = run_vllm(w, cfg, shape, step, model_dir), run_native(w, cfg, shape, step)
+    assert ours.per_request["rejected"] == [None, None, "shed", "shed", None, None, None]
+    assert native.per_request["rejected"] == ours.per_request["rejected"]
+    assert native.per_request["finish_s"] == pytest.approx(ours.per_request["finish_s"])
