@@ -414,3 +414,22 @@ def test_sheddable_requests_are_shed_as_vllm_sheds_them_at_max_num_seqs(model_di
     assert ours.per_request["rejected"] == [None, None, "shed", "shed", None, None, None]
     assert native.per_request["rejected"] == ours.per_request["rejected"]
     assert native.per_request["finish_s"] == pytest.approx(ours.per_request["finish_s"])
+
+
+def test_a_request_preempting_itself_ends_the_steps_running_requests_as_in_vllm(model_dir):
+    """Under vLLM's priority scheduling a running request that finds no block preempts
+    the least important running request; when that is itself, vLLM schedules no later
+    running request in that step (its running loop breaks), though later ones may be
+    of higher priority. The engine model does the same: the same schedule. Before,
+    it went on to schedule them (a step's tokens more, the times one step apart)."""
+    from kvadmit.simulate.engine import run_native
+    w = Workload("self-victim", arrival_s=[0.0, 0.0, 0.0, 0.02], prompt_tokens=[14, 14, 46, 1],
+                 output_tokens=[4, 4, 4, 3], max_tokens=[4, 4, 4, 3], priority=[0, 0, 1, 0])
+    shape = EngineShape(num_blocks=8, block_size=16, max_model_len=128, max_num_seqs=8,
+                        max_num_batched_tokens=256, scheduling_policy="priority")
+    step = StepTimeModel(a=0.01, b=0.0005, c=0.0)
+    cfg = AdmissionConfig(policy="overcommit")
+    ours, native = run_vllm(w, cfg, shape, step, model_dir), run_native(w, cfg, shape, step)
+    assert ours.totals.preemptions == native.totals.preemptions > 0
+    assert ours.totals.steps == native.totals.steps
+    assert native.per_request["finish_s"] == pytest.approx(ours.per_request["finish_s"])
