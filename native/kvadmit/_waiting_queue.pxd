@@ -104,8 +104,10 @@ cdef class WaitingQueue:
 
     cdef inline bint c_saturated(self) noexcept nogil:
         """Whether the latest scan held a request that is not sheddable: the pool is
-        saturated for it, and sheddable work gives way (queue, arrivals)."""
-        return self._saturated
+        saturated for it, and sheddable work gives way (queue, arrivals). Not once no
+        request that is not sheddable waits: the held one has started or left, whether
+        or not the engine scanned since (vLLM does not look at an empty queue)."""
+        return self._saturated and <int64_t>self._waiting.size() > self._n_sheddable
 
     cdef inline bint _agent_held(self, int32_t s) noexcept nogil:
         return self.agent_window.c_holds(self.ledger.session(s))

@@ -433,3 +433,28 @@ def test_a_request_preempting_itself_ends_the_steps_running_requests_as_in_vllm(
     assert ours.totals.preemptions == native.totals.preemptions > 0
     assert ours.totals.steps == native.totals.steps
     assert native.per_request["finish_s"] == pytest.approx(ours.per_request["finish_s"])
+
+
+def test_a_sheddable_request_is_not_shed_once_no_held_request_waits(model_dir):
+    """The saturation a held request meant (sheddable work gives way) ends when no
+    request that is not sheddable waits any more, whether or not the engine looked at
+    its queue since. vLLM does not look at an empty queue: a request held at 0.1 s and
+    expired at 0.2 s left the flag set, and a sheddable request arriving at an idle
+    engine at 1 s was shed on vLLM (served by the engine model, which looks every
+    step). Now both serve it."""
+    from kvadmit.simulate.engine import run_native
+    n = 17
+    prompts = [1] * 13 + [53, 57, 1, 1]
+    outs = [1] * 13 + [40, 40, 16, 1]
+    w = Workload("stale-saturation", arrival_s=[0.0] * 16 + [1.0], prompt_tokens=prompts,
+                 output_tokens=outs, max_tokens=[o + (20 if p == 53 else 0)
+                                                 for p, o in zip(prompts, outs)],
+                 sheddable=[False] * 16 + [True], ttl_s=[-1.0] * 15 + [0.2, -1.0])
+    shape = EngineShape(num_blocks=16, block_size=16, max_model_len=160, max_num_seqs=4,
+                        max_num_batched_tokens=64)
+    step = StepTimeModel(a=0.01, b=0.0005, c=0.0)
+    cfg = AdmissionConfig(policy="reserve")
+    ours, native = run_vllm(w, cfg, shape, step, model_dir), run_native(w, cfg, shape, step)
+    assert ours.per_request["rejected"][15:] == ["expired", None]
+    assert native.per_request["rejected"] == ours.per_request["rejected"]
+    assert ours.totals.finished == native.totals.finished == n - 1
