@@ -513,8 +513,7 @@ cdef class NativeEngine:
     cdef bint _schedule_running(self, int64_t* budget) noexcept nogil:
         """1. Running requests, in the core's victim order, take their tokens from the
         budget; one whose blocks do not fit preempts the core's victims until they
-        do, or until it is the victim, which ends the step's running requests, as in
-        vLLM. True if anything was preempted."""
+        do (or it is the victim). True if anything was preempted."""
         cdef size_t i = 0, k
         cdef int32_t r, v
         cdef int64_t n
@@ -536,10 +535,10 @@ cdef class NativeEngine:
                 if v == r:
                     break
             if self._rstate[r] != RQ_RUNNING:
-                # r itself was the victim: vLLM schedules no later running request
-                # this step (under FCFS r is the last; under its priority scheduling
-                # later ones, of higher priority, wait a step too)
-                break
+                # r itself was the victim. Under FCFS it is the last; under vLLM's
+                # priority scheduling the later ones are more important and may still
+                # fit: vLLM 0.33 schedules them (0.32 ended the loop here)
+                continue
             self._sched[r] = n
             self._scheduled.push_back(r)
             budget[0] -= n

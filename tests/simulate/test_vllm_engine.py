@@ -25,6 +25,13 @@ def azure():
                       max_tokens_cap=512)
 
 
+def _vllm_before(version: str) -> bool:
+    from packaging.version import Version
+
+    from vllm import __version__
+    return Version(__version__) < Version(version)
+
+
 AZURE_SHAPE = EngineShape(num_blocks=80, block_size=32, max_model_len=2048, max_num_seqs=64,
                           max_num_batched_tokens=2048)
 
@@ -416,12 +423,15 @@ def test_sheddable_requests_are_shed_as_vllm_sheds_them_at_max_num_seqs(model_di
     assert native.per_request["finish_s"] == pytest.approx(ours.per_request["finish_s"])
 
 
-def test_a_request_preempting_itself_ends_the_steps_running_requests_as_in_vllm(model_dir):
+@pytest.mark.xfail(_vllm_before("0.33"), strict=True,
+                   reason="vLLM 0.32 ends the step's running requests when one preempts itself "
+                          "under priority scheduling; 0.33 schedules the later ones, as the model")
+def test_a_request_preempting_itself_leaves_the_later_ones_running_as_in_vllm(model_dir):
     """Under vLLM's priority scheduling a running request that finds no block preempts
-    the least important running request; when that is itself, vLLM schedules no later
-    running request in that step (its running loop breaks), though later ones may be
-    of higher priority. The engine model does the same: the same schedule. Before,
-    it went on to schedule them (a step's tokens more, the times one step apart)."""
+    the least important running request; when that is itself, vLLM 0.33 goes on to
+    the later running requests (more important, and they may still fit), as the
+    engine model does: the same schedule. vLLM 0.32 ended the step's running loop
+    there (a step's tokens fewer, the times one step apart): a strict xfail on 0.32."""
     from kvadmit.simulate.engine import run_native
     w = Workload("self-victim", arrival_s=[0.0, 0.0, 0.0, 0.02], prompt_tokens=[14, 14, 46, 1],
                  output_tokens=[4, 4, 4, 3], max_tokens=[4, 4, 4, 3], priority=[0, 0, 1, 0])
