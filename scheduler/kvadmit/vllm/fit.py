@@ -1,8 +1,9 @@
 """The kvadmit configuration as a vLLM engine of a given shape runs it.
 
 One function for kvadmit's vLLM scheduler and the simulator's engine model of vLLM
-(`kvadmit._native.NativeEngine`, which fits its config with it), so that a simulated run and a real one
-make the same decisions from the same config. Imports nothing from vLLM.
+(`kvadmit._native.NativeEngine`, which fits its config with it), so that a simulated
+run and a real one make the same decisions from the same config. Imports nothing
+from vLLM.
 """
 from __future__ import annotations
 
