@@ -20,7 +20,7 @@ from kvadmit.simulate.workload import Workload, synthetic
 STEP = StepTimeModel(0.01, 1e-5, 0.0)
 SHAPE = EngineShape(num_blocks=64, block_size=16, max_model_len=1024, max_num_seqs=64,
                     max_num_batched_tokens=1024)
-AZURE = "../shared/traces/azure2023_conv.csv"
+AZURE = "azure2023_conv"   # the bundled trace: a clone without ../shared runs these
 
 
 def fleet(policies, router, **kw):

@@ -11,7 +11,6 @@ from kvadmit.simulate.scorecard import (Case, azure_burst, equal_burst, score, t
 from kvadmit.simulate.steptime import CPU_TINY
 
 DATA = pathlib.Path(__file__).resolve().parent.parent / "data"
-TRACES = pathlib.Path(__file__).resolve().parents[3] / "shared" / "traces"
 CONFIGS = ["vllm-default", "vllm-watermark=0.05", "vllm-watermark=0.1", "peak", "default={}"]
 
 
@@ -57,11 +56,11 @@ def test_every_cell_and_its_ratios(capsys):
     assert "default config goals" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(not (TRACES / "azure2023_conv.csv").exists(), reason="needs ../shared/traces")
 def test_command_saves_json_and_heat_map(tmp_path):
+    """From the bundled traces (no --traces), as a clone without ../shared runs it."""
     js, png = tmp_path / "s.json", tmp_path / "s.png"
     p = subprocess.run([sys.executable, "-m", "kvadmit.cli", "bench", "scorecard", "--quick",
-                        "--traces", str(TRACES), "--only", "azure-context", "equal-burst",
+                        "--only", "azure-context", "equal-burst",
                         "--configs", *CONFIGS, "--json", str(js), "--plot", str(png)],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
@@ -74,8 +73,8 @@ def test_command_saves_json_and_heat_map(tmp_path):
 
 
 def test_unknown_workload_is_a_clear_error():
-    p = subprocess.run([sys.executable, "-m", "kvadmit.cli", "bench", "scorecard", "--only", "nope",
-                        "--traces", str(TRACES)], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-m", "kvadmit.cli", "bench", "scorecard", "--only", "nope"],
+                       capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert "nope" in p.stderr
 
