@@ -1,10 +1,80 @@
 """kvadmit_patches: the engine changes no plugin hook reaches.
 
-Each module is one small patch for one engine version, applied at run time by
-kvadmit's adapter (never by editing site-packages), with `TARGET` naming the
-patched object, `VERSIONS` the engine versions it was written and tested
-against, and `apply()` refusing any other version. See patches/README.md.
+Each module is one small patch, applied at run time by kvadmit's adapter (never by
+editing site-packages). It declares the engine release series it supports
+(`SERIES`: any patch or point release of one, 0.33.2 as 0.33.0) and what it wraps
+or calls (`TARGETS`: each object, with the parameters its wrapper relies on), and its
+`apply()` checks both against the installed engine first (`require`): a series it does
+not support, or a target that moved or changed its signature, raises
+`PatchUnavailable` naming each problem, and nothing is patched. See patches/README.md.
 """
+import importlib
+import inspect
+import sys
+from dataclasses import dataclass
+
+
+class PatchUnavailable(RuntimeError):
+    """A patch cannot apply to the installed engine; `problems` says why."""
+
+    def __init__(self, patch: str, problems: list[str]):
+        super().__init__(f"{patch}: " + "; ".join(problems))
+        self.patch, self.problems = patch, problems
+
+
+@dataclass(frozen=True)
+class Target:
+    """An engine object a patch wraps or calls: "module:Attr.path" (a module alone
+    without the colon), the leading parameters its wrapper passes on by name or
+    position, and whether the wrapper needs an async generator function."""
+    path: str
+    params: tuple[str, ...] = ()
+    async_gen: bool = False
+
+    def problems(self) -> list[str]:
+        module, _, attr = self.path.partition(":")
+        label = f"{module}.{attr}" if attr else module
+        try:
+            obj = importlib.import_module(module)
+            for name in filter(None, attr.split(".")):
+                obj = getattr(obj, name)
+        except Exception as e:   # noqa: BLE001 - ImportError, AttributeError, ...
+            return [f"{label} is missing ({type(e).__name__}: {e})"]
+        found = []
+        if self.params:
+            names = tuple(inspect.signature(obj).parameters)
+            if names[:len(self.params)] != self.params:
+                found.append(f"{label}({', '.join(names)}) does not start with the "
+                              f"parameters the wrapper needs ({', '.join(self.params)})")
+        if self.async_gen and not inspect.isasyncgenfunction(obj):
+            found.append(f"{label} is no longer an async generator function")
+        return found
+
+
+def series(version: str) -> str:
+    """'0.33' for '0.33.0', '0.33.1rc2', '0.33.0+cpu'."""
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def problems(patch, version: str | None = None) -> list[str]:
+    """Why `patch` (a patch module) cannot apply to the installed vLLM, [] when it
+    can: its series (of `version`, by default the installed one's), then each target."""
+    if version is None:
+        import vllm
+        version = str(vllm.__version__)
+    found = [] if series(version) in patch.SERIES else [
+        f"vLLM {version} is not a series it supports "
+        f"({', '.join(s + '.x' for s in patch.SERIES)})"]
+    for target in patch.TARGETS:
+        found += target.problems()
+    return found
+
+
+def require(patch_name: str) -> None:
+    """Raises PatchUnavailable unless the patch module `patch_name` can apply."""
+    found = problems(sys.modules[patch_name])
+    if found:
+        raise PatchUnavailable(patch_name.rsplit(".", 1)[-1], found)
 
 
 def wrap(owner, name: str, make_wrapper) -> None:
@@ -24,6 +94,12 @@ def wrap(owner, name: str, make_wrapper) -> None:
     wrapper.__wrapped__ = original
     wrapper.__doc__ = original.__doc__
     setattr(owner, name, wrapper)
+
+
+# Where add_app_middleware hooks in: vLLM calls it as (args, app, ...) once it has built
+# the API server's app.
+MIDDLEWARE_HOOK = Target("vllm.entrypoints.launchers.app:init_entrypoints_middleware",
+                         ("args", "app"))
 
 
 def add_app_middleware(middleware) -> None:

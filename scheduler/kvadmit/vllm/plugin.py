@@ -1,6 +1,7 @@
 """`vllm.general_plugins` entry point: vLLM loads it in every process.
 
-It applies kvadmit's vLLM patches (see patches/README.md): two act only on
+It applies kvadmit's vLLM patches (see patches/README.md; the list and what each
+brings: kvadmit.vllm.compat.PATCHES): two act only on
 requests kvadmit's scheduler refused, one answers routers' `GET /get_load`, one checks kvadmit's settings where vLLM
 builds its config (`check_vllm_config`, before any engine process starts), and, in Prometheus multiprocess mode,
 makes the engine's kvadmit counters visible to `LLM.get_metrics()`
@@ -30,8 +31,10 @@ def check_vllm_config(vllm_config) -> None:
 
     scheduler_cls = vllm_config.scheduler_config.scheduler_cls
     if _names_kvadmit(scheduler_cls):
+        from kvadmit.vllm import compat
         from kvadmit.vllm.scheduler import config_from_vllm
-        config_from_vllm(vllm_config)
+        _, vllm_settings = config_from_vllm(vllm_config)
+        compat.check_release(vllm_settings.allow_degraded_vllm)
         return
     settings = vllm_config.additional_config
     if isinstance(settings, dict) and any(k == SECTION or looks_like_section(k) for k in settings):
@@ -41,35 +44,26 @@ def check_vllm_config(vllm_config) -> None:
 
 
 def register() -> None:
-    from kvadmit_patches import (vllm_config_check, vllm_get_load, vllm_http_status, vllm_orca,
-                                 vllm_retry_after, vllm_slo_headers)
+    """Applies every patch that can apply to the installed vLLM. One that cannot is
+    logged here and stops start-up where kvadmit is the scheduler (compat.check_release,
+    in check_vllm_config and in the engine core), unless allow_degraded_vllm is set;
+    without kvadmit's scheduler nothing needs them."""
+    import importlib
 
+    from kvadmit_patches import PatchUnavailable
+
+    from kvadmit.vllm.compat import PATCHES
     from kvadmit.vllm.metrics import register_bridge
 
     register_bridge()
-    if not vllm_config_check.apply(check_vllm_config):
-        import vllm
-        logger.warning("kvadmit: no start-up config check for vLLM %s (written for %s): a bad "
-                       "kvadmit setting stops the engine core instead", vllm.__version__,
-                       ", ".join(vllm_config_check.VERSIONS))
-    if not vllm_http_status.apply():
-        import vllm
-        logger.warning("kvadmit: no HTTP status patch for vLLM %s (written for %s): refused "
-                       "requests answer 200 with finish_reason 'abort'", vllm.__version__,
-                       ", ".join(vllm_http_status.VERSIONS))
-    elif not vllm_retry_after.apply():
-        import vllm
-        logger.warning("kvadmit: no Retry-After patch for vLLM %s (written for %s)",
-                       vllm.__version__, ", ".join(vllm_retry_after.VERSIONS))
-    if not vllm_slo_headers.apply():
-        import vllm
-        logger.warning("kvadmit: no SLO request-header patch for vLLM %s (written for %s)",
-                       vllm.__version__, ", ".join(vllm_slo_headers.VERSIONS))
-    if not vllm_get_load.apply():
-        import vllm
-        logger.warning("kvadmit: no /get_load route for vLLM %s (written for %s)",
-                       vllm.__version__, ", ".join(vllm_get_load.VERSIONS))
-    if not vllm_orca.apply():
-        import vllm
-        logger.warning("kvadmit: no ORCA load-report patch for vLLM %s (written for %s)",
-                       vllm.__version__, ", ".join(vllm_orca.VERSIONS))
+    applied = set()
+    for name, lost in PATCHES:
+        patch = importlib.import_module(f"kvadmit_patches.{name}")
+        if name == "vllm_retry_after" and "vllm_http_status" not in applied:
+            continue        # its hint comes from the refusals that patch raises
+        try:
+            patch.apply(check_vllm_config) if name == "vllm_config_check" else patch.apply()
+            applied.add(name)
+        except PatchUnavailable as e:
+            logger.warning("kvadmit: patch %s not applied, so %s: %s", name, lost,
+                           "; ".join(e.problems))

@@ -28,7 +28,7 @@ hits of the requests started in the previous step, and the running requests'
 progress.
 
 Every vLLM private name used here is listed and checked at start-up in
-`kvadmit.vllm.compat` (vLLM 0.32.x and 0.33.x).
+`kvadmit.vllm.compat` (vLLM 0.32.x, 0.33.x and 0.34.x).
 """
 from __future__ import annotations
 
@@ -63,6 +63,9 @@ def config_from_vllm(vllm_config) -> tuple[AdmissionConfig, VllmSettings]:
     null `"kvadmit"` is a ConfigError (kvadmit.config.section_from)."""
     raw = section_from(vllm_config.additional_config, "--additional-config")
     vllm_settings, core_keys = VllmSettings.split(json_object(raw) if isinstance(raw, str) else raw)
+    knobs = compat.unsupported_knobs(vllm_config)
+    if knobs:
+        raise ConfigError("kvadmit cannot run beside " + "; ".join(knobs))
     return AdmissionConfig.from_dict(core_keys), vllm_settings
 
 
@@ -176,7 +179,13 @@ class _KvadmitMixin:
         cfg, vllm_settings = config_from_vllm(self.vllm_config)
         compat.check_scheduler(self, GatedWaitingQueue,
                                native_allocator=vllm_settings.native_allocator,
-                               pause=cfg.pause_on_shortfall or cfg.policy == "auto")
+                               pause=cfg.pause_on_shortfall or cfg.policy == "auto",
+                               allow_degraded=vllm_settings.allow_degraded_vllm)
+        window = compat.turn_off_cache_aware_window(self)
+        if window:
+            logger.warning("kvadmit orders vLLM's waiting queue: --cache-aware-admission-window "
+                           "%d is not used (kvadmit's agent_window keeps agents' prefixes "
+                           "cached)", window)
         cfg = self._kvadmit_fit_config(cfg)
         if vllm_settings.native_allocator:
             self._kvadmit_install_native_queue(self.kv_cache_manager.block_pool)

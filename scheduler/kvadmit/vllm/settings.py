@@ -23,6 +23,11 @@ class VllmSettings:
     native_allocator: bool = field(default=False, metadata=bool_rule(
         "replace vLLM's BlockPool free-block queue with kvadmit's native one (the same block "
         "ids as vLLM's)"))
+    allow_degraded_vllm: bool = field(default=False, metadata=bool_rule(
+        "run on a vLLM release kvadmit does not support, or where one of its patches cannot "
+        "apply, without what is missing (for example refusals answering HTTP 200 with "
+        "finish_reason 'abort'); without it such a release stops start-up naming the "
+        "missing pieces"))
 
     def __post_init__(self) -> None:
         check_fields(self)

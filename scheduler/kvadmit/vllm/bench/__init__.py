@@ -15,7 +15,8 @@ scheduler sees a `max_tokens` cap it cannot trust, as in production.
 
 One module per job:
 
-- `hooks`: what runs inside vLLM's engine (the counting schedulers, StopAtLength);
+- `hooks`: what runs inside vLLM's engine (the counting schedulers);
+- `stop_at`: the logits processor that stops a request at its real length;
 - `workload`: the requests (synthetic, or an Azure trace scaled to the context);
 - `configs`: the engine shape and the configurations `--configs` names;
 - `run`: one engine per configuration, in a rotated order after a warm-up;
@@ -30,10 +31,10 @@ imported on first use, so `kvadmit.vllm.bench.workload` and `.configs` need no v
 """
 
 _EXPORTS = {
-    "hooks": ("COUNTS_ENV", "EXPECT_ENV", "STEP_TIMES_ENV", "STOP_AT_KEY", "CountingScheduler",
+    "hooks": ("COUNTS_ENV", "EXPECT_ENV", "STEP_TIMES_ENV", "CountingScheduler",
               "CountingKvadmitAsyncScheduler", "CountingKvadmitScheduler",
-              "CountingVllmAsyncScheduler", "CountingVllmScheduler", "StopAtLength",
-              "TimingVllmScheduler"),
+              "CountingVllmAsyncScheduler", "CountingVllmScheduler", "TimingVllmScheduler"),
+    "stop_at": ("STOP_AT_KEY", "StopAtLength"),
     "workload": ("DEFAULT_TRACE", "BenchRequest", "as_burst", "azure_workload", "build_workload",
                  "synthetic_workload"),
     "configs": ("CONFIGS", "CONFIG_DOCS", "DEFAULT_CONFIG", "BenchConfig", "BenchEngine",

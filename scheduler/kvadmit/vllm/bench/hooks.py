@@ -1,21 +1,19 @@
 """What `kvadmit bench vllm` adds inside vLLM's engine: the schedulers that hold a
-burst and count scheduled tokens (and time steps), and the logits processor that stops
-a request at its real length. vLLM loads them by name (`kvadmit.vllm.bench.CountingScheduler`,
-`kvadmit.vllm.bench:StopAtLength`; the package re-exports them)."""
+burst and count scheduled tokens (and time steps); the logits processor that stops a
+request at its real length is kvadmit.vllm.bench.stop_at. vLLM loads them by name
+(`kvadmit.vllm.bench.CountingScheduler`, `kvadmit.vllm.bench:StopAtLength`; the package
+re-exports them)."""
 from __future__ import annotations
 
 import os
 import pathlib
 import time
 
-import torch
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
 from kvadmit.vllm.scheduler import KvadmitAsyncScheduler, KvadmitScheduler
-from kvadmit.vllm.tiny_model import EOS_TOKEN_ID
 
 COUNTS_ENV = "KVADMIT_BENCH_COUNTS"
 EXPECT_ENV = "KVADMIT_BENCH_EXPECT"
@@ -127,43 +125,3 @@ class CountingScheduler:
         else:
             impl = CountingKvadmitScheduler if ours else CountingVllmScheduler
         return impl(*args, **kwargs)
-
-STOP_AT_KEY = "kvadmit_stop_at"
-
-
-class StopAtLength(LogitsProcessor):
-    """Forces EOS as output token number `extra_args["kvadmit_stop_at"]`.
-
-    Requests without the key are untouched. Pair with `min_tokens = stop_at - 1`
-    so the random model cannot stop earlier by chance."""
-
-    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
-        self.rows: dict[int, tuple[int, list[int]]] = {}   # batch row -> (stop_at, output ids)
-
-    def is_argmax_invariant(self) -> bool:
-        return False
-
-    def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is None:
-            return
-        for index in batch_update.removed:
-            self.rows.pop(index, None)
-        for index, params, _, output_ids in batch_update.added:
-            stop_at = (params.extra_args or {}).get(STOP_AT_KEY) if params else None
-            if stop_at:
-                self.rows[index] = (int(stop_at), output_ids)
-            else:
-                self.rows.pop(index, None)
-        for a, b, direction in batch_update.moved:
-            ra, rb = self.rows.pop(a, None), self.rows.pop(b, None)
-            if ra is not None:
-                self.rows[b] = ra
-            if rb is not None and direction.name == "SWAP":
-                self.rows[a] = rb
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        for row, (stop_at, out) in self.rows.items():
-            if len(out) + 1 >= stop_at and row < logits.shape[0]:
-                logits[row].fill_(-float("inf"))
-                logits[row, EOS_TOKEN_ID] = 0.0
-        return logits

@@ -9,7 +9,8 @@ import random
 import time
 
 from kvadmit.vllm.bench.configs import BenchConfig, BenchEngine
-from kvadmit.vllm.bench.hooks import COUNTS_ENV, EXPECT_ENV, STOP_AT_KEY, StopAtLength
+from kvadmit.vllm.bench.hooks import COUNTS_ENV, EXPECT_ENV
+from kvadmit.vllm.bench.stop_at import STOP_AT_KEY, StopAtLength
 from kvadmit.vllm.bench.workload import BenchRequest
 from kvadmit.vllm.engine_log import say
 
