@@ -472,3 +472,40 @@ def test_a_sheddable_request_is_not_shed_once_no_held_request_waits(model_dir):
     assert ours.per_request["rejected"][15:] == ["expired", None]
     assert native.per_request["rejected"] == ours.per_request["rejected"]
     assert ours.totals.finished == native.totals.finished == n - 1
+
+
+def test_vllms_own_knobs_run_on_its_own_scheduler_only(model_dir):
+    """`vllm-prefill-interval=N` and `vllm-cache-window=N` (vLLM 0.34's cache-aware
+    admission window) are vLLM engine arguments the native engine model does not model:
+    they run on vLLM's own scheduler (the scorecard's --engine vllm rows), nothing lost,
+    and the native engine refuses them by name. Without the field (before 0.34) the
+    window's row says which vLLM has it."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from kvadmit.simulate.policies import parse_policy
+    from kvadmit.simulate.run import run_policy
+    shape = EngineShape(num_blocks=80, block_size=16, max_model_len=1024, max_num_seqs=16,
+                        max_num_batched_tokens=512, prefix_caching=True)
+    w = agent_sessions(6, rate=4.0, seed=2, turns_mean=3.0, system_tokens=256,
+                       first_user_mean=60.0, user_mean=30.0, output_mean=20.0,
+                       tool_wait_mean_s=0.5, max_tokens_cap=64, max_model_len=1024,
+                       block_tokens=16)
+    runs = {}
+    for name in ("vllm-default", "vllm-prefill-interval=3", "vllm-cache-window=8"):
+        spec = parse_policy(name)
+        if name != "vllm-default":
+            with pytest.raises(ValueError, match="native engine model does not model"):
+                run_policy(w, spec, "native", shape, CPU_TINY, AdmissionConfig())
+        if name == "vllm-cache-window=8" and "cache_aware_admission_window" not in \
+                EngineArgs.__dataclass_fields__:
+            with pytest.raises(ValueError, match="has no cache_aware_admission_window"):
+                run_policy(w, spec, "vllm", shape, CPU_TINY, AdmissionConfig(), model_dir)
+            continue
+        raw = run_policy(w, spec, "vllm", shape, CPU_TINY, AdmissionConfig(), model_dir)
+        t = raw.totals
+        assert t.finished + t.rejected == len(w) and t.free_blocks_at_end == shape.num_blocks
+        runs[name] = t.steps
+    # the interval holds prefills on vLLM 0.33 and 0.34 without data parallelism, not on 0.32
+    from kvadmit.vllm import compat
+    held = compat.step_rules().local_prefill_cadence
+    assert (runs["vllm-prefill-interval=3"] != runs["vllm-default"]) == held, runs

@@ -22,6 +22,8 @@ class PolicySpec:
     oracle: bool = False           # max_tokens := the true output length
     vllm_own: bool = False         # --engine vllm: vLLM's own scheduler class
     engine: dict = field(default_factory=dict)   # EngineShape fields: vLLM's own knobs
+    # vLLM engine arguments the native engine model does not model: --engine vllm only
+    vllm_args: dict = field(default_factory=dict)
 
     def shape(self, base):
         """The engine shape this policy runs on: `base` with its engine knobs set."""
@@ -58,14 +60,24 @@ BUILTIN: dict[str, PolicySpec] = {p.name: p for p in (
                oracle=True),
 )}
 
-# vLLM 0.32's own knobs, the settings a vLLM user reaches for before kvadmit: its
-# scheduler (overcommit, LIFO) on an engine with --watermark / --max-num-active-seqs.
+# vLLM's own knobs, the settings a vLLM user reaches for before kvadmit: its scheduler
+# (overcommit, LIFO) on an engine with --watermark / --max-num-active-seqs (both engines),
+# or, on vLLM's own scheduler only (--engine vllm), 0.33's --prefill-schedule-interval
+# and 0.34's --cache-aware-admission-window (which needs prefix caching).
 VLLM_KNOBS = {
     "vllm-watermark": ("watermark", float,
                        "vLLM with --watermark {}: admissions keep that share of the pool free"),
     "vllm-active": ("max_num_active_seqs", int,
                     "vLLM with --max-num-active-seqs {}: at most that many running requests"),
+    "vllm-prefill-interval": ("prefill_schedule_interval", int,
+                              "vLLM with --prefill-schedule-interval {}: prefill only every "
+                              "that many steps"),
+    "vllm-cache-window": ("cache_aware_admission_window", int,
+                          "vLLM 0.34 with --cache-aware-admission-window {}: within that many "
+                          "waiting requests, cached-prefix ones go first once KV use passes 0.5"),
 }
+# The knobs the native engine model does not model (EngineShape has no field for them).
+VLLM_ONLY_KNOBS = ("vllm-prefill-interval", "vllm-cache-window")
 
 DEFAULT_POLICIES = list(BUILTIN)
 
@@ -85,7 +97,8 @@ def sglang_conservativeness(value: str) -> PolicySpec:
 
 
 def vllm_knob(name: str, value: str) -> PolicySpec:
-    """`vllm-watermark=F` / `vllm-active=N`: vLLM's own scheduler with that engine flag."""
+    """`vllm-watermark=F`, `vllm-active=N`, `vllm-prefill-interval=N`,
+    `vllm-cache-window=N`: vLLM's own scheduler with that engine flag."""
     key, kind, doc = VLLM_KNOBS[name]
     try:
         v = kind(value)
@@ -95,8 +108,10 @@ def vllm_knob(name: str, value: str) -> PolicySpec:
         raise ValueError(f"policy {name}={value}: {key} must be in [0, 1) (vLLM's range)")
     if kind is int and v < 1:
         raise ValueError(f"policy {name}={value}: {key} must be >= 1")
+    knob = {key: v}
     return PolicySpec(f"{name}={value}", {"policy": "overcommit", "victim": "lifo"}, doc.format(value),
-                      kvadmit=False, vllm_own=True, engine={key: v})
+                      kvadmit=False, vllm_own=True,
+                      **({"vllm_args": knob} if name in VLLM_ONLY_KNOBS else {"engine": knob}))
 
 
 def parse_policy(text: str) -> PolicySpec:

@@ -77,13 +77,22 @@ def run_policy(workload: Workload, spec: PolicySpec, engine: str, shape: EngineS
     w = workload.with_oracle_caps() if spec.oracle else workload
     shape = spec.shape(shape)
     if engine == "native":
+        if spec.vllm_args:
+            raise ValueError(f"policy {spec.name}: the native engine model does not model "
+                             f"{', '.join(spec.vllm_args)}; run it with --engine vllm")
         return run_native(w, spec.config(base), shape, step, progress=progress)
     if engine == "vllm":
         from kvadmit.simulate.vllm_engine import run_vllm
         if model_dir is None:
             raise ValueError("--engine vllm needs a model directory (--model-dir)")
+        from vllm.engine.arg_utils import EngineArgs
+        unknown = [k for k in spec.vllm_args if k not in EngineArgs.__dataclass_fields__]
+        if unknown:
+            from vllm import __version__
+            raise ValueError(f"policy {spec.name}: the installed vLLM {__version__} has no "
+                             f"{', '.join(unknown)} (vLLM 0.34 has)")
         return run_vllm(w, None if spec.vllm_own else spec.config(base), shape, step, model_dir,
-                        progress=progress)
+                        progress=progress, engine_args=dict(spec.vllm_args))
     raise ValueError(f"engine={engine!r}: must be 'native' or 'vllm'")
 
 

@@ -44,6 +44,10 @@ CONFIGS = (["vllm-default"] + [f"vllm-watermark={w:g}" for w in WATERMARKS] +
             '"max_bypass": 1000, "bypass_lookahead": 256}',
             'default-sglang={"shortfall": "preempt"}', "default={}"])
 DEFAULT_ROW = "default"
+# --engine vllm adds the knobs only vLLM's own scheduler runs (vLLM 0.34's cache-aware
+# admission window: on the workloads with prefix caching; the others have no cell).
+VLLM_ENGINE_CONFIGS = CONFIGS[:4] + ["vllm-active=16", "vllm-prefill-interval=4",
+                                     "vllm-cache-window=64"] + CONFIGS[4:]
 
 
 @dataclass(frozen=True)
@@ -228,6 +232,8 @@ def score(cases: list[Case], configs: list[str], progress=None, model_dir: str |
     for case in cases:
         cells = {}
         for spec in specs:
+            if "cache_aware_admission_window" in spec.vllm_args and not case.shape.prefix_caching:
+                continue        # vLLM turns the window off without prefix caching
             if progress:
                 progress(f"{case.name} / {spec.name}")
             cells[spec.name] = run_cell(case, spec, model_dir)
@@ -320,9 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--traces", default=None,
                     help=f"a folder with {AZURE} and {MOONCAKE} (default: the copies bundled "
                          "in the package)")
-    ap.add_argument("--configs", nargs="+", default=CONFIGS, metavar="CONFIG",
+    ap.add_argument("--configs", nargs="+", default=None, metavar="CONFIG",
                     help="rows: simulator policy names (vllm-default, vllm-watermark=F, vllm-active=N, "
-                         "sglang, peak, adaptive, ...) or NAME=JSON kvadmit configs")
+                         "vllm-prefill-interval=N and vllm-cache-window=N with --engine vllm, "
+                         "sglang, peak, adaptive, ...) or NAME=JSON kvadmit configs (default: "
+                         "vLLM's default and knobs, SGLang's rule, kvadmit's configs)")
     ap.add_argument("--only", nargs="+", metavar="WORKLOAD", help="run only these workloads")
     ap.add_argument("--quick", action="store_true", help="a quarter of each workload's requests")
     ap.add_argument("--engine", choices=("native", "vllm"), default="native",
@@ -332,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="default: bench/results/scorecard[_vllm].json")
     ap.add_argument("--plot", help="default: bench/results/scorecard[_vllm].png ('' for none)")
     args = ap.parse_args(argv)
+    if args.configs is None:
+        args.configs = CONFIGS if args.engine == "native" else VLLM_ENGINE_CONFIGS
     suffix = "" if args.engine == "native" else "_vllm"
     args.json = f"bench/results/scorecard{suffix}.json" if args.json is None else args.json
     args.plot = f"bench/results/scorecard{suffix}.png" if args.plot is None else args.plot
