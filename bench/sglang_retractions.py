@@ -28,11 +28,11 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "sglang"))
 
 from conftest import install_kvadmit_hooks  # noqa: E402
-from sglang_workloads import CASES, FAMILIES, KNOWN_FAILING, plan_for, run  # noqa: E402
+from sglang_workloads import CASES, FAMILIES, STEP_TRADE, plan_for, run  # noqa: E402
 
 from kvadmit import AdmissionConfig  # noqa: E402
 
-TEST = CASES + KNOWN_FAILING   # the test's workloads
+TEST = CASES + STEP_TRADE   # the test's workloads
 # Other families, pools and seeds (those the test runs are left out: run once)
 OTHER = [c for c in [("fixed", 1, 1500), ("fixed", 2, 2000), ("pareto", 1, 1500), ("drift", 1, 2000),
          ("bigprompt_uni", 1, 1500), ("honest", 1, 1500), ("uniform", 3, 1000),
