@@ -117,6 +117,11 @@ class GatedWaitingQueue(RequestQueue):
         del self._by_slot[self._admission.commit(req)]
         return req
 
+    def holds(self, request: Request) -> bool:
+        """Whether ``request`` waits in this queue (not in another of vLLM's)."""
+        slot = self._admission.bridge.slot(request.request_id)
+        return slot in self._by_slot or request in self._untracked
+
     def invalidate(self) -> None:
         """Forgets the chosen candidate: the next look asks the core again."""
         self._candidate = None
@@ -247,6 +252,11 @@ class _KvadmitMixin:
             self.kvadmit.bridge.engine_idle()
         for r in self.kvadmit.arrive(request):
             super().add_request(r)
+            if not self.waiting.holds(r):
+                # vLLM queued it apart, outside kvadmit's gate (it holds KV already: a
+                # remote KV load or a streaming session, kv_holding_waiting): it takes
+                # KV without the gate, so the core counts it started, never a candidate.
+                self.kvadmit.commit(r)
         return None
 
     def finish_requests(self, request_ids, finished_status):
