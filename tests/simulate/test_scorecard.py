@@ -32,6 +32,7 @@ def test_every_cell_and_its_ratios(capsys):
         assert list(e["cells"]) == names
         for name, cell in e["cells"].items():
             assert cell["finished"] + cell["rejected"] == e["requests"], (e["name"], name)
+            assert 0 < cell["tpot_p99_s"] < 1.0, (e["name"], name)   # decoded: a time per token
             assert e["vs_vllm_default"][name]["steps"] == pytest.approx(
                 cell["steps"] / e["cells"]["vllm-default"]["steps"])
         wm = e["best_watermark"]

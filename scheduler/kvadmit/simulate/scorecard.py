@@ -186,6 +186,7 @@ def run_cell(case: Case, spec: PolicySpec, model_dir: str | None = None) -> dict
             "paused": raw.extra.get("core", {}).get("paused", 0),
             "goodput": s["goodput"], "throughput_tok_s": s["throughput_tok_s"],
             "makespan_s": t.makespan_s, "ttft_p99_s": s["ttft_p99_s"],
+            "tpot_p99_s": s["tpot_p99_s"],
             "finished": t.finished, "rejected": t.rejected, "wall_s": raw.wall_s}
 
 
@@ -252,12 +253,20 @@ def score(cases: list[Case], configs: list[str], progress=None, model_dir: str |
     return out
 
 
+def tpot_ms(cell: dict) -> str:
+    """A cell's p99 time per output token (the simulator's per-request mean), '-' when
+    nothing decoded (files recorded before the column have none)."""
+    t = cell.get("tpot_p99_s", math.nan)
+    return f"{'-':>7}" if math.isnan(t) else f"{t * 1000:5.0f}ms"
+
+
 def print_scorecard(out: dict) -> None:
     for e in out["workloads"]:
         print(f"\n== {e['name']}: {e['about']} ({e['requests']} requests)")
         wm = e.get("best_watermark")
         print(f"{'config':18} {'steps':>7} {'preempt':>7} {'recomp':>7} {'paused':>7} {'goodput':>7}"
-              f" {'steps/vllm':>10} {'steps/wm':>8} {'time/vllm':>9} {'pre/vllm':>8} {'pre/wm':>7}")
+              f" {'steps/vllm':>10} {'steps/wm':>8} {'time/vllm':>9} {'pre/vllm':>8} {'pre/wm':>7}"
+              f" {'TPOTp99':>7}")
         for name, c in e["cells"].items():
             rv = e.get("vs_vllm_default", {}).get(name, {})
             rw = e.get("vs_best_watermark", {}).get(name, {})
@@ -266,7 +275,7 @@ def print_scorecard(out: dict) -> None:
                   f"{c['paused']:7d} {c['goodput'] * 100:6.1f}% {rv.get('steps', math.nan):10.3f} "
                   f"{rw.get('steps', math.nan):8.3f} {rv.get('makespan', math.nan):9.3f} "
                   f"{rv.get('preemptions', math.nan):8.3f} "
-                  f"{rw.get('preemptions', math.nan):7.3f}")
+                  f"{rw.get('preemptions', math.nan):7.3f} {tpot_ms(c)}")
         if "goals" in e:
             missed = [k for k, ok in e["goals"].items() if not ok]
             print(f"default config goals: {'all met' if not missed else 'MISSED ' + ', '.join(missed)}")
