@@ -7,8 +7,8 @@
 #   bash bench/gpu_preemption.sh                                 # else: a random-weight Llama
 #   DRY_RUN=1 bash bench/gpu_preemption.sh                       # the CPU rehearsal (CI)
 #
-# Needs: vLLM's CUDA build of a supported version (0.32.x or 0.33.x: pip install
-# "vllm>=0.32,<0.34"), kvadmit installed (pip install .); the Azure conversation trace
+# Needs: vLLM's CUDA build of a supported version (0.32.x, 0.33.x or 0.34.x: pip install
+# "vllm>=0.32,<0.35"), kvadmit installed (pip install .); the Azure conversation trace
 # is the copy bundled in the package (TRACE=path/to/azure2023_conv.csv for another file).
 # Writes $OUT_DIR/gpu_preemption.json and .png (OUT_DIR: bench/results) and prints the
 # table. CONFIGS="vllm-default adaptive ..." runs only those (default: all of the bench's).

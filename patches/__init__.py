@@ -42,7 +42,10 @@ class Target:
             return [f"{label} is missing ({type(e).__name__}: {e})"]
         found = []
         if self.params:
-            names = tuple(inspect.signature(obj).parameters)
+            try:
+                names = tuple(inspect.signature(obj).parameters)
+            except (TypeError, ValueError) as e:   # no longer a function with a signature
+                return [f"{label} has no signature to check ({type(e).__name__}: {e})"]
             if names[:len(self.params)] != self.params:
                 found.append(f"{label}({', '.join(names)}) does not start with the "
                               f"parameters the wrapper needs ({', '.join(self.params)})")

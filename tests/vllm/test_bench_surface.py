@@ -1,6 +1,6 @@
 """The vLLM surface of `kvadmit bench vllm` (what bench/gpu_preemption.sh runs on a GPU)
 on the installed vLLM. vLLM 0.33 has only a CUDA wheel, so no model runs here on 0.33
-(CI runs this file on 0.32 and 0.33); what would break a first GPU run is checked
+(CI runs this file on 0.32, 0.33 and 0.34); what would break a first GPU run is checked
 without one: the engine arguments the bench gives vLLM's `LLM` build a config, and the
 bench's scheduler classes (its burst hold and token count over vLLM's and kvadmit's
 schedulers, sync and async as on a GPU) run vLLM's real scheduler in-process."""

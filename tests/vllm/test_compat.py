@@ -89,8 +89,9 @@ def test_a_moved_module_fails_naming_it():
 
 def _point_release(version: str) -> str:
     """A later patch release of the installed vLLM's series ('0.32.0' -> '0.32.1')."""
-    major, minor, patch = version.split("+")[0].split(".")[:3]
-    return f"{major}.{minor}.{int(patch) + 1}"
+    from packaging.version import Version
+    v = Version(version)
+    return f"{v.major}.{v.minor}.{v.micro + 1}"
 
 
 @pytest.mark.parametrize("version", ["point", "0.32.1", "0.33.2", "0.34.1rc1"])

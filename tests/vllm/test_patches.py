@@ -175,5 +175,5 @@ def test_the_plugin_applies_every_patch_and_logs_each_one_that_cannot(monkeypatc
     # every patch but Retry-After, which needs the HTTP status patch's refusals
     assert len(lines) == len(compat.PATCHES) - 1, lines
     assert ("kvadmit: patch vllm_http_status not applied, so refused requests answer HTTP 200 "
-            "with finish_reason 'abort': vLLM 0.35.0 is not a series it supports "
-            "(0.32.x, 0.33.x, 0.34.x)") in lines
+            "with finish_reason 'abort' (and carry no Retry-After): vLLM 0.35.0 is not a "
+            "series it supports (0.32.x, 0.33.x, 0.34.x)") in lines

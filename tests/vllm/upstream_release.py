@@ -40,7 +40,9 @@ def fetch(version: str, dest: pathlib.Path) -> pathlib.Path:
     index = urllib.request.Request("https://pypi.org/simple/vllm/",
                                    headers={"Accept": "application/vnd.pypi.simple.v1+json"})
     files = json.load(urllib.request.urlopen(index, timeout=120))["files"]
-    url = next(f["url"] for f in files if f["filename"] == f"vllm-{version}.tar.gz")
+    url = next((f["url"] for f in files if f["filename"] == f"vllm-{version}.tar.gz"), None)
+    if url is None:
+        raise SystemExit(f"PyPI has no source distribution vllm-{version}.tar.gz")
     data = urllib.request.urlopen(url, timeout=600).read()
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
         prefix = f"vllm-{version}/"

@@ -37,7 +37,8 @@ SUPPORTED_SERIES = ("0.32", "0.33", "0.34")
 # loses without it.
 PATCHES = (
     ("vllm_config_check", "kvadmit's settings are checked only once the engine core starts"),
-    ("vllm_http_status", "refused requests answer HTTP 200 with finish_reason 'abort'"),
+    ("vllm_http_status", "refused requests answer HTTP 200 with finish_reason 'abort' "
+                         "(and carry no Retry-After)"),
     ("vllm_retry_after", "refusals carry no Retry-After header"),
     ("vllm_slo_headers", "the SLO, TTL, fairness and sheddable request headers are ignored"),
     ("vllm_get_load", "there is no GET /get_load for routers"),
@@ -216,6 +217,8 @@ def check_scheduler(sched, queue_cls, *, native_allocator: bool, pause: bool,
     base = next(c for c in type(sched).__mro__ if c.__module__.startswith("vllm."))
     problems = check_classes(base, v.RequestQueue, queue_cls)
     problems += _missing_attrs(sched, SCHEDULER_ATTRS + DISPLACE_SCHEDULER_ATTRS, "Scheduler")
+    if hasattr(sched.scheduler_config, "cache_aware_admission_window"):   # 0.34's knob
+        problems += _missing_attrs(sched, ("cache_aware_window",), "Scheduler")
     blocks = import_names(("vllm.v1.core.kv_cache_utils:KVCacheBlock",))
     problems += _missing_class_attrs(blocks.KVCacheBlock, BLOCK_ATTRS, "KVCacheBlock")
     if pause:

@@ -1,7 +1,7 @@
 """`vllm.general_plugins` entry point: vLLM loads it in every process.
 
-It applies kvadmit's vLLM patches (see patches/README.md; the list and what each
-brings: kvadmit.vllm.compat.PATCHES): two act only on
+It applies kvadmit's vLLM patches (see patches/README.md; the list of six and what each
+brings: kvadmit.vllm.compat.PATCHES), among them: two act only on
 requests kvadmit's scheduler refused, one answers routers' `GET /get_load`, one checks kvadmit's settings where vLLM
 builds its config (`check_vllm_config`, before any engine process starts), and, in Prometheus multiprocess mode,
 makes the engine's kvadmit counters visible to `LLM.get_metrics()`

@@ -253,9 +253,11 @@ class _KvadmitMixin:
         for r in self.kvadmit.arrive(request):
             super().add_request(r)
             if not self.waiting.holds(r):
-                # vLLM queued it apart, outside kvadmit's gate (it holds KV already: a
-                # remote KV load or a streaming session, kv_holding_waiting): it takes
-                # KV without the gate, so the core counts it started, never a candidate.
+                # vLLM queued it apart, outside kvadmit's gate (a request that arrives
+                # holding KV, in kv_holding_waiting: vLLM's own tests build such ones; a
+                # request served normally enters kv_holding_waiting only after kvadmit's
+                # queue let it start). It takes KV without the gate, so the core counts
+                # it started: a candidate it could never hand out would stall the gate.
                 self.kvadmit.commit(r)
         return None
 

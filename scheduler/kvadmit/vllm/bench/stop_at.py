@@ -77,8 +77,8 @@ else:                                                                         # 
 
     class StopAtLength(LogitsProcessor):
         """Model Runner V2's interface: the stop position per request slot; a row's
-        outputs so far are its visible tokens less its prompt (exact without
-        speculative decoding, which the bench does not use)."""
+        outputs so far are its visible tokens less its prompt. One logits row a request:
+        without speculative decoding, which the bench does not use (it raises there)."""
 
         def __init__(self, vllm_config, req_states):
             self.prompt_len = req_states.prompt_len.np
@@ -89,6 +89,9 @@ else:                                                                         # 
             return bool(self.stop_at[req_idx])
 
         def apply(self, logits: torch.Tensor, ctx) -> torch.Tensor:
+            if logits.shape[0] != len(ctx.idx_mapping_np):
+                raise RuntimeError("StopAtLength: a logits row per request only; speculative "
+                                   "decoding (several rows a request) is not supported")
             for row, slot in enumerate(ctx.idx_mapping_np):
                 outputs = int(ctx.seq_lens_upper_bound_np[row]) - int(self.prompt_len[slot])
                 if forces_eos(outputs, int(self.stop_at[slot])):
