@@ -18,7 +18,8 @@ waiting requests over the pool, in thousandths, capped at 999). The numbers are
 the engine cores' kvadmit series, which reach the API server in Prometheus
 multiprocess mode (PROMETHEUS_MULTIPROC_DIR; `kvadmit serve` turns it on). Without
 them the answer is vLLM's own count, `{"load": running + waiting, "source":
-"vllm"}` (what the routers' other policies read).
+"vllm"}` (what the routers' other policies read); so it is, with `"kvadmit":
+"failed-open"`, once kvadmit failed inside an engine (its series then stand still).
 
 Applied in every vLLM process by the `vllm.general_plugins` entry point, as an
 ASGI middleware installed with vLLM's own ones; every other path passes through.
@@ -37,6 +38,7 @@ TARGETS = (MIDDLEWARE_HOOK,)
 PATH = "/get_load"
 # kvadmit's engine series (kvadmit.vllm.metrics), as written by the engine cores
 DELAY = "kvadmit_predicted_queue_delay_seconds"
+FAILED = "kvadmit_internal_errors"        # a counter: its sample is FAILED + "_total"
 PRESSURE = "kvadmit_admission_pressure"
 WAITING = "kvadmit_waiting_requests"
 # vLLM's own gauges in the API server's registry (the fallback)
@@ -57,12 +59,12 @@ def kvadmit_signals(path: str) -> dict[str, float] | None:
     each gauge's mode says (livemax, livesum); None when no engine wrote them."""
     from prometheus_client.multiprocess import MultiProcessCollector
 
-    wanted = {DELAY, PRESSURE, WAITING}
+    wanted = {DELAY, PRESSURE, WAITING, FAILED}
     found: dict[str, float] = {}
     for family in MultiProcessCollector(None, path=path).collect():
         if family.name in wanted:
             for sample in family.samples:
-                if sample.name == family.name:
+                if sample.name in (family.name, family.name + "_total"):
                     found[family.name] = float(sample.value)
     return found if DELAY in found and PRESSURE in found else None
 
@@ -81,6 +83,8 @@ def vllm_counts() -> int:
 def current_report() -> dict:
     path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     signals = kvadmit_signals(path) if path else None
+    if signals is not None and signals.get(FAILED, 0) > 0:
+        return {"load": vllm_counts(), "source": "vllm", "kvadmit": "failed-open"}
     if signals is None:
         return {"load": vllm_counts(), "source": "vllm"}
     return load_report(signals[DELAY], signals[PRESSURE], signals.get(WAITING, 0.0))

@@ -82,3 +82,26 @@ def test_the_middleware_answers_get_load_and_passes_the_rest(monkeypatch, tmp_pa
     assert status == 200 and json.loads(body) == {"load": 0, "source": "vllm"}
     assert call("/get_load", "POST") == (404, b"app")
     assert call("/v1/completions") == (404, b"app")
+
+
+def test_once_kvadmit_failed_open_the_report_is_vllms_and_says_so(monkeypatch, tmp_path):
+    """An engine process where kvadmit failed open (its metrics' internal-error count
+    above 0): kvadmit's gauges stand still, so /get_load answers vLLM's own count and
+    names the state."""
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+    writer = WRITER.replace("sys.stdin.read()", "from prometheus_client import Counter\n"
+                            "Counter('kvadmit_internal_errors', 'e').inc()\nsys.stdin.read()")
+    proc = subprocess.Popen([sys.executable, "-c", writer, "0.5", "0.25", "2"], env=env,
+                            stdin=subprocess.PIPE, text=True)
+    try:
+        monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+        for _ in range(100):
+            signals = kvadmit_signals(str(tmp_path))
+            if signals and signals.get("kvadmit_internal_errors") == 1:
+                break
+            asyncio.run(asyncio.sleep(0.05))
+        status, body = call("/get_load")
+        assert status == 200
+        assert json.loads(body) == {"load": 0, "source": "vllm", "kvadmit": "failed-open"}
+    finally:
+        proc.communicate("")

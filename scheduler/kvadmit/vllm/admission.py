@@ -137,6 +137,8 @@ class VllmAdmission:
         self._displaced_for: int | None = None
         # True while _displace_for_waiting preempts: the Scheduler tells the core so
         self.displacing = False
+        # kvadmit's own errors inside vLLM's engine (fail_open): none yet.
+        self.internal_errors = 0
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -208,6 +210,23 @@ class VllmAdmission:
     def order(self):
         """The waiting slots in the core's order."""
         return self.core.waiting()
+
+    # -- failing open -----------------------------------------------------------
+    @property
+    def failed(self) -> bool:
+        return self.internal_errors > 0
+
+    def fail_open(self, where: str) -> None:
+        """kvadmit's own code raised inside vLLM's engine (call it from the except
+        block): logged once with its traceback, counted, and from now on vLLM schedules
+        alone (the scheduler and its queue pass everything through), refusing nothing,
+        so the engine process and its requests live on."""
+        self.internal_errors += 1
+        if self.metrics is not None:
+            self.metrics.internal_errors.inc()
+        if self.internal_errors == 1:
+            logger.exception("kvadmit: internal error %s; failing open: vLLM's own scheduling "
+                             "from now on, every request kvadmit held handed to it", where)
 
     # -- arrivals ---------------------------------------------------------------
     def arrive(self, request) -> list:

@@ -76,6 +76,7 @@ SCHEDULER_IMPORTS = (
     "vllm.v1.core.sched.async_scheduler:AsyncScheduler",
     "vllm.v1.core.sched.request_queue:RequestQueue",
     "vllm.v1.core.sched.request_queue:SchedulingPolicy",
+    "vllm.v1.core.sched.request_queue:create_request_queue",
     "vllm.v1.engine:EngineCoreOutput",
     "vllm.v1.engine:EngineCoreOutputs",
     "vllm.v1.engine:FinishReason",

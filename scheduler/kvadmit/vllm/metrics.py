@@ -71,6 +71,9 @@ class KvadmitMetrics:
         self.queue_delay = Gauge("kvadmit_predicted_queue_delay_seconds",
                                  "Predicted queueing delay of a request arriving now",
                                  multiprocess_mode="livemax")
+        self.internal_errors = Counter(
+            "kvadmit_internal_errors", "kvadmit's own errors inside the engine; from the "
+            "first, the engine schedules as vLLM alone (kvadmit fails open)")
         self.last: dict = {}
 
     def update(self, stats: dict) -> None:

@@ -49,6 +49,7 @@ from kvadmit.vllm.settings import VllmSettings
 _v = compat.import_names(compat.SCHEDULER_IMPORTS)
 VllmScheduler, VllmAsyncScheduler = _v.Scheduler, _v.AsyncScheduler
 RequestQueue, SchedulingPolicy = _v.RequestQueue, _v.SchedulingPolicy
+create_request_queue = _v.create_request_queue
 EngineCoreOutput, EngineCoreOutputs = _v.EngineCoreOutput, _v.EngineCoreOutputs
 FullAttentionSpec, MLAAttentionSpec = _v.FullAttentionSpec, _v.MLAAttentionSpec
 Request, RequestStatus = _v.Request, _v.RequestStatus
@@ -94,10 +95,25 @@ class GatedWaitingQueue(RequestQueue):
             return self._untracked[0]
         # One look per change: vLLM asks bool()/peek several times a step, and with
         # head-of-line bypass a look can scan hundreds of held requests.
-        if not self._looked and self._by_slot:
-            self._candidate = self._by_slot.get(self._admission.choose())
-            self._looked = True
+        if not self._looked and self._by_slot and not self._admission.failed:
+            try:
+                self._candidate = self._by_slot.get(self._admission.choose())
+                self._looked = True
+            except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
+                self._admission.fail_open("choosing a waiting request")
+        if self._admission.failed:
+            self._release()
+            return self._untracked[0] if self._untracked else None
         return self._candidate
+
+    def _release(self) -> None:
+        """After a failure: every request the core held, in arrival order, served
+        ungated (the scheduler swaps in vLLM's own queue at its next step)."""
+        if self._by_slot:
+            held = sorted(self._by_slot.values(), key=lambda r: (r.arrival_time, r.request_id))
+            self._by_slot.clear()
+            self._untracked.extend(held)
+        self._candidate = None
 
     def __bool__(self) -> bool:
         return self._choose() is not None
@@ -114,7 +130,11 @@ class GatedWaitingQueue(RequestQueue):
             return self._untracked.pop(0)
         self._candidate = None
         self._looked = False
-        del self._by_slot[self._admission.commit(req)]
+        try:
+            del self._by_slot[self._admission.commit(req)]
+        except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
+            self._admission.fail_open("starting a waiting request")
+            self._by_slot = {s: r for s, r in self._by_slot.items() if r is not req}
         return req
 
     def holds(self, request: Request) -> bool:
@@ -131,6 +151,9 @@ class GatedWaitingQueue(RequestQueue):
     def add_request(self, request: Request) -> None:
         self._candidate = None
         self._looked = False
+        if self._admission.failed:
+            self._untracked.append(request)
+            return
         slot = self._admission.adopt(request)   # back after remove_requests: the core takes it anew
         if slot is None:
             self._untracked.append(request)
@@ -156,7 +179,8 @@ class GatedWaitingQueue(RequestQueue):
         for slot, r in list(self._by_slot.items()):
             if r.request_id in ids:
                 del self._by_slot[slot]
-                self._admission.leave(r.request_id, self._admission.clock())
+                if not self._admission.failed:
+                    self._admission.leave(r.request_id, self._admission.clock())
         self._untracked = [r for r in self._untracked if r.request_id not in ids]
 
     def __len__(self) -> int:
@@ -164,6 +188,9 @@ class GatedWaitingQueue(RequestQueue):
 
     def __iter__(self) -> Iterator[Request]:
         by_slot = self._by_slot
+        if self._admission.failed:
+            self._release()
+            return iter(list(self._untracked))
         return iter(self._untracked
                     + [by_slot[s] for s in self._admission.order() if s in by_slot])
 
@@ -246,11 +273,17 @@ class _KvadmitMixin:
 
     # -- arrivals -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:   # streaming input for a live request
+        if request.request_id in self.requests or self.kvadmit.failed:
+            return super().add_request(request)   # streaming input for a live request
+        try:
+            if not self.requests:
+                self.kvadmit.bridge.engine_idle()
+            admitted = self.kvadmit.arrive(request)
+        except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
+            self.kvadmit.fail_open("on a request's arrival")
+            self._kvadmit_hand_back()
             return super().add_request(request)
-        if not self.requests:
-            self.kvadmit.bridge.engine_idle()
-        for r in self.kvadmit.arrive(request):
+        for r in admitted:
             super().add_request(r)
             if not self.waiting.holds(r):
                 # vLLM queued it apart, outside kvadmit's gate (a request that arrives
@@ -260,6 +293,21 @@ class _KvadmitMixin:
                 # it started: a candidate it could never hand out would stall the gate.
                 self.kvadmit.commit(r)
         return None
+
+    def _kvadmit_hand_back(self) -> None:
+        """After kvadmit failed (outside vLLM's schedule()): vLLM's own waiting queue
+        with every request kvadmit held, and the samples that waited for siblings."""
+        if not isinstance(self.waiting, GatedWaitingQueue):
+            return
+        queue = create_request_queue(self.policy)
+        for r in self.waiting:              # a failed gate lists them in arrival order
+            queue.add_request(r)
+        self.waiting = queue
+        waiting_samples = [r for members in self.kvadmit.samples_awaiting_siblings.values()
+                           for r in members]
+        self.kvadmit.samples_awaiting_siblings.clear()
+        for r in waiting_samples:
+            super().add_request(r)
 
     def finish_requests(self, request_ids, finished_status):
         if self.kvadmit.samples_awaiting_siblings and request_ids is None:   # finish everything
@@ -274,27 +322,50 @@ class _KvadmitMixin:
                 if not members:
                     del self.kvadmit.samples_awaiting_siblings[parent]
         finished = super().finish_requests(request_ids, finished_status)
-        self.kvadmit.publish()
+        self._kvadmit_publish()
         return finished
+
+    def _kvadmit_publish(self) -> None:
+        if not self.kvadmit.failed:
+            try:
+                self.kvadmit.publish()
+            except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
+                self.kvadmit.fail_open("publishing its metrics")
 
     # -- every step ------------------------------------------------------------
     def schedule(self, *args, **kwargs):
-        # The window, the running set and the step-time fit may have changed since the
-        # gate last chose: choose again.
-        self.waiting.invalidate()
-        self.kvadmit.before_step(kwargs.get("throttle_prefills", args[0] if args else False))
+        if not self.kvadmit.failed:
+            try:
+                # The window, the running set and the step-time fit may have changed
+                # since the gate last chose: choose again.
+                self.waiting.invalidate()
+                self.kvadmit.before_step(kwargs.get("throttle_prefills",
+                                                    args[0] if args else False))
+            except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
+                self.kvadmit.fail_open("before a step")
+        if self.kvadmit.failed:
+            self._kvadmit_hand_back()
+            return super().schedule(*args, **kwargs)
         out = super().schedule(*args, **kwargs)
-        self.kvadmit.after_step(out)
+        if not self.kvadmit.failed:
+            try:
+                self.kvadmit.after_step(out)
+            except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
+                self.kvadmit.fail_open("after a step")
         return out
 
     def _preempt_request(self, request: Request, timestamp: float, *args, **kwargs) -> None:
-        slot = self.kvadmit.bridge.slot(request.request_id)
+        slot = None if self.kvadmit.failed else self.kvadmit.bridge.slot(request.request_id)
         if slot is not None:
-            self.kvadmit.core.preempt(slot, self.kvadmit.clock(), displaced=self.kvadmit.displacing)
+            try:
+                self.kvadmit.core.preempt(slot, self.kvadmit.clock(),
+                                          displaced=self.kvadmit.displacing)
+            except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
+                self.kvadmit.fail_open("preempting a request")
         return super()._preempt_request(request, timestamp, *args, **kwargs)
 
     def _free_request(self, request: Request, *args, **kwargs):
-        if request.request_id in self.kvadmit.slots:
+        if not self.kvadmit.failed and request.request_id in self.kvadmit.slots:
             natural = request.status in (RequestStatus.FINISHED_STOPPED,
                                          RequestStatus.FINISHED_LENGTH_CAPPED)
 
@@ -303,7 +374,10 @@ class _KvadmitMixin:
                 gen = request.num_tokens - prompt
                 return min(request.num_computed_tokens, prompt + gen), gen
 
-            self.kvadmit.leave(request.request_id, self.kvadmit.clock(), natural, progress)
+            try:
+                self.kvadmit.leave(request.request_id, self.kvadmit.clock(), natural, progress)
+            except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
+                self.kvadmit.fail_open("as a request left")
         return super()._free_request(request, *args, **kwargs)
 
     # -- outputs ---------------------------------------------------------------
@@ -320,7 +394,9 @@ class _KvadmitMixin:
                 if eco is None:
                     outputs[client] = eco = EngineCoreOutputs()
                 eco.outputs = list(eco.outputs) + outs
-        self.kvadmit.publish()
+        self._kvadmit_publish()
+        if self.kvadmit.failed:
+            self._kvadmit_hand_back()
         return outputs
 
     def has_finished_requests(self) -> bool:
