@@ -38,13 +38,16 @@ def load(eng, n=24):
     return ids
 
 
-@pytest.mark.parametrize("where, n", [("before_step", 6), ("choose", 9), ("arrive", 5),
-                                      ("leave", 3)],
-                         ids=["before-a-step", "inside-vllms-step", "on-arrival", "as-one-leaves"])
-def test_a_fault_fails_open_and_nothing_is_lost(model_dir, monkeypatch, caplog, where, n):
+@pytest.mark.parametrize("where, n, async_scheduling", [
+    ("before_step", 6, False), ("choose", 9, False), ("arrive", 5, False), ("leave", 3, False),
+    ("choose", 9, True)],
+    ids=["before-a-step", "inside-vllms-step", "on-arrival", "as-one-leaves", "async-inside"])
+def test_a_fault_fails_open_and_nothing_is_lost(model_dir, monkeypatch, caplog, where, n,
+                                                async_scheduling):
     calls = fail_on_call(monkeypatch, where, n)
     eng = InProcessEngine(model_dir, scheduler_cls=Scheduler, num_blocks=24, max_model_len=512,
-                          max_num_seqs=16, additional_config={"kvadmit": {}})
+                          max_num_seqs=16, async_scheduling=async_scheduling,
+                          additional_config={"kvadmit": {}})
     s = eng.scheduler
     with caplog.at_level(logging.ERROR, logger="kvadmit.vllm"):
         ids = load(eng)
