@@ -202,10 +202,10 @@ _ADAPTERS: "weakref.WeakSet[SGLangAdmission]" = weakref.WeakSet()
 
 
 def adapter_for_reqs(reqs: Iterable[Any]) -> Optional["SGLangAdmission"]:
-    """The adapter tracking these requests (by object, not only rid), or None."""
+    """The live adapter tracking these requests (by object, not only rid), or None."""
     for req in reqs:
         for adapter in list(_ADAPTERS):
-            if adapter.bridge.obj(req.rid) is req:
+            if not adapter.failed and adapter.bridge.obj(req.rid) is req:
                 return adapter
     return None
 
@@ -254,11 +254,26 @@ class SGLangAdmission:
         # imported here, on first use, so this module imports without it)
         from kvadmit.sglang.prefill import KvadmitPrefillAdder
         self.adder_class = type("KvadmitPrefillAdder", (KvadmitPrefillAdder,), {"kvadmit": self})
+        self.internal_errors = 0               # kvadmit's own errors in SGLang (fail_open)
         self.exporter = None
         _ADAPTERS.add(self)
 
     # ------------------------------------------------------------------
     # Construction from a live SGLang Scheduler
+    @property
+    def failed(self) -> bool:
+        return self.internal_errors > 0
+
+    def fail_open(self, where: str) -> None:
+        """kvadmit's own code raised inside SGLang's scheduler (call it from the except
+        block): logged once with its traceback, counted, and from now on every hook
+        takes its stock branch (SGLang's waiting queue is its own list: nothing to hand
+        back), so the scheduler process and its requests live on."""
+        self.internal_errors += 1
+        if self.internal_errors == 1:
+            logger.exception("kvadmit: internal error %s; failing open: SGLang's own "
+                             "scheduling from now on", where)
+
     @classmethod
     def for_scheduler(cls, scheduler, config: AdmissionConfig,
                       explicit: frozenset = frozenset()) -> "SGLangAdmission":

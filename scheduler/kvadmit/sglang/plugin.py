@@ -131,14 +131,24 @@ def around_scheduler_init(original, self, *args, **kwargs):
         self, config, _adapter.explicit_keys(text))
 
 
+def _live(scheduler):
+    """The scheduler's kvadmit adapter, None without one or once it failed open."""
+    adapter = getattr(scheduler, "_kvadmit", None)
+    return None if adapter is None or adapter.failed else adapter
+
+
 def around_get_prefill_adder_class(original, self, *args, **kwargs):
     """AROUND Scheduler.get_prefill_adder_class: the kvadmit PrefillAdder, with
     the waiting queue put in the core's order first (the admission loop that
     follows iterates it)."""
-    adapter = getattr(self, "_kvadmit", None)
+    adapter = _live(self)
     if adapter is None:
         return original(self, *args, **kwargs)
-    adapter.order_waiting(self.waiting_queue)
+    try:
+        adapter.order_waiting(self.waiting_queue)
+    except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
+        adapter.fail_open("ordering the waiting queue")
+        return original(self, *args, **kwargs)
     return adapter.adder_class
 
 
@@ -148,10 +158,14 @@ def around_abort_on_queued_limit(original, self, recv_req, *args, **kwargs):
     SLO feasibility and priority shedding first, then SGLang's own
     --max-queued-requests. Returns True when the incoming request is aborted,
     as the original does."""
-    adapter = getattr(self, "_kvadmit", None)
+    adapter = _live(self)
     if adapter is None:
         return original(self, recv_req, *args, **kwargs)
-    outcome = adapter.on_enqueue(recv_req)
+    try:
+        outcome = adapter.on_enqueue(recv_req)
+    except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
+        adapter.fail_open("on a request's arrival")
+        return original(self, recv_req, *args, **kwargs)
     drop_waiting(self, outcome.shed)
     if outcome.rejection is not None:
         send_rejection(self, recv_req, outcome.rejection)
@@ -194,18 +208,26 @@ def around_get_next_batch_to_run(original, self, *args, **kwargs):
     the KV pool in use) goes to the bridge; after SGLang has chosen the batch (and
     its retractions) the bridge notes what it runs and steps the core, at the
     step's time."""
-    adapter = getattr(self, "_kvadmit", None)
+    adapter = _live(self)
     if adapter is None:
         return original(self, *args, **kwargs)
-    now = adapter.start_step()
-    bound = _bind(original, self, args, kwargs)
-    adapter.begin_step(bound.get("running_batch"), bound.get("last_batch"),
-                       getattr(self, "chunked_req", None), self.waiting_queue, now=now)
-    step_plan = adapter.step(self.token_to_kv_pool_allocator.available_size()
-                             + self.tree_cache.evictable_size(), now)
+    try:
+        now = adapter.start_step()
+        bound = _bind(original, self, args, kwargs)
+        adapter.begin_step(bound.get("running_batch"), bound.get("last_batch"),
+                           getattr(self, "chunked_req", None), self.waiting_queue, now=now)
+        step_plan = adapter.step(self.token_to_kv_pool_allocator.available_size()
+                                 + self.tree_cache.evictable_size(), now)
+    except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
+        adapter.fail_open("before a step")
+        return original(self, *args, **kwargs)
     drop_waiting(self, step_plan.dropped)          # stale work: before SGLang admits
     plan = original(self, *args, **kwargs)
-    adapter.end_step(now, batch=getattr(plan, "batch_to_run", None))
+    if not adapter.failed:                         # it may fail inside SGLang's step
+        try:
+            adapter.end_step(now, batch=getattr(plan, "batch_to_run", None))
+        except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
+            adapter.fail_open("after a step")
     return plan
 
 
@@ -213,7 +235,7 @@ def after_poll_timeout_aborts(result, self, *args, **kwargs):
     """AFTER Scheduler._poll_timeout_aborts (rank 0 of a waiting queue, once per
     iteration): when every rank must use rank 0's clock, a `ClockTick` joins the
     aborts SGLang broadcasts to the queue's ranks."""
-    adapter = getattr(self, "_kvadmit", None)
+    adapter = _live(self)
     tick = adapter.make_tick() if adapter is not None else None
     if tick is None:
         return result
@@ -227,7 +249,7 @@ def around_process_input_requests(original, self, recv_reqs, *args, **kwargs):
     (pipeline stages relay it onward)."""
     if not recv_reqs or not any(isinstance(r, _adapter.ClockTick) for r in recv_reqs):
         return original(self, recv_reqs, *args, **kwargs)
-    adapter = getattr(self, "_kvadmit", None)
+    adapter = _live(self)
     rest = []
     for r in recv_reqs:
         if isinstance(r, _adapter.ClockTick):
@@ -244,7 +266,11 @@ def around_retraction_order(original, reqs, *args, **kwargs):
     adapter = _adapter.adapter_for_reqs(reqs)
     if adapter is None:
         return original(reqs, *args, **kwargs)
-    return adapter.retraction_order(list(reqs))
+    try:
+        return adapter.retraction_order(list(reqs))
+    except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
+        adapter.fail_open("ordering retraction victims")
+        return original(reqs, *args, **kwargs)
 
 
 def after_get_internal_state(result, self, *args, **kwargs):
@@ -253,7 +279,8 @@ def after_get_internal_state(result, self, *args, **kwargs):
     adapter = getattr(self, "_kvadmit", None)
     state = getattr(result, "internal_state", None)
     if adapter is not None and isinstance(state, dict):
-        state["kvadmit"] = adapter.stats()
+        state["kvadmit"] = ({"failed_open": True, "internal_errors": adapter.internal_errors}
+                            if adapter.failed else adapter.stats())
     return result
 
 

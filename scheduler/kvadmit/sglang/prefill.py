@@ -107,40 +107,53 @@ class KvadmitPrefillAdder(PrefillAdder):
 
     def add_one_req(self, req, has_chunked_req, truncation_align_size):
         adapter = self.kvadmit
-        slot = adapter.slot_for(req)
-        if slot is None:  # not tracked (cannot happen via SGLang's queue): SGLang decides
+        slot = None if adapter.failed else adapter.slot_for(req)
+        if slot is None:  # not tracked (cannot happen via SGLang's queue), or failed open
             return super().add_one_req(req, has_chunked_req, truncation_align_size)
-        with self._lock_node(req.last_node):
-            free_tokens = int(self.memory_budget.remaining_current)
-        adapter.prepare_decision(slot, req)
-        free_blocks = max(free_tokens, 0) // adapter.page_size
-        nxt = adapter.core.next_admissible(free_blocks)
-        if nxt != slot:
-            if nxt >= 0:
-                # bypass, or this one's session is outside the agent window:
-                # a later request goes first
-                return AddReqResult.CONTINUE
-            if adapter.core.decide(slot, free_blocks) in ("hold_blocks", "hold_capacity"):
-                # memory: the batch is full for now, unless running requests it may
-                # take KV from give it theirs now (priority preemption, flows)
-                if not self.displace_for(req, slot, need_row=False):
-                    return AddReqResult.NO_TOKEN
-            else:
-                # Held by the TPOT guard or the agent window: stop this step without
-                # marking the batch full (a finishing request is not the only thing
-                # that lifts these holds: the step-time fit and the window do too),
-                # so the next step scans again.
-                return AddReqResult.OTHER
+        try:
+            verdict = self._verdict(req, slot)
+        except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
+            adapter.fail_open("choosing a waiting request")
+            return super().add_one_req(req, has_chunked_req, truncation_align_size)
+        if verdict is not None:
+            return verdict
         before = len(self.can_run_list)
         prefix = int(req.prefix_len)
         # Those admitted before it in this batch decode from the next step on.
         self.memory_budget.joining = before - (self.new_chunked_req is not None)
         res = super().add_one_req(req, has_chunked_req, truncation_align_size)
         if len(self.can_run_list) > before and self.can_run_list[-1] is req:
-            adapter.on_admitted(slot, req, prefix)
+            try:
+                adapter.on_admitted(slot, req, prefix)
+            except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
+                adapter.fail_open("starting a waiting request")
             if self.new_chunked_req is req:
                 self.memory_budget.hold_for_chunked(req)
         return res
+
+    def _verdict(self, req, slot):
+        """The core's answer for ``req`` now: None (SGLang may add it), or the
+        AddReqResult that stops or skips it."""
+        adapter = self.kvadmit
+        with self._lock_node(req.last_node):
+            free_tokens = int(self.memory_budget.remaining_current)
+        adapter.prepare_decision(slot, req)
+        free_blocks = max(free_tokens, 0) // adapter.page_size
+        nxt = adapter.core.next_admissible(free_blocks)
+        if nxt == slot:
+            return None
+        if nxt >= 0:
+            # bypass, or this one's session is outside the agent window: a later
+            # request goes first
+            return AddReqResult.CONTINUE
+        if adapter.core.decide(slot, free_blocks) in ("hold_blocks", "hold_capacity"):
+            # memory: the batch is full for now, unless running requests it may take
+            # KV from give it theirs now (priority preemption, flows)
+            return None if self.displace_for(req, slot, need_row=False) else AddReqResult.NO_TOKEN
+        # Held by the TPOT guard or the agent window: stop this step without marking
+        # the batch full (a finishing request is not the only thing that lifts these
+        # holds: the step-time fit and the window do too), so the next step scans again.
+        return AddReqResult.OTHER
 
     def add_chunked_req(self, req):
         still_chunked = super().add_chunked_req(req)
@@ -158,11 +171,17 @@ class KvadmitPrefillAdder(PrefillAdder):
         (with --enable-priority-scheduling and its preemption on): evict running
         requests for it if the core lets it displace them (`displace_for`, which
         takes at least one here, for the slot)."""
-        slot = self.kvadmit.slot_for(req)
-        if slot is None or self.kvadmit.core.state(slot) != "waiting":
+        if self.kvadmit.failed:
+            return super().preempt_to_schedule(req)
+        try:
+            slot = self.kvadmit.slot_for(req)
+            if slot is None or self.kvadmit.core.state(slot) != "waiting":
+                return False
+            self.kvadmit.prepare_decision(slot, req)
+            return self.displace_for(req, slot, need_row=True)
+        except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
+            self.kvadmit.fail_open("displacing running requests for a waiting one")
             return False
-        self.kvadmit.prepare_decision(slot, req)
-        return self.displace_for(req, slot, need_row=True)
 
     def displace_for(self, req, slot: int, need_row: bool) -> bool:
         """Priority preemption and flow displacement, SGLang's way (it cannot
