@@ -21,3 +21,17 @@ def add_waiting(core, prompt, max_new, priority=0, now=0.0):
     res = core.arrive(ArrivalRecord(prompt, max_new, priority=priority), now=now)
     assert res.accepted, res
     return res.slot
+
+
+def fail_on_call(monkeypatch, owner, name: str, n: int) -> list:
+    """``owner.<name>`` (a method) raises RuntimeError on its n-th call, counted from 1;
+    the list of calls so far is returned (the fault tests of kvadmit failing open)."""
+    original, calls = getattr(owner, name), []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise RuntimeError(f"injected into {name}, call {n}")
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(owner, name, failing)
+    return calls

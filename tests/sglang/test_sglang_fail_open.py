@@ -11,21 +11,9 @@ pytest.importorskip("sglang.srt")  # not "sglang": see conftest.py
 
 from kvadmit import AdmissionConfig  # noqa: E402
 from kvadmit.sglang.adapter import SGLangAdmission  # noqa: E402
+from helpers import fail_on_call  # noqa: E402
 
 POOL = 1500
-
-
-def fail_on_call(monkeypatch, name: str, n: int) -> list:
-    """SGLangAdmission.<name> raises on its n-th call (counted from 1)."""
-    original, calls = getattr(SGLangAdmission, name), []
-
-    def failing(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == n:
-            raise RuntimeError(f"injected into {name}, call {n}")
-        return original(self, *args, **kwargs)
-    monkeypatch.setattr(SGLangAdmission, name, failing)
-    return calls
 
 
 @pytest.mark.parametrize("where, n", [("step", 40), ("prepare_decision", 30), ("on_enqueue", 20),
@@ -34,7 +22,7 @@ def fail_on_call(monkeypatch, name: str, n: int) -> list:
 def test_a_fault_fails_open_and_nothing_is_lost(kvadmit_hooks, monkeypatch, caplog, where, n):
     from sglang_harness import Harness, make_req
 
-    calls = fail_on_call(monkeypatch, where, n)
+    calls = fail_on_call(monkeypatch, SGLangAdmission, where, n)
     # overcommit: SGLang's pool runs dry and retracts, so every hook is reached
     h = Harness(AdmissionConfig.from_dict({"policy": "overcommit"}), pool_tokens=POOL,
                 max_running=16, max_context=1024)

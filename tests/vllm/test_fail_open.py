@@ -7,27 +7,11 @@ KV block comes back."""
 import logging
 
 import pytest
+from helpers import fail_on_call
 
 from kvadmit.vllm.admission import VllmAdmission
 from kvadmit.vllm.inprocess import InProcessEngine
 from kvadmit.vllm.scheduler import GatedWaitingQueue, Scheduler
-
-
-class Fault(RuntimeError):
-    """The injected error."""
-
-
-def fail_on_call(monkeypatch, name: str, n: int) -> list:
-    """VllmAdmission.<name> raises Fault on its n-th call (counted from 1)."""
-    original, calls = getattr(VllmAdmission, name), []
-
-    def failing(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == n:
-            raise Fault(f"injected into {name}, call {n}")
-        return original(self, *args, **kwargs)
-    monkeypatch.setattr(VllmAdmission, name, failing)
-    return calls
 
 
 def load(eng, n=24):
@@ -44,7 +28,7 @@ def load(eng, n=24):
     ids=["before-a-step", "inside-vllms-step", "on-arrival", "as-one-leaves", "async-inside"])
 def test_a_fault_fails_open_and_nothing_is_lost(model_dir, monkeypatch, caplog, where, n,
                                                 async_scheduling):
-    calls = fail_on_call(monkeypatch, where, n)
+    calls = fail_on_call(monkeypatch, VllmAdmission, where, n)
     eng = InProcessEngine(model_dir, scheduler_cls=Scheduler, num_blocks=24, max_model_len=512,
                           max_num_seqs=16, async_scheduling=async_scheduling,
                           additional_config={"kvadmit": {}})
