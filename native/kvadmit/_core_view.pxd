@@ -71,10 +71,11 @@ cdef class CoreView:
                           self._over_share(), out)
         return True
 
-    cdef inline void c_displaceable(self, int32_t s, vector[int32_t]& out) noexcept nogil:
+    cdef inline void c_displaceable(self, int32_t s, vector[int32_t]& out,
+                                    bint flows_only=False) noexcept nogil:
         """`displaceable` for the waiting s, into `out`."""
         out.clear()
-        if self.decision.c_mark_takeable(s):      # (it has just judged the flows' shares)
+        if self.decision.c_mark_takeable(s, flows_only):      # (it has just judged the flows' shares)
             victims_first(self.ledger, self._victim, self._victim_by_priority,
                           self.decision.over.data() if self.flows.on else NULL,
                           self.decision.takeable, out)

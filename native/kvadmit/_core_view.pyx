@@ -73,7 +73,7 @@ cdef class CoreView:
         flow id arrives). Where not, `displaceable` is always empty."""
         return self.decision.c_may_take_kv()
 
-    def displaceable(self, int64_t slot):
+    def displaceable(self, int64_t slot, bint flows_only=False):
         """The running requests the waiting request `slot` may take KV from, first
         victim first (kvadmit._decision's c_mark_takeable): under queue_order
         "priority" those less important than it by more than
@@ -81,10 +81,12 @@ cdef class CoreView:
         over its share, where its own flow with it stays within its share. In the
         victim order (least important class first, then flows over their share). Empty
         when neither applies. An engine that must free KV at once for `slot` (vLLM's
-        blocks for its prompt, SGLang evicts at admission) takes them in this order."""
+        blocks for its prompt, SGLang evicts at admission) takes them in this order.
+        `flows_only`: flow displacement alone (an engine that does not retract by
+        priority)."""
         self.ledger.check_state(slot, ST_WAITING)
         cdef vector[int32_t] out
-        self.c_displaceable(<int32_t>slot, out)
+        self.c_displaceable(<int32_t>slot, out, flows_only)
         return [r for r in out]
 
     def state(self, int64_t slot):

@@ -38,6 +38,6 @@ cdef class Decision(Judge):
 
     cdef int c_decide(self, int32_t s, int64_t free_blocks, bint check_blocks) noexcept nogil
     cdef bint c_takes_running(self, int32_t s, int64_t free_blocks) noexcept nogil
-    cdef bint c_mark_takeable(self, int32_t s) noexcept nogil
+    cdef bint c_mark_takeable(self, int32_t s, bint flows_only=*) noexcept nogil
     cdef bint c_may_displace(self, int32_t s) noexcept nogil
     cdef Rejection c_refusal(self, int32_t s)

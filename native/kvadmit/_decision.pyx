@@ -12,6 +12,7 @@
 #   priority retraction (queue_order "priority"): a running request less important
 #     than s (sheddable where s is not, or a larger priority value by more than
 #     priority_preemption_threshold);
+#   (an engine that does not retract by priority asks with flows_only: the flow rule alone)
 #   flow displacement (flows on): a running request of s's band (its class and, under
 #     queue_order "priority", its priority value) whose flow holds more than its
 #     weighted share of the pool now, where s's flow, with s, stays within its own;
@@ -79,9 +80,11 @@ cdef class Decision(Judge):
     cdef bint c_may_displace(self, int32_t s) noexcept nogil:
         return self.c_mark_takeable(s)
 
-    cdef bint c_mark_takeable(self, int32_t s) noexcept nogil:
+    cdef bint c_mark_takeable(self, int32_t s, bint flows_only=False) noexcept nogil:
         """Marks, by position in the ledger's running set, the running requests whose
-        KV the waiting s may take (see the top of this file); True if any."""
+        KV the waiting s may take (see the top of this file); True if any.
+        `flows_only`: flow displacement alone, for an engine that does not retract by
+        priority (SGLang with its priority preemption off): no class takes another's."""
         cdef size_t i, n = self.ledger.n_running()
         cdef int32_t r, g, f = self.ledger.flow_ix(s)
         cdef int64_t need = cdiv(self.ledger.tokens(s), self.block_size)
@@ -95,7 +98,8 @@ cdef class Decision(Judge):
         for i in range(n):
             r = self.ledger.running_at(i)
             g = self.ledger.flow_ix(r)
-            if self.by_priority and self.ledger.ranks_below(r, s, self.policy.priority_margin):
+            if self.by_priority and not flows_only \
+                    and self.ledger.ranks_below(r, s, self.policy.priority_margin):
                 take = True
             else:
                 take = by_flow and g != f and self.over[g] \

@@ -9,6 +9,8 @@
 - _waiting_queue: the queue's order, the bypass scan, shedding's order;
 - _decision: may a waiting request start, may an arrival be queued;
 - _shortfall: the pause planner (shortfall "pause");
+- _step_plan: the step planner: displacement and pauses for one engine step, as
+  every engine runs them (prompt_need, the watermark beside a starting request);
 - _policies: may a waiting request start? (one Policy subclass per policy);
 - _curves: KV curves and their exact peak (the peak rule's arithmetic);
 - _length_model: recent output lengths and the adaptive quantile controller;
@@ -34,6 +36,7 @@ from kvadmit._length_model import OutputLengthModel, next_quantile
 from kvadmit._native_engine import NativeEngine
 from kvadmit._policies import POLICIES
 from kvadmit._requests import Requests
+from kvadmit._step_plan import StepPlanner, prompt_blocks
 from kvadmit._step_time import StepTimeFit
 from kvadmit._victims import VICTIMS
 

@@ -37,6 +37,7 @@ from kvadmit._core cimport AdmissionCore
 from kvadmit._curves cimport cdiv
 from kvadmit._ledger cimport ST_WAITING
 from kvadmit._requests cimport Requests
+from kvadmit._step_plan cimport StepPlanner, prompt_need, watermark_beside
 
 from kvadmit._arrival_gate import REJECT_REASONS
 
@@ -77,6 +78,7 @@ cdef class NativeEngine:
     the results `run` gives."""
     cdef readonly AdmissionCore core
     cdef readonly BlockAllocator allocator
+    cdef readonly StepPlanner planner   # displacement and pauses, as kvadmit's vLLM adapter plans them
     cdef int64_t _bs, _nblocks, _max_seqs, _max_active, _budget, _hash_block, _watermark
     cdef bint _chunked, _prefix, _full_input
     # vLLM's --scheduling-policy priority: vLLM keeps its running order and picks its
@@ -100,11 +102,9 @@ cdef class NativeEngine:
     cdef vector[vector[int64_t]] _children
     cdef unordered_map[int64_t, vector[pair[int32_t, uint64_t]]] _sess_blocks
     cdef vector[int32_t] _slot_req, _running, _scheduled
-    cdef vector[int64_t] _plan_cols    # the pause plan's columns: want, computed, held, priority
     cdef vector[int32_t] _hit_ids      # the admission candidate's prefix-cache hit blocks
     cdef vector[int32_t] _order        # scratch: the core's victim order (slots)
     cdef int32_t _pinned               # the slot this step displaced for (it starts first), or -1
-    cdef vector[char] _pause           # per running position: paused this step (shortfall: pause)
     cdef vector[int32_t] _paused_reqs  # the requests paused this step
     cdef vector[char] _is_paused       # per request
     cdef vector[int64_t] _paused_sessions   # sessions the agent window paused (scratch)
@@ -169,6 +169,7 @@ cdef class NativeEngine:
         self._max_seqs = max_num_seqs
         self._max_active = max_num_active_seqs if max_num_active_seqs > 0 else max_num_seqs
         self._watermark = watermark_blocks
+        self.planner = StepPlanner(self.core, watermark_blocks, 0)
         self._vllm_priority = vllm_priority_policy
         self._budget = max_num_batched_tokens
         self._chunked = chunked_prefill
@@ -312,7 +313,7 @@ cdef class NativeEngine:
 
     cdef size_t _preempt(self, int32_t v, int64_t* budget, bint displaced) noexcept nogil:
         """Preempts v (recompute; `displaced`: for a waiting request, see
-        `_displace_for`); returns its index in the running list before."""
+        `_plan_step`); returns its index in the running list before."""
         if self._sched[v] > 0:
             budget[0] += self._sched[v]
             self._sched[v] = 0
@@ -434,24 +435,51 @@ cdef class NativeEngine:
                 fresh[0] += 1
         return lim
 
-    cdef int64_t _plan_pauses(self) noexcept nogil:
-        """The core's pause plan for this step: what each running request would
-        compute (as the loop below takes it), the KV it has, the blocks it holds and its
-        priority (the plan reads it under queue_order "priority")."""
-        cdef size_t i, nr = self._running.size()
-        cdef int32_t r
-        self._plan_cols.resize(4 * nr)
-        self._pause.resize(nr)
+    cdef void _plan_step(self, int64_t* budget) noexcept nogil:
+        """kvadmit's side of the step (kvadmit._step_plan), as its vLLM adapter plans
+        it. Displacement: the candidate's need and the blocks each of its victims
+        frees; the displaced are preempted and the candidate starts first (`_pinned`).
+        Pauses: per running request what it would compute (as the loop below takes
+        it), its KV, blocks and priority; the paused skip this step."""
+        cdef int64_t hits, fresh, n, freed, kept
+        cdef int64_t* rows
+        cdef size_t i, j, nr = self._running.size()
+        cdef int32_t s = self.planner.c_candidate(self.allocator.c_num_free()), r, v, b
+        self._pinned = -1
+        if s >= 0:
+            r = self._slot_req[s]
+            self.planner.need = self._prompt_need(r, self._prompt[r] + self._gen[r], budget[0],
+                                                  &hits, &fresh, &n)
+            if self.planner.c_short(self.allocator.c_num_free(), nr):
+                for i in range(self.planner.victims.size()):
+                    v = self._slot_req[self.planner.victims[i]]
+                    freed = kept = 0
+                    for j in range(self._blocks[v].size()):
+                        b = self._blocks[v][j]
+                        if self.allocator.c_ref_count(b) == 1:
+                            freed += 1
+                            kept += self._is_hit(b)
+                    self.planner.freed[i], self.planner.kept[i] = freed, kept
+                if self.planner.c_displace(self.allocator.c_num_free(), nr):
+                    for i in range(self.planner.displaced.size()):
+                        self._preempt(self._slot_req[self.planner.displaced[i]], budget, True)
+                    self._pinned = s
+        if not self.core.c_pauses_on_shortfall():
+            return
+        nr = self._running.size()
+        rows = self.planner.c_rows(nr)
         for i in range(nr):
             r = self._running[i]
-            self._plan_cols[i] = self._prompt[r] + self._gen[r] - self._computed[r]
-            self._plan_cols[nr + i] = self._computed[r]
-            self._plan_cols[2 * nr + i] = self._blocks[r].size()
-            self._plan_cols[3 * nr + i] = self._rec[r].priority
-        return self.core.c_plan_shortfall(
-            self._plan_cols.data(), self._plan_cols.data() + nr, self._plan_cols.data() + 2 * nr,
-            nr, self.allocator.c_num_free(), self._budget, 0, self._pause.data(),
-            self._plan_cols.data() + 3 * nr)
+            rows[i] = self._prompt[r] + self._gen[r] - self._computed[r]
+            rows[nr + i] = self._computed[r]
+            rows[2 * nr + i] = self._blocks[r].size()
+            rows[3 * nr + i] = self._rec[r].priority
+        if self.planner.c_pause(self.allocator.c_num_free(), self._budget):
+            for i in range(nr):
+                if self.planner.paused[i]:
+                    r = self._running[i]
+                    self._is_paused[r] = 1
+                    self._paused_reqs.push_back(r)
 
     cdef int _step(self) noexcept nogil:
         """One engine step: STEP_RAN, STEP_PREEMPTED_ONLY (every scheduled request
@@ -459,9 +487,7 @@ cdef class NativeEngine:
         cdef int64_t budget = self._budget
         self._scheduled.clear()
         self._order_running()
-        self._displace_for_waiting(&budget)
-        if self.core.c_pauses_on_shortfall() and self._plan_pauses():
-            self._mark_paused()
+        self._plan_step(&budget)
         cdef bint preempted = self._schedule_running(&budget)
         # Waiting requests only in a step without preemption (as vLLM); the core
         # admits none in a step with paused requests.
@@ -499,16 +525,6 @@ cdef class NativeEngine:
                          or (self._arr[r] == self._arr[best] and r > best))):
                 best = r
         return best
-
-    cdef void _mark_paused(self) noexcept nogil:
-        """The running requests the core's pause plan skips this step."""
-        cdef size_t k
-        cdef int32_t r
-        for k in range(self._running.size()):
-            if self._pause[k]:
-                r = self._running[k]
-                self._is_paused[r] = 1
-                self._paused_reqs.push_back(r)
 
     cdef bint _schedule_running(self, int64_t* budget) noexcept nogil:
         """1. Running requests, in the core's victim order, take their tokens from the
@@ -556,44 +572,6 @@ cdef class NativeEngine:
                 return True
         return False
 
-    cdef bint _displace_for(self, int32_t s, int64_t need, int64_t* budget) noexcept nogil:
-        """The core admitted the waiting slot s but `need` blocks are not free: as
-        kvadmit's vLLM adapter does, preempt the running requests the core lets s take
-        KV from (its displaceable ones, first victim first) as far as need goes, or
-        none if even all of them would not free enough. A block only a victim holds
-        that s hits is no gain: s takes it back, cached-free, when it starts. While
-        any other request runs, --watermark's blocks must stay free beside need (as
-        _schedule_waiting admits). True if any was preempted."""
-        cdef vector[int32_t] victims
-        self.core.c_displaceable(s, victims)
-        if victims.empty():
-            return False
-        cdef int64_t gain = 0, free = self.allocator.c_num_free()
-        cdef size_t k, j, chosen = 0
-        cdef int32_t v, b
-        for k in range(victims.size()):
-            v = self._slot_req[victims[k]]
-            for j in range(self._blocks[v].size()):
-                b = self._blocks[v][j]
-                # a block only v holds comes free, unless s hits it (`_hit_ids`, from
-                # the caller's count): then s takes it straight back
-                if self.allocator.c_ref_count(b) == 1 and not self._is_hit(b):
-                    gain += 1
-            chosen = k + 1
-            if free + gain >= need + self._watermark_beside(self._running.size() - chosen):
-                break
-        if free + gain < need + self._watermark_beside(self._running.size() - chosen):
-            return False
-        for k in range(chosen):
-            self._preempt(self._slot_req[victims[k]], budget, True)
-        return True
-
-    cdef inline int64_t _watermark_beside(self, size_t running) noexcept nogil:
-        """The blocks --watermark keeps free beside a waiting request's when it starts
-        with `running` requests running (vLLM's allocate_slots: while another request
-        is scheduled in the step)."""
-        return self._watermark if running > 0 else 0
-
     cdef int64_t _prompt_need(self, int32_t r, int64_t tokens, int64_t budget, int64_t* hits,
                               int64_t* fresh, int64_t* n) noexcept nogil:
         """The free blocks waiting request r (`tokens` of input) takes if it starts now
@@ -605,32 +583,12 @@ cdef class NativeEngine:
         hits[0] = self._prefix_hit_blocks(r, tokens, fresh) if self._prefix else 0
         if not self._prefix:
             fresh[0] = 0
-        cdef int64_t c0 = hits[0] * self._bs
-        n[0] = tokens - c0
+        n[0] = tokens - hits[0] * self._bs
         if n[0] > budget and self._chunked:
             n[0] = budget
-        return cdiv(tokens if self._full_input else c0 + n[0], self._bs) - hits[0] + fresh[0]
-
-    cdef void _displace_for_waiting(self, int64_t* budget) noexcept nogil:
-        """Before the step's schedule, as kvadmit's vLLM adapter does: the waiting
-        request the core lets start, if its prompt's blocks are not free, takes them
-        from the running requests the core lets it take KV from (`_displace_for`);
-        it then starts first in this step (`_pinned`). Only where a request may take
-        KV from running ones: under queue_order "priority" (which vLLM's priority
-        scheduling sets) or flows."""
-        self._pinned = -1
-        if not self.core.decision.c_may_take_kv():
-            return
-        cdef int32_t s = self.core.c_next_admissible(self.allocator.c_num_free(), False)
-        if s < 0:
-            return
-        cdef int32_t r = self._slot_req[s]
-        cdef int64_t hits, fresh, n
-        cdef int64_t need = self._prompt_need(r, self._prompt[r] + self._gen[r], budget[0],
-                                              &hits, &fresh, &n)
-        if need + self._watermark_beside(self._running.size()) > self.allocator.c_num_free() \
-                and self._displace_for(s, need, budget):
-            self._pinned = s
+        return prompt_need(tokens, 0, hits[0], fresh[0],
+                           budget if self._chunked and not self._full_input else tokens,
+                           0, self._bs)
 
     cdef void _schedule_waiting(self, int64_t* budget) noexcept nogil:
         """2. Waiting requests in the core's order (the one this step displaced for
@@ -652,7 +610,7 @@ cdef class NativeEngine:
             r = self._slot_req[s]
             tokens = self._prompt[r] + self._gen[r]
             need = self._prompt_need(r, tokens, budget[0], &hits, &fresh, &n) \
-                + self._watermark_beside(self._running.size())
+                + watermark_beside(self._watermark, self._running.size())
             c0 = hits * self._bs
             if n > budget[0]:
                 break                 # no chunked prefill: the whole prompt waits for a step

@@ -27,8 +27,10 @@ from kvadmit._native import (
     OutputLengthModel,
     Rejection,
     Requests,
+    StepPlanner,
     next_quantile,
     peak_blocks,
+    prompt_blocks,
 )
 from kvadmit.arrival import ArrivalRecord
 from kvadmit.config import AdmissionConfig, ConfigError
@@ -42,6 +44,6 @@ __version__ = "0.1.0"
 __all__ = [
     "AdmissionConfig", "AdmissionCore", "ArrivalRecord", "ArrivalResult", "BlockAllocator",
     "BlockObjectQueue", "ConfigError", "DECISIONS", "FreeBlockQueue", "OutputLengthModel",
-    "POLICIES", "REJECT_REASONS", "Rejection", "Requests", "VICTIMS", "next_quantile",
-    "peak_blocks",
+    "POLICIES", "REJECT_REASONS", "Rejection", "Requests", "StepPlanner", "VICTIMS",
+    "next_quantile", "peak_blocks", "prompt_blocks",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -246,6 +247,19 @@ class AdmissionConfig:
     def pause_on_shortfall(self) -> bool:
         """Whether a running request short of blocks pauses (shortfall, with "auto" resolved)."""
         return self.shortfall == "pause" or (self.shortfall == "auto" and self.policy == "auto")
+
+    def for_engine(self, cannot_pause: str | None) -> "AdmissionConfig":
+        """The configuration on an engine that can pause a running request
+        (`cannot_pause` None) or cannot (it says why): there shortfall "auto" is
+        "preempt", and "pause" is a ConfigError. The one place "auto" is resolved."""
+        if cannot_pause is None or self.shortfall == "preempt":
+            return self
+        if self.shortfall == "pause":
+            raise ConfigError(f"shortfall={self.shortfall!r}: {cannot_pause}; use shortfall='preempt'")
+        if self.pause_on_shortfall:
+            logging.getLogger("kvadmit").info("kvadmit: %s; shortfall=auto preempts instead",
+                                              cannot_pause)
+        return self.replace(shortfall="preempt")
 
     @property
     def bypass_head_of_line(self) -> bool:

@@ -79,12 +79,8 @@ def engine_config(config: AdmissionConfig) -> AdmissionConfig:
     """The configuration as SGLang runs it: SGLang decodes its whole running batch each
     step, so a request cannot sit one out: shortfall "auto" is "preempt" (retraction),
     and "pause" is a ConfigError."""
-    if config.shortfall == "pause":
-        raise ConfigError(f"shortfall={config.shortfall!r}: the SGLang plug-in supports only "
-                          f"'preempt' (SGLang retracts when the pool runs dry)")
-    if config.shortfall == "auto":
-        config = config.replace(shortfall="preempt")
-    return config
+    return config.for_engine("SGLang decodes its whole running batch each step and "
+                             "retracts when the pool runs dry: a request cannot sit one out")
 
 
 def explicit_keys(text: Optional[str]) -> frozenset:

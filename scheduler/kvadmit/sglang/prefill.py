@@ -199,12 +199,8 @@ class KvadmitPrefillAdder(PrefillAdder):
         core = adapter.core
         if not (adapter.priority_preemption or core.flows.on):
             return False
-        victims = core.displaceable(slot)
-        if not adapter.priority_preemption:
-            # flows only: SGLang's priority preemption is off, so no eviction across
-            # classes (a sheddable running request for a protected one) either
-            sheddable = core.info(slot)["sheddable"]
-            victims = [s for s in victims if core.info(s)["sheddable"] == sheddable]
+        # SGLang's priority preemption off: flow displacement alone
+        victims = core.displaceable(slot, flows_only=not adapter.priority_preemption)
         if not victims:
             return False
         by_slot = {}

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvadmit._native import AdmissionCore
+from kvadmit._native import AdmissionCore, StepPlanner, prompt_blocks
 from kvadmit.arrival import ArrivalRecord, prompt_hash
 from kvadmit.bridge import EngineBridge, StepReport
 from kvadmit.config import AdmissionConfig
@@ -124,6 +124,9 @@ class VllmAdmission:
                                if cfg.pause_on_shortfall or self.count_shared_prefix else None)
         self.pause_plan_blocks = self._req_to_blocks if cfg.pause_on_shortfall else None
         self.step_rules = compat.step_rules(sched=sched)   # "what vLLM would schedule", this release's
+        # Displacement and pauses (kvadmit._step_plan), beside vLLM's --watermark blocks
+        self.planner = StepPlanner(self.core, getattr(kvm, "watermark_blocks", 0),
+                                   sched.num_lookahead_tokens)
         self._step_now = 0.0                     # the time of the step being scheduled
         self.metrics: Any | None = process_metrics()   # Prometheus counters, if any
         # Refused: (client index, output), sent by the next update_from_output.
@@ -367,58 +370,49 @@ class VllmAdmission:
             order = [by_slot[s] for s in plan.victim_order if s in by_slot]
             if len(order) == len(sched.running):
                 sched.running = order
-        if self.core.may_take_kv():
-            self._displace_for_waiting()
+        self._displace()
         if self.pause_plan_blocks is not None:
-            self._plan_pauses(throttle_prefills)
+            self._pause(throttle_prefills)
 
-    def _displace_for_waiting(self) -> None:
-        """Priority retraction (queue_order priority) and flow displacement
-        (flows on) for the waiting request the core lets start: it may start on the KV
-        of running requests less important than it, or of flows over their share
-        (`AdmissionCore.displaceable`). vLLM preempts only for a running request short
-        of blocks, never for a waiting one, and kvadmit's pool seldom runs short: so
-        the displaceable ones are preempted here, first victim first, as far as its
-        prompt's blocks need (none if even all of them would not free enough)."""
-        slot = self.choose()
-        if slot is None:
+    def _displace(self) -> None:
+        """Priority retraction (queue_order priority) and flow displacement (flows on),
+        through the step planner (kvadmit._step_plan): the waiting request the core lets
+        start may take the KV of running requests less important than it, or of flows
+        over their share. vLLM preempts only for a running request short of blocks,
+        never for a waiting one, and kvadmit's pool seldom runs short: so the planner's
+        victims are preempted here, and the request starts first in this step."""
+        sched, planner = self._sched, self.planner
+        free = self._pool.get_num_free_blocks()
+        slot, victims = planner.find_candidate(free)
+        if slot < 0:
             return
-        victims = self.core.displaceable(slot)
-        if not victims:
-            return
-        sched, pool = self._sched, self._pool
         req = self.bridge.obj(self.bridge.key(slot))
         need, hit_ids = self._prompt_need(req)
-        free = pool.get_num_free_blocks()
-        running = set(sched.running)
-        watermark = sched.kv_cache_manager.watermark_blocks
-
-        def target(n_chosen: int) -> int:
-            # --watermark: vLLM keeps these free beside a waiting request's blocks while
-            # another request is scheduled in the step (KVCacheManager.allocate_slots)
-            return need + (watermark if n_chosen < len(running) else 0)
-
-        if target(0) <= free:
+        running = sched.running
+        if not planner.is_short(need, free, len(running)):
             return
         held = sched.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
-        chosen, gain = [], 0
+        members = set(running)
+        freed, kept, by_slot = [], [], {}
         for v in victims:
-            vreq = self.bridge.obj(self.bridge.key(v))
-            if vreq not in running or not sched._request_blocks_can_be_freed(vreq):
+            vreq = by_slot[v] = self.bridge.obj(self.bridge.key(v))
+            if vreq not in members or not sched._request_blocks_can_be_freed(vreq):
+                freed.append(-1)
+                kept.append(0)
                 continue
-            chosen.append(vreq)
-            # a block only the victim holds comes free, unless the request hits it: then
-            # it takes it straight back (counted in its need, once cached-free)
-            gain += sum(1 for b in held.get(vreq.request_id, ())
-                        if b.ref_cnt == 1 and b.block_id not in hit_ids)
-            if free + gain >= target(len(chosen)):
-                break
-        if free + gain < target(len(chosen)):
+            # a block only the victim holds comes free; one the request hits it takes
+            # straight back (counted in its need, once cached-free)
+            alone = [b.block_id for b in held.get(vreq.request_id, ()) if b.ref_cnt == 1]
+            freed.append(len(alone))
+            kept.append(sum(1 for b in alone if b in hit_ids))
+        displaced = planner.displace(free, len(running), freed, kept)
+        if not displaced:
             return
         now = time.monotonic()
         self.displacing = True
         try:
-            for vreq in chosen:
+            for v in displaced:
+                vreq = by_slot[v]
                 sched.running.remove(vreq)
                 sched._preempt_request(vreq, now,    # the core hears of it (Scheduler)
                                        drop_stale_output=getattr(sched, "requires_kv_delivery", False))
@@ -429,9 +423,8 @@ class VllmAdmission:
 
     def _prompt_need(self, req) -> tuple[int, set]:
         """The free blocks a waiting request takes when it starts, as vLLM allocates
-        them: its uncached tokens' (the whole input under vLLM's full-input check, else
-        the step's budget at most), plus each prefix-cache hit on a cached-free block
-        (touching it takes it out of the free queue); and the hit blocks' ids."""
+        them (the planner's prompt_blocks: the whole input under vLLM's full-input
+        check, else the step's budget at most), and its prefix-cache hits' block ids."""
         sched = self._sched
         kvm, bs = sched.kv_cache_manager, sched.block_size
         hits = ()
@@ -440,27 +433,26 @@ class VllmAdmission:
             # report mode it emits the hit blocks' events again)
             found = kvm.get_computed_blocks(req)
             hits = found[0].blocks[0][:found[1] // bs]
-        tokens = req.num_tokens - max(req.num_computed_tokens, len(hits) * bs)
-        if not getattr(sched, "scheduler_reserve_full_isl", True):
-            tokens = min(tokens, sched.max_num_scheduled_tokens)
-        fresh = sum(1 for b in hits if b.ref_cnt == 0)
-        return -(-(tokens + sched.num_lookahead_tokens) // bs) + fresh, {b.block_id for b in hits}
+        full_input = getattr(sched, "scheduler_reserve_full_isl", True)
+        need = prompt_blocks(req.num_tokens, req.num_computed_tokens, len(hits),
+                             sum(1 for b in hits if b.ref_cnt == 0),
+                             req.num_tokens if full_input else sched.max_num_scheduled_tokens,
+                             sched.num_lookahead_tokens, bs)
+        return need, {b.block_id for b in hits}
 
-    def _plan_pauses(self, throttle_prefills: bool) -> None:
-        """shortfall: pause. The core picks which running requests sit this step out
-        (they keep their KV); vLLM skips them through its own per-request deferral,
+    def _pause(self, throttle_prefills: bool) -> None:
+        """shortfall: pause. The planner picks which running requests sit this step
+        out (they keep their KV); vLLM skips them through its own per-request deferral,
         `next_decode_eligible_step`, which schedule() checks after advancing
         current_step (hence + 2), as vLLM's diffusion scheduler does."""
         sched, blocks = self._sched, self.pause_plan_blocks
         running = sched.running
-        want = compat.running_step_tokens(sched, self.step_rules, throttle_prefills)
-        computed = [req.num_computed_tokens for req in running]
-        held = [len(blocks.get(req.request_id, ())) for req in running]
-        # queue_order priority: the plan pauses the lowest priorities first
-        priorities = [r.priority for r in running] if self.config.queue_order == "priority" else None
-        paused = self.core.plan_shortfall(want, computed, held, self._pool.get_num_free_blocks(),
-                                          sched.max_num_scheduled_tokens, sched.num_lookahead_tokens,
-                                          priorities)
+        paused = self.planner.pause(
+            compat.running_step_tokens(sched, self.step_rules, throttle_prefills),
+            [req.num_computed_tokens for req in running],
+            [len(blocks.get(req.request_id, ())) for req in running],
+            [r.priority for r in running] if self.config.queue_order == "priority" else None,
+            self._pool.get_num_free_blocks(), sched.max_num_scheduled_tokens)
         step = sched.current_step + 1          # the step schedule() is about to run
         for i in paused:
             req = running[i]

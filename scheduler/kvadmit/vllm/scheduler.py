@@ -241,17 +241,12 @@ class _KvadmitMixin:
             logger.warning("vLLM's priority scheduling picks its own victim (highest "
                            "priority value, latest arrival); kvadmit victim=%r is not used",
                            cfg.victim)
-        if cfg.pause_on_shortfall and not self._kvadmit_single_full_attention_group():
-            if cfg.shortfall == "pause":
-                groups = self.kv_cache_config.kv_cache_groups
-                raise ConfigError(
-                    f"kvadmit: shortfall={cfg.shortfall!r} needs one full-attention KV cache group; "
-                    f"this model has {len(groups)} group(s) of "
-                    f"{sorted({type(g.kv_cache_spec).__name__ for g in groups})}: use shortfall='preempt'")
-            logger.info("kvadmit: this model's KV layout cannot pause a request; shortfall=auto "
-                        "preempts instead")
-            cfg = cfg.replace(shortfall="preempt")
-        return cfg
+        if self._kvadmit_single_full_attention_group():
+            return cfg.for_engine(None)
+        groups = self.kv_cache_config.kv_cache_groups
+        return cfg.for_engine(
+            f"pausing needs one full-attention KV cache group; this model has {len(groups)} "
+            f"group(s) of {sorted({type(g.kv_cache_spec).__name__ for g in groups})}")
 
     def _kvadmit_single_full_attention_group(self) -> bool:
         """The pause plan counts blocks for one full-attention group (listed in its
