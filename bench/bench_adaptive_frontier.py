@@ -10,7 +10,7 @@ The last rows use min_samples 1 and unlimited bypass, with the quantile fixed
 (adaptive_max_quantile = adaptive_quantile) or raised by the controller, each
 preempting and pausing (shortfall: "pause") on a shortfall. A last table runs the
 bench's `adaptive+pause` setting against vLLM's rule on other bursts and pools.
-Needs vLLM installed (the workload builder lives in kvadmit.vllm.bench).
+Needs vLLM installed (the workload builder lives in kvadmit.bench.vllm).
 
     python bench/bench_adaptive_frontier.py
 """
@@ -20,7 +20,7 @@ from _common import save
 
 from kvadmit.config import AdmissionConfig
 from kvadmit.simulate import EngineShape, get_preset, run_native
-from kvadmit.vllm.bench import CONFIGS, as_burst, azure_workload, synthetic_workload
+from kvadmit.bench.vllm import CONFIGS, as_burst, azure_workload, synthetic_workload
 
 BYPASS = dict(head_of_line="bypass", max_bypass=1000, bypass_lookahead=256)
 

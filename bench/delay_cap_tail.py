@@ -20,7 +20,7 @@ from kvadmit.simulate.engine import EngineShape, run_native
 from kvadmit.simulate.run import capacity_rps
 from kvadmit.simulate.steptime import get_preset
 from kvadmit.simulate.workload import Workload
-from kvadmit.vllm.bench import azure_workload
+from kvadmit.bench.vllm import azure_workload
 
 DEFAULT = {"auto": {}, "delay1": {"max_queue_delay_s": 1}, "delay2": {"max_queue_delay_s": 2}}
 

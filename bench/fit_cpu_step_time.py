@@ -1,7 +1,7 @@
 """Fits vLLM's real CPU engine step time: T = a + b*tokens + c*context.
 
 Runs `vllm.LLM.generate` (vLLM's own sync scheduler, no async scheduling) on
-the project's tiny random-weight Llama with `kvadmit.vllm.bench.TimingVllmScheduler`,
+the project's tiny random-weight Llama with `kvadmit.bench.vllm.TimingVllmScheduler`,
 which records from inside the engine-core process, per step, the wall time
 between consecutive schedule() calls (that step's scheduling, model forward
 and output processing), its total scheduled tokens and its context (sum over
@@ -30,7 +30,7 @@ import time
 import numpy as np
 from _common import save
 
-from kvadmit.vllm.bench import EXPECT_ENV, STEP_TIMES_ENV, BenchRequest
+from kvadmit.bench.vllm import EXPECT_ENV, STEP_TIMES_ENV, BenchRequest
 from kvadmit.vllm.tiny_model import DEFAULT_DIR, build_tiny_llama
 
 TERMS = ("a", "b", "c")            # intercept, per scheduled token, per context token
@@ -84,7 +84,7 @@ def run(args) -> tuple[np.ndarray, dict]:
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=False,
               enforce_eager=True, seed=0, gpu_memory_utilization=0.3, disable_log_stats=False,
-              enable_prefix_caching=False, scheduler_cls="kvadmit.vllm.bench.TimingVllmScheduler")
+              enable_prefix_caching=False, scheduler_cls="kvadmit.bench.vllm.TimingVllmScheduler")
 
     def generate(reqs):
         params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)

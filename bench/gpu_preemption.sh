@@ -84,6 +84,6 @@ fi
 CONFIG_ARGS=()
 [ ${#CONFIG_LIST[@]} -gt 0 ] && CONFIG_ARGS=(--configs "${CONFIG_LIST[@]}")
 mkdir -p "$OUT_DIR"
-python -m kvadmit.vllm.bench "${MODEL_ARGS[@]}" --dtype "$DTYPE" --workload azure --trace "$TRACE" \
+python -m kvadmit.bench.vllm "${MODEL_ARGS[@]}" --dtype "$DTYPE" --workload azure --trace "$TRACE" \
   "${SIZES[@]}" "${CONFIG_ARGS[@]}" \
   --json "$OUT_DIR/gpu_preemption.json" --plot "$OUT_DIR/gpu_preemption.png"

@@ -29,6 +29,8 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+from kvadmit.vllm.serve import launch_command, small_engine_flags
+
 POOL_BLOCKS = 23        # --num-gpu-blocks-override 24, less vLLM's null block
 
 
@@ -115,11 +117,9 @@ class Pair:
             port = free_port()
             prom = os.path.join(self.dir, f"prom{i}")
             os.makedirs(prom, exist_ok=True)
-            cmd = [sys.executable, "-m", "kvadmit.vllm.serve", self.model_dir, "--host", "127.0.0.1",
-                   "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32",
-                   "--block-size", "32", "--num-gpu-blocks-override", "24", "--max-model-len", "512",
-                   "--max-num-seqs", "4", "--enforce-eager", "--gpu-memory-utilization", "0.3",
-                   "--additional-config", json.dumps({"kvadmit": {"max_queued_requests": cap}})]
+            cmd = launch_command(self.model_dir, port, "--skip-tokenizer-init",
+                                 *small_engine_flags(POOL_BLOCKS + 1, 512, 4), "--additional-config",
+                                 json.dumps({"kvadmit": {"max_queued_requests": cap}}))
             log = open(os.path.join(self.dir, f"serve{i}.log"), "w")
             self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                                env=dict(os.environ, PROMETHEUS_MULTIPROC_DIR=prom)))

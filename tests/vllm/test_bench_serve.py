@@ -10,7 +10,8 @@ import urllib.request
 
 import pytest
 
-from kvadmit.vllm import bench_serve
+from kvadmit.bench.serve.configs import parse_config
+from kvadmit.bench.serve.server import Engine, Server
 
 TRACE = pathlib.Path(__file__).resolve().parents[1] / "data" / "azure2023_conv_head200.csv"
 FIRST_CPU = min(os.sched_getaffinity(0))     # the server's engine is bound to it
@@ -26,9 +27,9 @@ def post(base, path, body):
 def server(model_dir, tmp_path_factory):
     """kvadmit's launcher with its scheduler, no --skip-tokenizer-init."""
     log = tmp_path_factory.mktemp("log") / "serve.log"
-    s = bench_serve.Server(bench_serve.parse_config("kvadmit-default", 1, 1.0), model_dir,
-                           bench_serve.Engine(num_blocks=25, max_model_len=512, max_num_seqs=8),
-                           log, engine_cpus=(FIRST_CPU,))
+    s = Server(parse_config("kvadmit-default", 1, 1.0), model_dir,
+               Engine(num_blocks=25, max_model_len=512, max_num_seqs=8), log,
+               engine_cpus=(FIRST_CPU,))
     s.start()
     try:
         s.wait_ready(300)

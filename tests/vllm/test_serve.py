@@ -283,6 +283,22 @@ def test_the_launcher_adds_kvadmits_scheduler_unless_one_is_named():
     assert serve_argv(["M", "--scheduler-cls=x.Y"])[-1] == "--scheduler-cls=x.Y"
 
 
+def test_one_launch_command_for_the_tests_and_the_benches():
+    """The tests' servers, `kvadmit bench serve`'s and the bench scripts' fleets all start
+    `vllm serve` with kvadmit.vllm.serve.launch_command: this launcher, in this Python."""
+    import sys
+
+    from kvadmit.vllm.serve import launch_command, small_engine_flags
+
+    assert launch_command("M", 8000, "--x", "1") == [
+        sys.executable, "-m", "kvadmit.vllm.serve", "M", "--host", "127.0.0.1", "--port", "8000",
+        "--x", "1"]
+    flags = small_engine_flags(24, 512, 4)
+    assert flags[flags.index("--num-gpu-blocks-override") + 1] == "24"
+    assert serve_command("M", 8000, {})[:len(launch_command("M", 8000))] == \
+        launch_command("M", 8000)
+
+
 def rejected(m) -> float:
     return sum(v for k, v in m.items() if k.startswith("kvadmit_rejected_total{"))
 

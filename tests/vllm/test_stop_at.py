@@ -11,7 +11,7 @@ import pytest
 import torch
 from vllm.sampling_params import SamplingParams
 
-from kvadmit.vllm.bench.stop_at import STOP_AT_KEY, StopAtLength, forces_eos
+from kvadmit.bench.vllm.stop_at import STOP_AT_KEY, StopAtLength, forces_eos
 from kvadmit.vllm.tiny_model import EOS_TOKEN_ID
 
 

@@ -10,6 +10,10 @@ module, is answered with the installed build's version; every other lookup (the
 platform detection asks too and must keep its usual answer) is left alone. With a
 build named "vllm" (CUDA) nothing is changed and `vllm serve` works as well.
 
+`launch_command` is the one way the project starts it as a process: the tests, `kvadmit
+bench serve`, and the bench scripts' fleets (bench/router_fleet.py, bench/haproxy_pair.py)
+all build their `vllm serve` command with it.
+
 It turns on Prometheus multiprocess mode (a temporary PROMETHEUS_MULTIPROC_DIR,
 removed at exit) unless the variable is set: kvadmit's counters and router signals
 are written by the engine process, and only reach the API server's `/metrics`, its
@@ -28,6 +32,24 @@ import tempfile
 
 SCHEDULER = "kvadmit.vllm.Scheduler"
 CLI_MAIN = "entrypoints/cli/main.py"
+LAUNCHER = "kvadmit.vllm.serve"      # this module, as `python -m` runs it
+
+
+def launch_command(model: str, port: int, *flags: str, host: str = "127.0.0.1") -> list[str]:
+    """The command that starts `vllm serve MODEL --host HOST --port PORT FLAGS` through
+    this launcher, in this Python: vLLM's CPU build starts too, and kvadmit's scheduler
+    is added unless FLAGS name one (`serve_argv`)."""
+    return [sys.executable, "-m", LAUNCHER, model, "--host", host, "--port", str(port), *flags]
+
+
+def small_engine_flags(num_blocks: int, max_model_len: int, max_num_seqs: int,
+                       block_size: int = 32) -> list[str]:
+    """vLLM's flags for a small engine any build runs, CPU included (float32, eager): a
+    pool of `num_blocks` blocks of `block_size` tokens, one of them vLLM's null block."""
+    return ["--dtype", "float32", "--block-size", str(block_size),
+            "--num-gpu-blocks-override", str(num_blocks), "--max-model-len", str(max_model_len),
+            "--max-num-seqs", str(max_num_seqs), "--enforce-eager",
+            "--gpu-memory-utilization", "0.3"]
 
 
 def _answer_the_cli_version_lookup() -> None:

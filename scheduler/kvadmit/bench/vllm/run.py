@@ -8,10 +8,10 @@ import pathlib
 import random
 import time
 
-from kvadmit.vllm.bench.configs import BenchConfig, BenchEngine
-from kvadmit.vllm.bench.hooks import COUNTS_ENV, EXPECT_ENV
-from kvadmit.vllm.bench.stop_at import STOP_AT_KEY, StopAtLength
-from kvadmit.vllm.bench.workload import BenchRequest
+from kvadmit.bench.vllm.configs import BenchConfig, BenchEngine
+from kvadmit.bench.vllm.hooks import COUNTS_ENV, EXPECT_ENV
+from kvadmit.bench.vllm.stop_at import STOP_AT_KEY, StopAtLength
+from kvadmit.bench.vllm.workload import BenchRequest
 from kvadmit.vllm.engine_log import say
 
 
@@ -60,7 +60,7 @@ def _engine(model_dir: str, engine: BenchEngine, kvadmit: dict | None, stop_earl
     """vLLM's LLM on `engine`'s pool with the bench's scheduler (CountingScheduler: vLLM's
     own, or kvadmit's with `kvadmit` as its config) and, for real lengths, StopAtLength."""
     from vllm import LLM
-    kwargs = dict(scheduler_cls="kvadmit.vllm.bench.CountingScheduler", **(engine_args or {}))
+    kwargs = dict(scheduler_cls="kvadmit.bench.vllm.CountingScheduler", **(engine_args or {}))
     if engine.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = engine.max_num_batched_tokens
     if kvadmit is not None:

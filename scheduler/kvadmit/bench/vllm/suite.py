@@ -7,10 +7,10 @@ import time
 from dataclasses import dataclass
 
 from kvadmit.simulate.scorecard import WATERMARKS
-from kvadmit.vllm.bench.configs import DEFAULT_CONFIG, BenchConfig, BenchEngine
-from kvadmit.vllm.bench.output import best_watermark, print_table, ratios
-from kvadmit.vllm.bench.run import run_configs, warm_up
-from kvadmit.vllm.bench.workload import BenchRequest, as_burst, build_workload
+from kvadmit.bench.vllm.configs import DEFAULT_CONFIG, BenchConfig, BenchEngine
+from kvadmit.bench.vllm.output import best_watermark, print_table, ratios
+from kvadmit.bench.vllm.run import run_configs, warm_up
+from kvadmit.bench.vllm.workload import BenchRequest, as_burst, build_workload
 from kvadmit.vllm.engine_log import say
 
 

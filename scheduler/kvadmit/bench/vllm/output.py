@@ -6,7 +6,7 @@ import json
 import math
 import pathlib
 
-from kvadmit.vllm.bench.configs import DEFAULT_CONFIG
+from kvadmit.bench.vllm.configs import DEFAULT_CONFIG
 from kvadmit.vllm.engine_log import say
 
 def _ratio(a: float, b: float) -> float:

@@ -1,7 +1,7 @@
 """What `kvadmit bench vllm` adds inside vLLM's engine: the schedulers that hold a
 burst and count scheduled tokens (and time steps); the logits processor that stops a
-request at its real length is kvadmit.vllm.bench.stop_at. vLLM loads them by name
-(`kvadmit.vllm.bench.CountingScheduler`, `kvadmit.vllm.bench:StopAtLength`; the package
+request at its real length is kvadmit.bench.vllm.stop_at. vLLM loads them by name
+(`kvadmit.bench.vllm.CountingScheduler`, `kvadmit.bench.vllm:StopAtLength`; the package
 re-exports them)."""
 from __future__ import annotations
 

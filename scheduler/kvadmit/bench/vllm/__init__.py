@@ -11,7 +11,7 @@ carries its trace length, and the `StopAtLength` logits processor makes the
 model emit EOS at exactly that position (finish_reason "stop"), so the
 scheduler sees a `max_tokens` cap it cannot trust, as in production.
 
-    python -m kvadmit.vllm.bench --workload azure --json out.json
+    python -m kvadmit.bench.vllm --workload azure --json out.json
 
 One module per job:
 
@@ -25,9 +25,9 @@ One module per job:
 - `cli`: the command line (`kvadmit bench vllm`).
 
 The names below are re-exported for those who load them by this package's name (vLLM's
-`scheduler_cls="kvadmit.vllm.bench.CountingScheduler"` and
-`--logits-processors kvadmit.vllm.bench:StopAtLength`, bench/ scripts, tests); each is
-imported on first use, so `kvadmit.vllm.bench.workload` and `.configs` need no vLLM.
+`scheduler_cls="kvadmit.bench.vllm.CountingScheduler"` and
+`--logits-processors kvadmit.bench.vllm:StopAtLength`, bench/ scripts, tests); each is
+imported on first use, so `kvadmit.bench.vllm.workload` and `.configs` need no vLLM.
 """
 
 _EXPORTS = {

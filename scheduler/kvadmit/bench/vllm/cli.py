@@ -1,6 +1,6 @@
 """Real vLLM engine, same workload, vLLM's scheduler against each kvadmit policy.
 
-The command line of `kvadmit bench vllm` (and `python -m kvadmit.vllm.bench`): its
+The command line of `kvadmit bench vllm` (and `python -m kvadmit.bench.vllm`): its
 flags, where the JSON, chart and engine log go, and the run (one workload, or --suite).
 """
 from __future__ import annotations
@@ -12,13 +12,13 @@ import sys
 
 import torch
 
-from kvadmit.vllm.bench import run
-from kvadmit.vllm.bench.configs import (CONFIG_DOCS, QUEUED_DOC, BenchConfig, BenchEngine,
+from kvadmit.bench.vllm import run
+from kvadmit.bench.vllm.configs import (CONFIG_DOCS, QUEUED_DOC, BenchConfig, BenchEngine,
                                         default_configs, parse_config, split_configs)
-from kvadmit.vllm.bench.output import plot, print_table, save_json
-from kvadmit.vllm.bench.run import run_configs, warm_up
-from kvadmit.vllm.bench.suite import SUITE, SUITE_CONFIGS, run_suite
-from kvadmit.vllm.bench.workload import DEFAULT_TRACE, build_workload
+from kvadmit.bench.vllm.output import plot, print_table, save_json
+from kvadmit.bench.vllm.run import run_configs, warm_up
+from kvadmit.bench.vllm.suite import SUITE, SUITE_CONFIGS, run_suite
+from kvadmit.bench.vllm.workload import DEFAULT_TRACE, build_workload
 from kvadmit.vllm.engine_log import engine_log, say
 from kvadmit.vllm.tiny_model import DEFAULT_DIR
 

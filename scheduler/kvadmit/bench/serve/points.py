@@ -1,0 +1,138 @@
+"""The runs of `kvadmit bench serve`: one point (one `vllm bench serve` run against a
+server, its numbers and refusals), and the sweep of points over loads, repeats and
+servers."""
+from __future__ import annotations
+
+import http
+import json
+import pathlib
+import random
+import sys
+import time
+
+from kvadmit.bench.serve.loadgen import run_client
+from kvadmit.bench.serve.server import Server
+
+
+def _status(error: str) -> str:
+    """The HTTP status of a failed request from vLLM's client error text: its reason
+    phrase for a non-200 answer, "200" for a stream that carried no token (a refusal
+    inside the stream), "client" for anything else (a connection error)."""
+    if not error:
+        return "ok"
+    if error.startswith("Never received a valid chunk"):
+        return "200"
+    for s in http.HTTPStatus:
+        if error.strip() == s.phrase:
+            return str(s.value)
+    return "client"
+
+
+def refusal_counts(before: dict, after: dict) -> dict[str, int]:
+    """kvadmit_rejected_total by reason, after - before."""
+    out = {}
+    for k, v in after.items():
+        if k.startswith("kvadmit_rejected_total{"):
+            reason = k.split('reason="', 1)[1].split('"', 1)[0]
+            d = int(round(v - before.get(k, 0.0)))
+            if d:
+                out[reason] = out.get(reason, 0) + d
+    return out
+
+
+def wait_idle(server: Server, timeout: float = 300) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        m = server.metrics()
+        if (m.get("vllm:num_requests_running", 0) == 0 and m.get("vllm:num_requests_waiting", 0) == 0
+                and m.get("kvadmit_waiting_requests", 0) == 0):
+            return m
+        if time.time() > deadline:
+            raise RuntimeError(f"{server.config.label}: still busy {timeout:.0f} s after a run")
+        time.sleep(0.5)
+
+
+def run_point(server: Server, dataset: list[str], rate: float, burstiness: float, seed: int,
+              n: int, slo: tuple[float, float], out_dir: pathlib.Path, tag: str,
+              expect: list[int] | int | None = None) -> dict:
+    """One `vllm bench serve` run against `server`; returns the row of numbers.
+    `expect`: each request's output length (a list in the dataset's order, or one
+    length for all); `wrong_length` counts the served requests that did not match."""
+    before = wait_idle(server)
+    name = f"{tag}.json"
+    argv = ["--base-url", server.base, "--model", server.model, "--num-prompts", str(n),
+            "--request-rate", "inf" if rate == float("inf") else f"{rate:.4f}",
+            "--burstiness", str(burstiness), "--seed", str(seed), "--temperature", "0",
+            "--goodput", f"ttft:{slo[0] * 1e3:g}", f"tpot:{slo[1] * 1e3:g}",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+            "--save-result", "--save-detailed", "--result-dir", str(out_dir),
+            "--result-filename", name, "--disable-tqdm", *dataset]
+    t0 = time.perf_counter()
+    run_client(argv, server.log, tag)
+    wall = time.perf_counter() - t0
+    res = json.loads((out_dir / name).read_text())
+    after = wait_idle(server)
+    statuses: dict[str, int] = {}
+    for e in res.get("errors", []):
+        s = _status(e or "")
+        if s != "ok":
+            statuses[s] = statuses.get(s, 0) + 1
+    good = int(round(res["request_goodput"] * res["duration"])) if res.get("request_goodput") else 0
+    lens, errors = res.get("output_lens", []), res.get("errors", [])
+    want = [expect] * len(lens) if isinstance(expect, int) else expect
+    wrong = (None if want is None else
+             sum(1 for got, w, e in zip(lens, want, errors) if not e and got != w))
+    return {
+        "config": server.config.label, "rate_rps": rate, "seed": seed, "requests": n,
+        "completed": res["completed"], "failed": res["failed"], "good": good,
+        "goodput": good / n, "goodput_rps": res.get("request_goodput") or 0.0,
+        "preemptions": int(round(after.get("vllm:num_preemptions_total", 0.0)
+                                 - before.get("vllm:num_preemptions_total", 0.0))),
+        "refused_by_reason": refusal_counts(before, after), "failed_by_status": statuses,
+        "output_tokens": res["total_output_tokens"], "output_tok_per_s": res["output_throughput"],
+        "request_throughput": res["request_throughput"], "duration_s": res["duration"],
+        "ttft_p50_ms": res.get("p50_ttft_ms"), "ttft_p99_ms": res.get("p99_ttft_ms"),
+        "tpot_p50_ms": res.get("p50_tpot_ms"), "tpot_p99_ms": res.get("p99_tpot_ms"),
+        "max_concurrent_requests": res.get("max_concurrent_requests"),
+        "wrong_length": wrong,
+        "client_wall_s": wall,
+    }
+
+
+# ---------------------------------------------------------------------------
+# The sweep
+
+def rotated(items: list, k: int) -> list:
+    k %= max(1, len(items))
+    return items[k:] + items[:k]
+
+
+def sweep(servers: list[Server], dataset: list[str], n: int, capacity: float,
+          loads: list[float], repeats: int, burstiness: float, slo: tuple[float, float],
+          seed: int, out_dir: pathlib.Path, tag: str,
+          expect: list[int] | int | None = None) -> list[dict]:
+    """Every (repeat, load) point on every server: loads in a shuffled order per
+    repeat, servers in an order rotated per point; the same arrival seed for every
+    server at a point."""
+    rows = []
+    total = repeats * len(loads) * len(servers)
+    t0 = time.perf_counter()
+    k = 0
+    for rep in range(repeats):
+        order = list(loads)
+        random.Random(seed * 1000 + rep).shuffle(order)
+        for j, load in enumerate(order):
+            point_seed = seed * 1000 + rep
+            for server in rotated(servers, rep * len(loads) + j):
+                k += 1
+                row = run_point(server, dataset, load * capacity, burstiness, point_seed, n, slo,
+                                out_dir, f"{tag}-{server.config.label}-x{load:g}-r{rep}",
+                                expect)
+                row.update(load=load, repeat=rep)
+                rows.append(row)
+                print(f"{tag} [{k}/{total}] {server.config.label} x{load:g} "
+                      f"({row['rate_rps']:.2f} req/s, repeat {rep + 1}/{repeats}): goodput "
+                      f"{row['goodput']:.2f}, {row['preemptions']} preemptions, "
+                      f"{row['failed']} failed; {time.perf_counter() - t0:.0f} s elapsed",
+                      file=sys.stderr, flush=True)
+    return rows
