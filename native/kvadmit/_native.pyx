@@ -20,7 +20,8 @@
 - _victims: which running request gives its KV back first;
 - _free_queue and _allocator: the KV block pool and prefix cache;
 - _requests: Requests, a workload's requests in checked columns;
-- _native_engine: NativeEngine, the simulator's continuous-batching model.
+- _engine_state and _native_engine: NativeEngine, the simulator's continuous-batching
+  model (its requests and KV; its step loop).
 
 Engine adapters, the simulator and the benchmarks import everything from here."""
 

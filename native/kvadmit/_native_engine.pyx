@@ -5,7 +5,7 @@
 # adapter runs it: before the step the running requests are put in the core's victim
 # order (most protected first; admission order under lifo), a waiting request the
 # core lets take KV from running ones displaces them (priority classes, flows) and
-# the pause plan is made; then
+# the pause plan is made (both by the step planner, kvadmit._step_plan); then
 #   1. running requests first, in that order: a decode takes 1 token, an
 #      unfinished (chunked) prefill the rest of its prompt up to the step's token
 #      budget; a request whose blocks do not fit preempts the core's victim
@@ -20,53 +20,28 @@
 #      request whose prompt (and output so far) is computed emits a token at the
 #      step's end, and finishes at its real output length.
 # Everything in the loop is native; Python is called only for arrivals (the
-# core's `arrive` returns its Rejection objects) and the progress callback.
+# core's `arrive` returns its Rejection objects) and the progress callback. The
+# requests, their blocks and prefix hashes, and the totals are EngineState's
+# (kvadmit._engine_state).
 
-from cython.operator cimport dereference as deref
 from libc.math cimport INFINITY, isfinite
-from libc.stdint cimport int32_t, int64_t, uint64_t
-from libcpp.pair cimport pair
-from libcpp.queue cimport priority_queue
-from libcpp.unordered_map cimport unordered_map
+from libc.stdint cimport int32_t, int64_t
 from libcpp.vector cimport vector
 
 from kvadmit._allocator cimport BlockAllocator
-from kvadmit._arrival cimport ArrivalRecord
-from kvadmit._arrival_gate cimport ArrivalResult, Rejection
 from kvadmit._core cimport AdmissionCore
-from kvadmit._curves cimport cdiv
+from kvadmit._engine_state cimport EngineState, RQ_RUNNING, RQ_WAITING
 from kvadmit._ledger cimport ST_WAITING
-from kvadmit._requests cimport Requests
 from kvadmit._step_plan cimport StepPlanner, prompt_need, watermark_beside
 
-from kvadmit._arrival_gate import REJECT_REASONS
-
-
-cdef enum:
-    RQ_PENDING = 0
-    RQ_WAITING = 1
-    RQ_RUNNING = 2
-    RQ_DONE = 3
-    RQ_REJECTED = 4
 
 cdef enum:
     STEP_IDLE = 0
     STEP_RAN = 1
     STEP_PREEMPTED_ONLY = 2
 
-cdef inline uint64_t _mix_hash(uint64_t prev, uint64_t value, uint64_t index) noexcept nogil:
-    """Chained block hash (splitmix64 finaliser over prev, value and index)."""
-    cdef uint64_t x = prev * <uint64_t>0x9E3779B97F4A7C15 + value
-    x ^= (index + <uint64_t>0x632BE59BD9B4E019) * <uint64_t>0xD6E8FEB86659FD93
-    x ^= x >> 30
-    x *= <uint64_t>0xBF58476D1CE4E5B9
-    x ^= x >> 27
-    x *= <uint64_t>0x94D049BB133111EB
-    x ^= x >> 31
-    return x
 
-
-cdef class NativeEngine:
+cdef class NativeEngine(EngineState):
     """Continuous-batching engine model around an `AdmissionCore` (see the
     comment at the top of native/kvadmit/_native_engine.pyx). Build it, `add_requests`, `run`,
     then read `results()`, `totals()` and `timeline()`.
@@ -76,53 +51,9 @@ cdef class NativeEngine:
     `advance(until)` in turns, reading `signals()` and `take_rejections()` between
     them, and `drain()` at the end. The same requests added at the same times give
     the results `run` gives."""
-    cdef readonly AdmissionCore core
-    cdef readonly BlockAllocator allocator
     cdef readonly StepPlanner planner   # displacement and pauses, as kvadmit's vLLM adapter plans them
-    cdef int64_t _bs, _nblocks, _max_seqs, _max_active, _budget, _hash_block, _watermark
-    cdef bint _chunked, _prefix, _full_input
-    # vLLM's --scheduling-policy priority: vLLM keeps its running order and picks its
-    # own victim (the largest priority value, then the latest arrival)
-    cdef bint _vllm_priority
-    cdef double _step_a_s, _step_b_s, _step_c_s, _sample_dt
-    # requests, by index in arrival order
-    cdef vector[double] _arr
-    cdef vector[ArrivalRecord] _rec     # what the core gets at each arrival
-    cdef vector[int64_t] _prompt, _out, _hoff, _hids, _hashed, _parent
-    cdef vector[double] _delay
-    cdef vector[int64_t] _open          # indexes of requests with a fixed arrival time
-    cdef priority_queue[pair[double, int64_t]] _released   # (-time, -index): children due
-    cdef vector[int64_t] _computed, _gen, _maxcomp, _sched
-    cdef vector[int32_t] _slot, _npre
-    cdef vector[char] _rstate
-    cdef vector[int32_t] _reason
-    cdef vector[double] _t_first, _t_done
-    cdef vector[vector[int32_t]] _blocks
-    cdef vector[vector[uint64_t]] _hashes
-    cdef vector[vector[int64_t]] _children
-    cdef unordered_map[int64_t, vector[pair[int32_t, uint64_t]]] _sess_blocks
-    cdef vector[int32_t] _slot_req, _running, _scheduled
-    cdef vector[int32_t] _hit_ids      # the admission candidate's prefix-cache hit blocks
     cdef vector[int32_t] _order        # scratch: the core's victim order (slots)
     cdef int32_t _pinned               # the slot this step displaced for (it starts first), or -1
-    cdef vector[int32_t] _paused_reqs  # the requests paused this step
-    cdef vector[char] _is_paused       # per request
-    cdef vector[int64_t] _paused_sessions   # sessions the agent window paused (scratch)
-    cdef int64_t _next                  # position in _open
-    cdef bint _ran, _stepping
-    cdef double _horizon                # stepping: no step starts at or after it yet
-    cdef vector[double] _retry          # per request: the rejection's Retry-After (-1: none)
-    cdef vector[int32_t] _rej_log       # rejected requests, in order
-    cdef size_t _rej_taken              # how many of them take_rejections() returned
-    # totals
-    cdef double _clock, _t0, _kv_block_s, _busy_s, _next_sample
-    cdef int64_t _steps, _preemptions, _recomputed, _out_tokens, _prefill_tokens
-    cdef int64_t _hit_tokens, _query_tokens, _peak_used, _held_blocks, _batch_tokens
-    cdef int64_t _n_done, _n_rejected
-    cdef vector[double] _tl_t
-    cdef vector[int64_t] _tl_used, _tl_running, _tl_waiting, _tl_preempt, _tl_hit, _tl_query
-    cdef vector[double] _tl_window
-    cdef int64_t _step_hit, _step_query
 
     def __init__(self, config, int64_t num_blocks, int64_t block_size, int64_t max_model_len,
                  int64_t max_num_seqs, int64_t max_num_batched_tokens, bint chunked_prefill=True,
@@ -183,134 +114,6 @@ cdef class NativeEngine:
         self.core.set_step_budget(max_num_batched_tokens)
         self.core.counts_shared_prefix = True     # every admission reports set_shared
 
-    def add_requests(self, Requests requests not None):
-        """Appends `kvadmit._requests.Requests` (checked when built); here only what
-        depends on the engine's state: fixed arrivals not before the ones added
-        before (nor before the last `advance`'s horizon when stepped), and a turn's
-        parent an earlier request that has not ended (its children were released
-        when it ended). A refused batch leaves the engine as it was."""
-        if self._ran and not self._stepping:
-            raise RuntimeError("add_requests after run")
-        cdef Py_ssize_t n = requests.records.size(), i, base = self._arr.size()
-        cdef int64_t h0 = self._hids.size()
-        requests.check_append(
-            base, self._arr[self._open.back()] if not self._open.empty() else -INFINITY,
-            self._horizon if self._stepping else -INFINITY, self._ended_at)
-        for i in range(n):
-            if requests.parent[i] < 0:
-                self._open.push_back(base + i)
-            self._prompt.push_back(requests.records[i].prompt_tokens)
-            self._hoff.push_back(h0 + (requests.hash_offsets[i + 1] if self._prefix else 0))
-        self._rec.insert(self._rec.end(), requests.records.begin(), requests.records.end())
-        self._arr.insert(self._arr.end(), requests.arrival_s.begin(), requests.arrival_s.end())
-        self._parent.insert(self._parent.end(), requests.parent.begin(), requests.parent.end())
-        self._delay.insert(self._delay.end(), requests.delay_s.begin(), requests.delay_s.end())
-        self._out.insert(self._out.end(), requests.output_tokens.begin(),
-                         requests.output_tokens.end())
-        self._hashed.insert(self._hashed.end(), requests.hashed_tokens.begin(),
-                            requests.hashed_tokens.end())
-        if self._prefix:
-            self._hids.insert(self._hids.end(), requests.hash_ids.begin(), requests.hash_ids.end())
-        self._extend_request_state(base)
-
-    def _ended_at(self, Py_ssize_t r):
-        """When request r finished or was refused (None: it has not)."""
-        return self._t_done[r] if self._rstate[r] == RQ_DONE or self._rstate[r] == RQ_REJECTED \
-            else None
-
-    cdef void _extend_request_state(self, Py_ssize_t base):
-        """The per-request state of the requests added from index `base` on."""
-        cdef Py_ssize_t i, total = self._arr.size()
-        self._computed.resize(total, 0)
-        self._gen.resize(total, 0)
-        self._maxcomp.resize(total, 0)
-        self._sched.resize(total, 0)
-        self._slot.resize(total, -1)
-        self._npre.resize(total, 0)
-        self._is_paused.resize(total, 0)
-        self._rstate.resize(total, RQ_PENDING)
-        self._reason.resize(total, -1)
-        self._retry.resize(total, -1.0)
-        self._t_first.resize(total, -1.0)
-        self._t_done.resize(total, -1.0)
-        self._blocks.resize(total)
-        self._hashes.resize(total)
-        self._children.resize(total)
-        for i in range(base, total):
-            if self._parent[i] >= 0:
-                self._children[self._parent[i]].push_back(i)
-
-    # ------------------------------------------------------------------
-    cdef uint64_t _block_hash(self, int32_t r, int64_t j) noexcept nogil:
-        """Hash of request r's j-th block (tokens [j*bs, (j+1)*bs)): chained over
-        the trace's prefix-block ids while the block lies inside the tokens they
-        describe, over a per-request value after that (unique content)."""
-        cdef vector[uint64_t]* hs = &self._hashes[r]
-        cdef int64_t jj, k, nids = self._hoff[r + 1] - self._hoff[r]
-        cdef uint64_t prev
-        jj = hs.size()
-        while jj <= j:
-            prev = hs.back() if jj > 0 else 0
-            k = (jj * self._bs) // self._hash_block if self._hash_block else nids
-            if k < nids and (jj + 1) * self._bs <= self._hashed[r]:
-                hs.push_back(_mix_hash(prev, <uint64_t>self._hids[self._hoff[r] + k],
-                                       <uint64_t>((jj * self._bs) % self._hash_block)))
-            else:
-                hs.push_back(_mix_hash(prev, (<uint64_t>1 << 62) + <uint64_t>r, <uint64_t>jj))
-            jj += 1
-        return deref(hs)[j]
-
-    cdef void _release_blocks(self, int32_t r) noexcept nogil:
-        """Gives r's blocks back, tail first (so its tail is evicted first)."""
-        cdef vector[int32_t]* b = &self._blocks[r]
-        cdef size_t i, n = b.size()
-        cdef int32_t tmp
-        for i in range(n // 2):
-            tmp = deref(b)[i]
-            deref(b)[i] = deref(b)[n - 1 - i]
-            deref(b)[n - 1 - i] = tmp
-        self.allocator.c_free(b.data(), n)
-        b.clear()
-
-    cdef bint _grow(self, int32_t r, int64_t upto_tokens) noexcept nogil:
-        """Takes the blocks r needs to hold `upto_tokens`; False if too few are free."""
-        cdef int64_t need = cdiv(upto_tokens, self._bs) - <int64_t>self._blocks[r].size()
-        if need <= 0:
-            return True
-        cdef size_t old = self._blocks[r].size()
-        if need > self.allocator.c_num_free():
-            return False
-        self._blocks[r].resize(old + need)
-        self.allocator.c_allocate(need, self._blocks[r].data() + old)
-        return True
-
-    cdef void _demote_paused(self) noexcept nogil:
-        """The prefixes of sessions the agent window paused go to the front of the
-        free queue: still reusable, evicted before active sessions' (CONCUR)."""
-        cdef size_t i, j
-        cdef unordered_map[int64_t, vector[pair[int32_t, uint64_t]]].iterator it
-        self._paused_sessions.clear()
-        self.core.agent_window.c_take_paused(self._paused_sessions)
-        for i in range(self._paused_sessions.size()):
-            it = self._sess_blocks.find(self._paused_sessions[i])
-            if it == self._sess_blocks.end():
-                continue
-            # tail first, so the session's first block ends up taken last
-            j = deref(it).second.size()
-            while j > 0:
-                j -= 1
-                self.allocator.c_demote(deref(it).second[j].first, deref(it).second[j].second)
-            self._sess_blocks.erase(it)
-
-    cdef size_t _running_erase(self, int32_t r) noexcept nogil:
-        """Takes r out of the running list (the others' order kept); its old index."""
-        cdef size_t i
-        for i in range(self._running.size()):
-            if self._running[i] == r:
-                self._running.erase(self._running.begin() + i)
-                return i
-        return self._running.size()
-
     cdef size_t _preempt(self, int32_t v, int64_t* budget, bint displaced) noexcept nogil:
         """Preempts v (recompute; `displaced`: for a waiting request, see
         `_plan_step`); returns its index in the running list before."""
@@ -324,116 +127,6 @@ cdef class NativeEngine:
         self._rstate[v] = RQ_WAITING
         self._preemptions += 1
         return self._running_erase(v)
-
-    cdef void _finish(self, int32_t r, double t) noexcept nogil:
-        self.core.c_finish(self._slot[r], t)
-        cdef size_t i
-        cdef int32_t b
-        cdef uint64_t h
-        if self._prefix and self._rec[r].session >= 0 and self.core.agent_window.enabled:
-            # The session's context so far, for demotion if it is paused later.
-            self._sess_blocks[self._rec[r].session].clear()
-            for i in range(self._blocks[r].size()):
-                b = self._blocks[r][i]
-                if self.allocator.c_held_hash(b, &h):
-                    self._sess_blocks[self._rec[r].session].push_back(pair[int32_t, uint64_t](b, h))
-        self._release_blocks(r)
-        self._slot_req[self._slot[r]] = -1
-        self._slot[r] = -1
-        self._rstate[r] = RQ_DONE
-        self._t_done[r] = t
-        self._n_done += 1
-        self._hashes[r].clear()
-        self._hashes[r].shrink_to_fit()
-        self._blocks[r].shrink_to_fit()
-        self._release_children(r, t)
-
-    cdef void _release_children(self, int32_t r, double t) noexcept nogil:
-        """A session's next turns arrive their delay after r is done."""
-        cdef int64_t c
-        cdef vector[int64_t]* kids = &self._children[r]
-        cdef size_t i
-        for i in range(kids.size()):
-            c = deref(kids)[i]
-            self._arr[c] = t + self._delay[c]
-            self._released.push(pair[double, int64_t](-self._arr[c], -c))
-
-    cdef void _reject(self, int32_t r, Rejection rej):
-        self._rstate[r] = RQ_REJECTED
-        self._reason[r] = REJECT_REASONS.index(rej.reason)
-        self._retry[r] = rej.retry_after_s if rej.retry_after_s is not None else -1.0
-        self._rej_log.push_back(r)
-        self._t_done[r] = self._clock
-        self._n_rejected += 1
-        self._hashes[r].clear()
-        self._release_children(r, self._clock)
-
-    cdef double _next_arrival(self) noexcept nogil:
-        """Time of the next arrival not yet processed (INFINITY: none known yet)."""
-        cdef double t = INFINITY
-        if self._next < <int64_t>self._open.size():
-            t = self._arr[self._open[self._next]]
-        if not self._released.empty() and -self._released.top().first < t:
-            t = -self._released.top().first
-        return t
-
-    cdef int32_t _pop_arrival(self) noexcept nogil:
-        cdef int32_t r
-        if not self._released.empty() and (self._next >= <int64_t>self._open.size() or
-                -self._released.top().first < self._arr[self._open[self._next]] or
-                (-self._released.top().first == self._arr[self._open[self._next]] and
-                 -self._released.top().second < self._open[self._next])):
-            r = <int32_t>(-self._released.top().second)
-            self._released.pop()
-            return r
-        r = <int32_t>self._open[self._next]
-        self._next += 1
-        return r
-
-    cdef int _arrivals(self) except -1:
-        cdef int32_t r
-        cdef ArrivalResult res
-        while self._next_arrival() <= self._clock:
-            r = self._pop_arrival()
-            res = self.core.c_arrive(&self._rec[r], self._arr[r])
-            self._drop_shed(res.shed)
-            if not res.accepted:
-                self._reject(r, res.rejection)
-                continue
-            if res.slot >= <int64_t>self._slot_req.size():
-                self._slot_req.resize(res.slot + 1, -1)
-            self._slot_req[res.slot] = r
-            self._slot[r] = <int32_t>res.slot
-            self._rstate[r] = RQ_WAITING
-        self._drop_shed(self.core.c_drop_waiting(self._clock))   # stale work, before admission
-        return 0
-
-    cdef int _drop_shed(self, list shed) except -1:
-        """Waiting requests the core dropped: [(slot, Rejection)]."""
-        cdef int32_t v
-        for slot, rej in shed:
-            v = self._slot_req[slot]
-            self._slot_req[slot] = -1
-            self._slot[v] = -1
-            self._reject(v, rej)
-        return 0
-
-    cdef int64_t _prefix_hit_blocks(self, int32_t r, int64_t tokens, int64_t* fresh) noexcept nogil:
-        """Leading cached blocks r can share (at most (tokens - 1) / bs, as vLLM:
-        the last token is always computed); `fresh` gets how many are cached-free,
-        `_hit_ids` their block ids."""
-        cdef int64_t j, lim = (tokens - 1) // self._bs
-        cdef int32_t b
-        fresh[0] = 0
-        self._hit_ids.clear()
-        for j in range(lim):
-            b = self.allocator.c_lookup(self._block_hash(r, j))
-            if b < 0:
-                return j
-            self._hit_ids.push_back(b)
-            if self.allocator.c_ref_count(b) == 0:
-                fresh[0] += 1
-        return lim
 
     cdef void _plan_step(self, int64_t* budget) noexcept nogil:
         """kvadmit's side of the step (kvadmit._step_plan), as its vLLM adapter plans
@@ -564,14 +257,6 @@ cdef class NativeEngine:
         self._paused_reqs.clear()
         return preempted
 
-    cdef bint _is_hit(self, int32_t b) noexcept nogil:
-        """Whether block b is one of the admission candidate's prefix hits (`_hit_ids`)."""
-        cdef size_t i
-        for i in range(self._hit_ids.size()):
-            if self._hit_ids[i] == b:
-                return True
-        return False
-
     cdef int64_t _prompt_need(self, int32_t r, int64_t tokens, int64_t budget, int64_t* hits,
                               int64_t* fresh, int64_t* n) noexcept nogil:
         """The free blocks waiting request r (`tokens` of input) takes if it starts now
@@ -698,18 +383,6 @@ cdef class NativeEngine:
         self._demote_paused()
         self._sample_timeline()
 
-    cdef void _sample_timeline(self) noexcept nogil:
-        while self._clock >= self._next_sample:
-            self._tl_t.push_back(self._next_sample)
-            self._tl_used.push_back(self._nblocks - self.allocator.c_num_free())
-            self._tl_running.push_back(self._running.size())
-            self._tl_waiting.push_back(self.core.c_num_waiting())
-            self._tl_preempt.push_back(self._preemptions)
-            self._tl_hit.push_back(self._hit_tokens)
-            self._tl_query.push_back(self._query_tokens)
-            self._tl_window.push_back(self.core.agent_window.c_size())
-            self._next_sample += self._sample_dt
-
     def run(self, progress=None, int64_t progress_every=10000):
         """Replays every request to completion or rejection. ``progress(done,
         total)`` is called every `progress_every` steps."""
@@ -823,77 +496,3 @@ cdef class NativeEngine:
         self._loop(INFINITY, None, 0)
         self._horizon = max(self._horizon, self._clock)
         self._check_idle()
-
-    @property
-    def clock(self):
-        return self._clock
-
-    def take_rejections(self):
-        """The requests refused since the last call, in order: (index, reason,
-        engine time of the refusal, Retry-After in seconds or None)."""
-        cdef list out = []
-        cdef int32_t r
-        while self._rej_taken < self._rej_log.size():
-            r = self._rej_log[self._rej_taken]
-            self._rej_taken += 1
-            out.append((r, REJECT_REASONS[self._reason[r]], self._t_done[r],
-                        self._retry[r] if self._retry[r] >= 0 else None))
-        return out
-
-    def signals(self):
-        """What the engine publishes now: the core's `router_signals()`, vLLM's
-        gauges (waiting, running, KV usage), the blocks running requests hold
-        (Dynamo's active decode blocks), requests finished and refused so far,
-        prefix-cache hit and query tokens so far, and the engine's clock."""
-        cdef int64_t used = self._nblocks - self.allocator.c_num_free()
-        sig = self.core.router_signals()
-        sig["num_requests_waiting"] = self.core.c_num_waiting()
-        sig["num_requests_running"] = self._running.size()
-        sig["kv_cache_usage_perc"] = used / <double>self._nblocks
-        sig["active_blocks"] = used
-        sig["num_blocks"] = self._nblocks
-        sig["finished"] = self._n_done
-        sig["rejected"] = self._n_rejected
-        sig["preemptions"] = self._preemptions
-        sig["prefix_hit_tokens"] = self._hit_tokens
-        sig["prefix_query_tokens"] = self._query_tokens
-        sig["clock_s"] = self._clock
-        return sig
-
-    def results(self):
-        """Per request, in the order added: arrival, first-token and finish times
-        (s, -1 if none), output tokens, preemptions, rejection reason (None if served)."""
-        return {
-            "arrival_s": [t for t in self._arr],
-            "first_token_s": [t for t in self._t_first],
-            "finish_s": [t for t in self._t_done],
-            "output_tokens": [g for g in self._gen],
-            "preemptions": [p for p in self._npre],
-            "rejected": [REJECT_REASONS[c] if c >= 0 else None for c in self._reason],
-        }
-
-    def totals(self):
-        cdef double span = self._clock - self._t0
-        return {
-            "steps": self._steps, "preemptions": self._preemptions,
-            "recomputed_tokens": self._recomputed, "output_tokens": self._out_tokens,
-            "prefill_tokens": self._prefill_tokens, "batch_tokens": self._batch_tokens,
-            "prefix_hit_tokens": self._hit_tokens, "prefix_query_tokens": self._query_tokens,
-            "held_for_blocks": self._held_blocks,
-            "makespan_s": span, "busy_s": self._busy_s,
-            "kv_util_mean": self._kv_block_s / (span * self._nblocks) if span > 0 else 0.0,
-            "kv_util_peak": self._peak_used / <double>self._nblocks,
-            "finished": self._n_done, "rejected": self._n_rejected,
-            "free_blocks_at_end": self.allocator.c_num_free(),
-        }
-
-    def timeline(self):
-        """Samples every sample_interval_s of virtual time: time, used blocks,
-        running, waiting, preemptions, prefix hit and query tokens so far, and
-        the agent window."""
-        return {"t": [x for x in self._tl_t], "used_blocks": [x for x in self._tl_used],
-                "running": [x for x in self._tl_running], "waiting": [x for x in self._tl_waiting],
-                "preemptions": [x for x in self._tl_preempt],
-                "prefix_hit_tokens": [x for x in self._tl_hit],
-                "prefix_query_tokens": [x for x in self._tl_query],
-                "agent_window": [x for x in self._tl_window]}
