@@ -117,7 +117,7 @@ import importlib, os, sys
 from sglang.srt.plugins.hook_registry import HookRegistry
 from sglang.srt.server_args import prepare_server_args
 import kvadmit.sglang.plugin as plugin
-from kvadmit.sglang.adapter import load_config
+from kvadmit.sglang.settings import load_config
 try:   # with a real SGLang install (torchvision), the engine hooks are installed and checked
     importlib.import_module("sglang.srt.managers.scheduler")
     engine = "installed and checked"

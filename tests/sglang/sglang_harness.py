@@ -47,7 +47,7 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from kvadmit import AdmissionConfig
 from kvadmit.sglang import SGLangAdmission
-from kvadmit.sglang.adapter import priority_config
+from kvadmit.sglang.settings import priority_config
 from kvadmit.sglang import plugin
 
 EOS = 999

@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse  # noqa: E402
 from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion  # noqa: E402
 
 from kvadmit.protocol import Refusal  # noqa: E402
-from kvadmit.sglang.adapter import rejection_finish_reason  # noqa: E402
+from kvadmit.sglang.request import rejection_finish_reason  # noqa: E402
 from kvadmit.sglang.http import around_handle_request, refusal_in_event  # noqa: E402
 
 SERVING = object.__new__(OpenAIServingCompletion)   # its response builders use no state

@@ -194,9 +194,9 @@ def test_empty_config_is_auto_with_sglangs_shortfall():
     """--kvadmit-config '{}' runs auto; SGLang cannot pause a request, so a shortfall
     preempts (retracts); an explicit pause is refused naming the key."""
     from kvadmit import ConfigError
-    from kvadmit.sglang import adapter
-    cfg = adapter.load_config("{}")
+    from kvadmit.sglang import settings
+    cfg = settings.load_config("{}")
     assert (cfg.policy, cfg.shortfall, cfg.pause_on_shortfall, cfg.bypass_head_of_line) == \
         ("auto", "preempt", False, True)
     with pytest.raises(ConfigError, match="shortfall='pause'"):
-        adapter.load_config('{"shortfall": "pause"}')
+        settings.load_config('{"shortfall": "pause"}')

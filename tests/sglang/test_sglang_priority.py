@@ -195,7 +195,7 @@ def test_priority_config_follows_sglangs_flags(kvadmit_hooks):
     threshold is kept; an explicit queue order is replaced: SGLang orders by priority)."""
     from types import SimpleNamespace
 
-    from kvadmit.sglang.adapter import NO_PREEMPTION, priority_config
+    from kvadmit.sglang.settings import NO_PREEMPTION, priority_config
 
     def sched(**kw):
         base = dict(enable_priority_scheduling=True, enable_priority_preemption=True,

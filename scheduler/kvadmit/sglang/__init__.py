@@ -11,14 +11,7 @@ are `kvadmit.request_fields`, as for vLLM).
 
 Importing this package does not import SGLang.
 """
-from kvadmit.sglang.adapter import (
-    ENV_VAR,
-    PARAMS_KEY,
-    ClockTick,
-    SGLangAdmission,
-    parse_request_params,
-    rejection_finish_reason,
-)
+from kvadmit.sglang.adapter import ClockTick, SGLangAdmission
 from kvadmit.sglang.plugin import (
     CLI_FLAG,
     SUPPORTED_SGLANG,
@@ -29,6 +22,8 @@ from kvadmit.sglang.plugin import (
     register,
     verify,
 )
+from kvadmit.sglang.request import PARAMS_KEY, parse_request_params, rejection_finish_reason
+from kvadmit.sglang.settings import ENV_VAR
 
 __all__ = [
     "CLI_FLAG", "ENV_VAR", "PARAMS_KEY", "ClockTick", "KvadmitStartupError", "SGLangAdmission",

@@ -11,87 +11,29 @@ decisions only with ``slo_guard``, ``agent_window`` or ``max_queue_delay_s``
 ranks per waiting queue the adapter then takes rank 0's clock, which rides
 SGLang's per-iteration request broadcast (`ClockTick`), instead of its own.
 
-Per-request settings (`kvadmit.request_fields`, as for vLLM) come from
-SGLang's ``custom_params`` under the key ``"kvadmit"`` (`parse_request_params`).
+The configuration as SGLang runs it is `kvadmit.sglang.settings`; one request's
+numbers, and a refusal's finish reason, `kvadmit.sglang.request`.
 
 SGLang classes are imported lazily: ``import kvadmit.sglang`` works without
 SGLang installed.
 """
 from __future__ import annotations
 
-import difflib
-import json
 import logging
-import os
-import sys
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Optional
 
-from kvadmit import AdmissionConfig, AdmissionCore, ConfigError, request_fields
-from kvadmit.arrival import ArrivalRecord, prompt_hash
+from kvadmit import AdmissionConfig, AdmissionCore
+from kvadmit.arrival import ArrivalRecord
 from kvadmit.bridge import EngineBridge, StepReport
 from kvadmit.protocol import Refusal
+from kvadmit.sglang.request import arrival_record
+from kvadmit.sglang.settings import (clock_decides, engine_config, priority_config,
+                                     ranks_per_queue, step_budget_of, unsupported_reasons)
 
 logger = logging.getLogger("kvadmit.sglang")
-
-ENV_VAR = "KVADMIT_CONFIG"
-
-# Priorities are clamped so that negating them (SGLang's "higher value first"
-# default) stays inside int64; SGLang itself uses +/-sys.maxsize as sentinels.
-_PRIORITY_LIMIT = (1 << 62) - 1
-# What SGLang's Scheduler._set_or_validate_priority gives a request without a priority
-# under --enable-priority-scheduling (a larger value more important): its least.
-UNSET_PRIORITY = -sys.maxsize - 1
-# A preemption threshold no two clamped priorities exceed (--disable-priority-preemption).
-NO_PREEMPTION = (1 << 63) - 1
-
-# Per-request settings: SamplingParams.custom_params["kvadmit"] (the /generate
-# body's sampling_params.custom_params, or the OpenAI body's custom_params).
-PARAMS_KEY = request_fields.KEY
-
-
-def config_text_from_env() -> Optional[str]:
-    """The JSON in KVADMIT_CONFIG, or None when unset or blank. Unset while a
-    variable of a close name is set (KVADMIT_CONFG, KV_ADMIT_CONFIG) is a
-    ConfigError: the typo would leave SGLang without admission control."""
-    text = os.environ.get(ENV_VAR)
-    if text is None:
-        for name in os.environ:
-            if difflib.SequenceMatcher(None, name.upper(), ENV_VAR).ratio() >= 0.85:
-                raise ConfigError(f"environment variable {name} is set, but kvadmit reads "
-                                  f"{ENV_VAR}: did you mean {ENV_VAR}?")
-        return None
-    if not text.strip():
-        return None
-    return text
-
-
-def load_config(text: Optional[str]) -> Optional[AdmissionConfig]:
-    """Parses and validates kvadmit's JSON (raises `kvadmit.ConfigError` naming the field)."""
-    if text is None:
-        return None
-    return engine_config(AdmissionConfig.from_json(text))
-
-
-def engine_config(config: AdmissionConfig) -> AdmissionConfig:
-    """The configuration as SGLang runs it: SGLang decodes its whole running batch each
-    step, so a request cannot sit one out: shortfall "auto" is "preempt" (retraction),
-    and "pause" is a ConfigError."""
-    return config.for_engine("SGLang decodes its whole running batch each step and "
-                             "retracts when the pool runs dry: a request cannot sit one out")
-
-
-def explicit_keys(text: Optional[str]) -> frozenset:
-    """Keys the operator wrote in the JSON (so engine-derived defaults do not override them)."""
-    if text is None:
-        return frozenset()
-    try:
-        values = json.loads(text)
-    except ValueError:
-        return frozenset()
-    return frozenset(values) if isinstance(values, dict) else frozenset()
 
 
 @dataclass
@@ -101,59 +43,6 @@ class EnqueueOutcome:
     rejection: Optional[Refusal] = None              # refuse the incoming request
     shed: list = field(default_factory=list)         # [(Req, Refusal)] waiting requests to abort
     requeued: bool = False                           # a running request came back (retraction)
-
-
-def rejection_finish_reason(refusal) -> dict:
-    """SGLang's abort finish-reason dict for a kvadmit refusal (a `Refusal`, or the
-    core's `Rejection`): status and message as `kvadmit.protocol` defines them for
-    both engines (503 when retrying can help, like SGLang's own full-queue abort,
-    else 400); ``retry_after`` (whole seconds) rides along for streaming clients,
-    who read the finish reason itself."""
-    if not isinstance(refusal, Refusal):
-        refusal = Refusal.of(refusal)
-    reason = {
-        "type": "abort",
-        "status_code": refusal.status,
-        "message": refusal.client_message(),
-        "kvadmit_reason": refusal.reason,
-    }
-    if refusal.retryable:
-        reason["retry_after"] = refusal.retry_after
-    return reason
-
-
-def parse_request_params(custom_params, now_unix: float,
-                         default_session=None) -> request_fields.RequestFields:
-    """The kvadmit fields of a request: ``custom_params["kvadmit"]`` (an object
-    of `kvadmit.request_fields` fields, validated there; ``deadline_s`` is
-    checked against ``now_unix``). ``default_session``: SGLang's own session
-    id of the request, the session when the fields name none.
-    Raises `kvadmit.request_fields.FieldError` naming a malformed field."""
-    raw = custom_params.get(PARAMS_KEY) if isinstance(custom_params, dict) else None
-    fields = request_fields.NONE
-    if raw is not None:
-        if not isinstance(raw, Mapping):
-            raise request_fields.FieldError(
-                f"custom_params.{PARAMS_KEY}={raw!r}: must be an object of kvadmit fields "
-                f"({', '.join(request_fields.FIELDS)})")
-        if raw:
-            names = {k: f"custom_params.{PARAMS_KEY}.{k}" for k in raw}
-            fields = request_fields.parse(raw, now_unix, names)
-    if fields.session < 0 and default_session is not None:
-        try:
-            fields = fields._replace(
-                session=request_fields.session_int(default_session, "session_id"))
-        except request_fields.FieldError:
-            pass  # not a usable id (e.g. empty): no session
-    return fields
-
-
-def _sglang_session(req):
-    """SGLang's own session id of a request (radix-native or session_params), or None."""
-    sid = getattr(req, "session_id", None)
-    if sid is None:
-        sid = getattr(getattr(req, "session", None), "session_id", None)
-    return sid if isinstance(sid, (str, int)) and not isinstance(sid, bool) else None
 
 
 class ClockTick:
@@ -290,7 +179,7 @@ class SGLangAdmission:
             max_model_len=int(getattr(scheduler, "max_req_len", 0) or 0),
             low_priority_values_first=bool(scheduler.schedule_low_priority_values_first),
             step_budget=step_budget_of(scheduler),
-            synced_clock=clock_decides(config) and _ranks_per_queue(scheduler) > 1,
+            synced_clock=clock_decides(config) and ranks_per_queue(scheduler) > 1,
             vocab_size=int(getattr(getattr(scheduler, "model_config", None), "vocab_size", 0) or 0),
             priority_preemption=bool(getattr(scheduler, "enable_priority_preemption", False)),
         )
@@ -322,17 +211,7 @@ class SGLangAdmission:
         self.counters["ticks"] += 1
 
     # ------------------------------------------------------------------
-    # Request numbers
-    def _priority(self, req) -> int:
-        p = req.priority if req.priority is not None else 0
-        p = max(-_PRIORITY_LIMIT, min(_PRIORITY_LIMIT, int(p)))
-        return p if self.low_priority_values_first else -p
-
-    @staticmethod
-    def _max_new(req) -> int:
-        m = req.sampling_params.max_new_tokens
-        return max(int(m), 1) if m is not None else 1
-
+    # Request progress
     def slot_for(self, req) -> Optional[int]:
         return self.bridge.slot(req.rid)
 
@@ -371,48 +250,10 @@ class SGLangAdmission:
         return EnqueueOutcome(shed=shed)
 
     def _numbers(self, req, now: float, strict: bool) -> ArrivalRecord:
-        """The core's arrival record of an SGLang request. ``strict``: a malformed
-        kvadmit field or request body raises FieldError (naming it); else the fields
-        fall back to the defaults."""
-        try:
-            self._check_body(req)
-            fields = parse_request_params(req.sampling_params.custom_params, now,
-                                          _sglang_session(req))
-        except request_fields.FieldError:
-            if strict:
-                raise
-            fields = request_fields.NONE
-        return ArrivalRecord(prompt_tokens=len(req.origin_input_ids),
-                             max_new_tokens=self._max_new(req), priority=self._priority(req),
-                             ttft_slo_s=self._ttft_target(fields, now),
-                             tpot_slo_s=fields.tpot_slo_s, session=fields.session,
-                             ttl_s=fields.ttl_s, flow=fields.flow,
-                             sheddable=fields.sheddable or self._negative_priority(req),
-                             prompt_hash=prompt_hash(req.origin_input_ids))
-
-    def _negative_priority(self, req) -> bool:
-        """GIE's sheddable class, a negative priority the client gave, where SGLang's
-        order is GIE's (priority scheduling on, a larger value more important:
-        SGLang's default). A request without one is not sheddable: SGLang fills in
-        its least important value, UNSET_PRIORITY, before kvadmit sees it."""
-        return (self.config.queue_order == "priority" and not self.low_priority_values_first
-                and req.priority is not None and UNSET_PRIORITY < req.priority < 0)
-
-    def _check_body(self, req) -> None:
-        """Refuses (FieldError) what would crash the scheduler further on: a prompt token
-        id outside the vocabulary (SGLang does not check input_ids) and a max_new_tokens
-        beyond the core's integers."""
-        request_fields.check_prompt_tokens(req.origin_input_ids, self.vocab_size, "input_ids",
-                                           multimodal=req.multimodal_inputs is not None)
-        m = req.sampling_params.max_new_tokens
-        if m is not None:
-            request_fields.check_int(m, "max_new_tokens", 0)
-
-    def _ttft_target(self, fields, now: float) -> float:
-        """ttft_slo_s, tightened by deadline_s - now (the adapter's clock, UNIX
-        time; rank 0's on a synced server). A passed deadline is a target no
-        request meets: with slo_guard the core refuses it as slo_infeasible."""
-        return request_fields.ttft_target(fields, self.config.default_ttft_slo_s, now)
+        """The core's arrival record of an SGLang request (`kvadmit.sglang.request.arrival_record`;
+        ``strict``: a malformed kvadmit field or request body raises FieldError)."""
+        return arrival_record(req, now, strict, self.config, self.low_priority_values_first,
+                              self.vocab_size)
 
     def displaced(self, slot: int, req) -> None:
         """The adder evicts running ``req`` for a more important waiting request
@@ -598,77 +439,3 @@ class SGLangAdmission:
         return out
 
 
-def priority_config(config: AdmissionConfig, scheduler, explicit: frozenset = frozenset()):
-    """SGLang's priority scheduling as the core runs it. With --enable-priority-scheduling
-    the core serves by priority (queue_order "priority", SGLang's sign mapped by
-    `SGLangAdmission._priority`) and a waiting request takes KV only from running ones
-    less important than it by more than --priority-scheduling-preemption-threshold
-    (priority_preemption_threshold, unless the kvadmit config sets it); with
-    --disable-priority-preemption from none. Without priority scheduling the
-    configuration is left as it is."""
-    if not getattr(scheduler, "enable_priority_scheduling", False):
-        return config
-    if config.queue_order != "priority":
-        if "queue_order" in explicit:
-            logger.warning("kvadmit: queue_order=%r replaced by 'priority': SGLang runs with "
-                           "--enable-priority-scheduling", config.queue_order)
-        config = config.replace(queue_order="priority")
-    if not getattr(scheduler, "enable_priority_preemption", True):
-        return config.replace(priority_preemption_threshold=NO_PREEMPTION)
-    if "priority_preemption_threshold" not in explicit:
-        threshold = int(getattr(scheduler, "priority_scheduling_preemption_threshold", 0) or 0)
-        config = config.replace(priority_preemption_threshold=min(max(threshold, 0), NO_PREEMPTION))
-    return config
-
-
-def clock_decides(config: AdmissionConfig) -> bool:
-    """Whether wall time feeds the core's decisions under this configuration."""
-    return config.slo_guard or config.agent_window or config.max_queue_delay_s > 0
-
-
-def step_budget_of(scheduler) -> int:
-    """Prompt tokens SGLang prefills in one step at most: the chunked prefill
-    size, capped by --max-prefill-tokens (0: unknown)."""
-    sizes = [int(v) for v in (getattr(scheduler, "chunked_prefill_size", None),
-                              getattr(scheduler, "max_prefill_tokens", None))
-             if isinstance(v, int) and v > 0]
-    return min(sizes) if sizes else 0
-
-
-def _ranks_per_queue(scheduler) -> int:
-    """Scheduler processes that run one waiting queue in lockstep (TP x PP;
-    with DP attention each DP group has its own queue, but tp_size still
-    bounds it from above, which only costs an unneeded tick)."""
-    try:
-        from sglang.srt.runtime_context import get_parallel
-
-        par = get_parallel()
-        tp, pp = par.tp_size, par.pp_size
-    except Exception:  # parallel context not published: the scheduler's own numbers
-        tp, pp = getattr(scheduler, "tp_size", 1), getattr(scheduler, "pp_size", 1)
-    return max(int(tp or 1), 1) * max(int(pp or 1), 1)
-
-
-def unsupported_reasons(scheduler) -> list:
-    """Server setups kvadmit does not manage (it raises at start-up instead of guessing)."""
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-    from sglang.srt.mem_cache.prefill_budget import PrefillBudget
-
-    reasons = []
-    mode = getattr(scheduler, "disaggregation_mode", DisaggregationMode.NULL)
-    if mode != DisaggregationMode.NULL:
-        reasons.append(f"prefill/decode disaggregation (mode {mode.value}) is not supported")
-    if getattr(scheduler, "enable_pdmux", False):
-        reasons.append("prefill/decode multiplexing (--enable-pdmux) is not supported")
-    if getattr(scheduler, "dllm_config", None) is not None:
-        reasons.append("diffusion LLMs (dllm) are not supported")
-    if getattr(scheduler, "is_hybrid_swa", False):
-        reasons.append("hybrid sliding-window KV pools are not supported")
-    if getattr(scheduler, "is_hybrid_ssm", False):
-        reasons.append("hybrid Mamba/SSM state pools are not supported")
-    allocator = scheduler.token_to_kv_pool_allocator
-    budget = allocator.create_prefill_budget(scheduler.tree_cache)
-    if type(budget) is not PrefillBudget:
-        reasons.append(f"the KV allocator {type(allocator).__name__} uses budget "
-                       f"{type(budget).__name__}; kvadmit supports PrefillBudget pools")
-    return reasons

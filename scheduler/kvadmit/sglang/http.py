@@ -1,7 +1,7 @@
 """SGLang's OpenAI server: a kvadmit refusal is an HTTP error with Retry-After, streaming or not.
 
 SGLang answers a request its scheduler aborted with a status (kvadmit's refusals
-carry one, `kvadmit.sglang.adapter.rejection_finish_reason`): without streaming an
+carry one, `kvadmit.sglang.request.rejection_finish_reason`): without streaming an
 error response with that status but no Retry-After header; with streaming a 200
 stream whose first event is the error (SGLang primes a stream's first chunk, but
 only a ValueError raised there becomes a status). This hook, AROUND

@@ -29,6 +29,8 @@ from typing import Callable, Optional
 from kvadmit import ConfigError, __version__ as KVADMIT_VERSION
 from kvadmit.sglang import adapter as _adapter
 from kvadmit.sglang import http as _http
+from kvadmit.sglang import request as _request
+from kvadmit.sglang import settings as _settings
 
 logger = logging.getLogger("kvadmit.sglang")
 
@@ -81,7 +83,7 @@ class KvadmitStartupError(SystemExit):
 # Command line: --kvadmit-config on ServerArgs' parser
 def _parse_flag(text: str) -> str:
     try:
-        _adapter.load_config(text)
+        _settings.load_config(text)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
@@ -106,11 +108,11 @@ def after_from_cli_args(result, cls, args, *rest, **kwargs):
     text = getattr(args, "kvadmit_config", None)
     if text is None:
         return result
-    previous = os.environ.get(_adapter.ENV_VAR)
+    previous = os.environ.get(_settings.ENV_VAR)
     if previous is not None and previous != text:
         logger.warning("kvadmit: %s overrides %s from the environment", CLI_FLAG,
-                       _adapter.ENV_VAR)
-    os.environ[_adapter.ENV_VAR] = text
+                       _settings.ENV_VAR)
+    os.environ[_settings.ENV_VAR] = text
     install_engine_hooks()
     return result
 
@@ -122,13 +124,13 @@ def around_scheduler_init(original, self, *args, **kwargs):
     A bad configuration or an unsupported server raises here, which stops
     start-up (the scheduler process reports it and signals the launcher)."""
     original(self, *args, **kwargs)
-    text = _adapter.config_text_from_env()
+    text = _settings.config_text_from_env()
     if text is None:
         self._kvadmit = None
         return
-    config = _adapter.load_config(text)  # ConfigError names the field
+    config = _settings.load_config(text)  # ConfigError names the field
     self._kvadmit = _adapter.SGLangAdmission.for_scheduler(
-        self, config, _adapter.explicit_keys(text))
+        self, config, _settings.explicit_keys(text))
 
 
 def _live(scheduler):
@@ -195,7 +197,7 @@ def send_rejection(scheduler, req, rejection) -> None:
     """SGLang's usual abort output for ``req``, carrying kvadmit's reason."""
     from sglang.srt.managers.scheduler import _make_abort_req
 
-    reason = _adapter.rejection_finish_reason(rejection)
+    reason = _request.rejection_finish_reason(rejection)
     scheduler.send_abort_output(_make_abort_req(req, finished_reason=reason), req)
     req.time_stats.trace_ctx.abort(abort_info={"reason": reason["message"]})
 
@@ -418,10 +420,10 @@ def register() -> None:
         logger.warning("kvadmit supports SGLang %s; found %s (the hook check decides)",
                        SUPPORTED_SGLANG, version)
     try:
-        text = _adapter.config_text_from_env()
-        _adapter.load_config(text)
+        text = _settings.config_text_from_env()
+        _settings.load_config(text)
     except ConfigError as e:
-        raise KvadmitStartupError(f"{_adapter.ENV_VAR}: {e}") from None
+        raise KvadmitStartupError(f"{_settings.ENV_VAR}: {e}") from None
     hooks = cli_hooks()
     if text is not None:
         hooks.update(engine_hooks())

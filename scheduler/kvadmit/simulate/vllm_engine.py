@@ -24,12 +24,9 @@ The KV pool: vLLM keeps one block (the null block) out of use, so vLLM is given
 shape.num_blocks + 1 blocks: requests (and kvadmit's core, which sees
 num_gpu_blocks - 1) get exactly shape.num_blocks, as in the native engine.
 
-Prompt tokens: with prefix caching and a workload with prefix-block ids, equal
-ids give equal token blocks (a pseudo-random sequence seeded by the id), so
-vLLM's content hashes hit exactly where the native engine's id hashes do; the
-fake model emits the same id-derived tokens as outputs where the ids cover the
-output (agent sessions: the next turn's prompt repeats this turn's output).
-Everything else is pseudo-random per request (seeded, deterministic).
+Prompt tokens (equal prefix-block ids become equal token blocks, so vLLM's prefix
+cache hits where the native engine's id hashes do) and the table of the requests
+added: `kvadmit.simulate.vllm_requests`.
 
 kvadmit's refusals (at arrival, and waiting requests shed) come from the scheduler's
 `VllmAdmission.take_refused()` (kvadmit.vllm.admission), not from the outputs.
@@ -57,14 +54,11 @@ Where it differs from the native engine (by design, this is vLLM's behaviour):
 """
 from __future__ import annotations
 
-import functools
 import heapq
 import json
 import math
 import pathlib
 import time
-
-import numpy as np
 
 from kvadmit._native import Requests
 from kvadmit.config import AdmissionConfig
@@ -72,10 +66,9 @@ from kvadmit.simulate.engine import EngineShape, RawRun
 from kvadmit.simulate.record import DONE, IN_ENGINE, REJECTED, RunRecord, Totals
 from kvadmit.simulate.stepped import first_arrival, replay
 from kvadmit.simulate.steptime import StepTimeModel
+from kvadmit.simulate.vllm_requests import RequestTable
 from kvadmit.simulate.workload import Workload
 
-_SALT_BLOCK = 0x6B766164          # seeds for a prefix id's tokens: [id, _SALT_BLOCK]
-_SALT_REQUEST = 0x72657175        # seeds for a request's own tokens: [seed, index, _SALT_REQUEST]
 PROGRESS_EVERY = 200
 
 
@@ -90,19 +83,6 @@ class _VirtualTime:
 
     def now(self) -> float:
         return self.t
-
-
-@functools.lru_cache(maxsize=8192)
-def _block_tokens(block_id: int, n: int, vocab: int) -> tuple[int, ...]:
-    """The tokens of prefix-block id `block_id`: n values in [3, vocab) (never EOS=2)."""
-    seed = [abs(block_id), 1 if block_id < 0 else 0, _SALT_BLOCK]
-    return tuple(np.random.default_rng(seed).integers(3, vocab, n).tolist())
-
-
-def _own_tokens(seed: int, index: int, n: int, vocab: int) -> list[int]:
-    if n <= 0:
-        return []
-    return np.random.default_rng([seed, index, _SALT_REQUEST]).integers(3, vocab, n).tolist()
 
 
 def _model_max_len(model_dir: str) -> int | None:
@@ -177,15 +157,14 @@ class VllmEngine:
         if hash_block_tokens < 0 or (hash_block_tokens and hash_block_tokens % shape.block_size):
             raise ValueError(f"hash_block_tokens={hash_block_tokens}: must be 0 or a multiple of "
                              f"block_size={shape.block_size}")
-        self.shape, self.step_time, self.seed = shape, step, seed
+        self.shape, self.step_time = shape, step
         self.kvadmit = config is not None
         self.eng = _in_process_engine(config, shape, model_dir, engine_args)
         self.sched = self.eng.scheduler
         self.pool = self.sched.kv_cache_manager.block_pool
         self.nb = self.pool.num_gpu_blocks - 1            # usable blocks (== shape.num_blocks)
-        self.vocab = self.eng.vllm_config.model_config.get_vocab_size()
-        self.hbt = hash_block_tokens if shape.prefix_caching else 0
-        self.req = _Requests()
+        self.req = RequestTable(seed, hash_block_tokens if shape.prefix_caching else 0,
+                                self.eng.vllm_config.model_config.get_vocab_size())
         self.children: list[list[int]] = []
         self.heap: list[tuple[float, int]] = []
         self.clock = 0.0
@@ -297,22 +276,6 @@ class VllmEngine:
                       wall, extra=extra)
 
     # -- requests ---------------------------------------------------------------
-    def tokens_of(self, i: int) -> tuple[list[int], list[int] | None]:
-        """Request i's prompt tokens, and the output tokens the fake model emits
-        (None: pseudo-random) where its prefix-block ids cover the output."""
-        q = self.req
-        p, o = q.prompt[i], q.out[i]
-        ids = q.hash_ids_of(i)
-        if not self.hbt or ids is None:
-            return _own_tokens(self.seed, i, p, self.vocab), None
-        h = max(0, min(q.hashed[i], len(ids) * self.hbt, p + o))
-        toks: list[int] = []
-        for k in range(-(-h // self.hbt)):
-            toks.extend(_block_tokens(int(ids[k]), self.hbt, self.vocab))
-        del toks[h:]
-        toks.extend(_own_tokens(self.seed, i, p + o - h, self.vocab))
-        return toks[:p], toks[p:]
-
     def reject(self, i: int, why: str, t: float, retry_after_s: float | None = None) -> None:
         self.rec.reject(i, why, t)
         self.rejections.append((i, why, t, retry_after_s))
@@ -340,7 +303,7 @@ class VllmEngine:
                 # vLLM's front end refuses it (HTTP 400) before it reaches the engine.
                 self.reject(i, "context_length", t)
                 continue
-            prompt_ids, out_ids = self.tokens_of(i)
+            prompt_ids, out_ids = q.tokens_of(i)
             self.vt.t = t
             fields = q.fields(i)
             self.eng.add(prompt_ids, m, priority=q.prio[i], request_id=str(i),
@@ -478,45 +441,3 @@ def _in_process_engine(config: AdmissionConfig | None, shape: EngineShape, model
         enable_prefix_caching=shape.prefix_caching, enable_chunked_prefill=shape.chunked_prefill,
         scheduling_policy=policy, engine_args=engine_args)
 
-
-class _Requests:
-    """The requests a `VllmEngine` was given, by index in the order added."""
-
-    def __init__(self):
-        self.arrival: list[float] = []
-        self.prompt: list[int] = []
-        self.out: list[int] = []
-        self.maxtok: list[int] = []
-        self.prio: list[int] = []
-        self.hashed: list[int] = []
-        self.parent: list[int] = []
-        self.delay: list[float] = []
-        self.ids: list = []              # per request: its prefix-block ids (None: none given)
-        self.extra: list[dict] = []      # per request: kvadmit's request fields
-        self.last_open = -math.inf       # the latest fixed arrival
-
-    def __len__(self) -> int:
-        return len(self.prompt)
-
-    def hash_ids_of(self, i: int):
-        return self.ids[i]
-
-    def fields(self, i: int) -> dict:
-        return self.extra[i]
-
-    def append(self, row: dict) -> None:
-        """One of `Requests.row`'s rows. Its SLO targets, session, TTL, flow and class
-        reach kvadmit as request fields where given (a negative one is the config's
-        default or none, and not sheddable the default: none sent)."""
-        fields = {k: row[k] for k in ("ttft_slo_s", "tpot_slo_s", "session", "ttl_s", "flow")
-                  if row[k] >= 0}
-        if row["sheddable"]:
-            fields["sheddable"] = True
-        if row["parent"] < 0:
-            self.last_open = row["arrival_s"]
-        for col, v in ((self.arrival, row["arrival_s"]), (self.prompt, row["prompt_tokens"]),
-                       (self.out, row["output_tokens"]), (self.maxtok, row["max_new_tokens"]),
-                       (self.prio, row["priority"]), (self.hashed, row["hashed_tokens"]),
-                       (self.parent, row["parent"]), (self.delay, row["delay_s"]),
-                       (self.ids, row["hash_ids"]), (self.extra, fields)):
-            col.append(v)
