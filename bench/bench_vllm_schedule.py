@@ -3,7 +3,8 @@
 vLLM's real V1 scheduler (kvadmit.vllm.inprocess: no model, fake outputs) with
 32, 512 and 4096 running requests: mean wall time of one schedule() +
 update_from_output() round for vLLM's scheduler and for kvadmit's (policy
-`peak` and `adaptive`), in the same process. The difference is kvadmit's cost.
+`peak`, `adaptive`, and the empty config `{}`: auto, whose pause plan runs every
+step), in the same process. The difference is kvadmit's cost.
 
     python bench/bench_vllm_schedule.py [--steps 30]
 """
@@ -21,8 +22,8 @@ from kvadmit.vllm.tiny_model import build_tiny_llama
 
 
 def time_steps(model_dir: str, n: int, kvadmit: dict | None, steps: int) -> float:
-    eng = InProcessEngine(model_dir, scheduler_cls=Scheduler if kvadmit else None,
-                          additional_config={"kvadmit": kvadmit} if kvadmit else None,
+    eng = InProcessEngine(model_dir, scheduler_cls=Scheduler if kvadmit is not None else None,
+                          additional_config={"kvadmit": kvadmit} if kvadmit is not None else None,
                           num_blocks=n * 4 + 64, block_size=32, max_model_len=1024,
                           max_num_seqs=n, max_num_batched_tokens=max(2048, n * 17))
     for i in range(n):
@@ -44,15 +45,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     model_dir = str(build_tiny_llama("/tmp/kvadmit-bench-tiny-llama"))
     rows = []
-    print(f"{'running':>7} {'vLLM us/step':>13} {'peak us/step':>13} {'adaptive us/step':>17}")
+    print(f"{'running':>7} {'vLLM us/step':>13} {'peak us/step':>13} {'adaptive us/step':>17} "
+          f"{'{} us/step':>10}")
     for n in args.running:
         row = {"running": n,
                "vllm_us": time_steps(model_dir, n, None, args.steps),
                "peak_us": time_steps(model_dir, n, {"policy": "peak"}, args.steps),
-               "adaptive_us": time_steps(model_dir, n, {"policy": "adaptive"}, args.steps)}
+               "adaptive_us": time_steps(model_dir, n, {"policy": "adaptive"}, args.steps),
+               "auto_us": time_steps(model_dir, n, {}, args.steps)}
         rows.append(row)
-        print(f"{n:7d} {row['vllm_us']:13.0f} {row['peak_us']:13.0f} {row['adaptive_us']:17.0f}",
-              flush=True)
+        print(f"{n:7d} {row['vllm_us']:13.0f} {row['peak_us']:13.0f} {row['adaptive_us']:17.0f} "
+              f"{row['auto_us']:10.0f}", flush=True)
     if not args.no_save:
         print(f"saved {save('vllm_schedule', {'steps': args.steps, 'rows': rows})}")
     return 0
