@@ -1,7 +1,7 @@
-"""An adapter's per-step cost through the engine bridge: step + step_done.
+"""An adapter's per-step cost through the core's port: step + step_done.
 
 What the vLLM and SGLang adapters pay the core every scheduler step, without an
-engine: `EngineBridge.step(StepReport)` (the core's step sequence: the previous
+engine: `CorePort.step(StepReport)` (the core's step sequence: the previous
 step's time, cache signals, every running request's progress, the blocks in use,
 the victim order back) and `step_done`, with 32, 512 and 4096 running requests,
 for peak, auto (shared-prefix counting on) and adaptive. The best of three
@@ -21,7 +21,7 @@ from _common import save
 
 from kvadmit import AdmissionConfig, AdmissionCore
 from kvadmit.arrival import ArrivalRecord
-from kvadmit.bridge import EngineBridge, StepReport
+from kvadmit.port import CorePort, StepReport
 
 POLICIES = ("peak", "auto", "adaptive")
 
@@ -31,7 +31,7 @@ def time_steps(policy: str, n: int, steps: int, repeats: int = 3) -> float:
     reqs = [(rng.randint(64, 2048), rng.randint(64, 1024)) for _ in range(n)]
     num_blocks = sum(-(-(p + m) // 16) for p, m in reqs) + 1024
     core = AdmissionCore(AdmissionConfig(policy=policy), num_blocks, 16, 0)
-    bridge = EngineBridge(core, counts_shared_prefix=policy == "auto")
+    bridge = CorePort(core, counts_shared_prefix=policy == "auto")
     slots, prompts, gen = [], [], []
     for i, (p, m) in enumerate(reqs):
         arrival = bridge.arrive(i, None, lambda p=p, m=m: ArrivalRecord(p, m), 0.0)

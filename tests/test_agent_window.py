@@ -90,18 +90,18 @@ def test_shrinking_window_pauses_latest_sessions_between_generations():
 
 def test_the_engine_bridge_empties_the_pause_log_every_step():
     """The core logs paused sessions for an engine that demotes their prefixes; the
-    adapters' engines do not, so the bridge empties it at each step's cache signals
+    adapters' engines do not, so the port empties it at each step's cache signals
     (else it grew by a session id per pause for the server's whole life)."""
-    from kvadmit.bridge import EngineBridge, StepReport
+    from kvadmit.port import CorePort, StepReport
     core = agent_core(agent_window_init=3, agent_cooldown_intervals=0)
-    bridge = EngineBridge(core)
+    port = CorePort(core)
     slots = [core.arrive(ArrivalRecord(10, 5, session=sess), now=0.0).slot for sess in (1, 2, 3)]
     for s in slots:
         core.admit(s, 0.0)
     core.finish(slots[0], 0.0)
     core.finish(slots[2], 0.0)
-    bridge.note_prefix_hits(0, 100)
-    bridge.step(StepReport(now=0.0, used_blocks=90))         # thrashing: 3 and 1 paused
+    port.note_prefix_hits(0, 100)
+    port.step(StepReport(now=0.0, used_blocks=90))         # thrashing: 3 and 1 paused
     assert not core.session_active(3) and not core.session_active(1)
     assert core.take_paused_sessions() == []
 

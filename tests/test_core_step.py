@@ -1,5 +1,5 @@
 """The core's step sequence without an engine (`AdmissionCore.step` / `step_done`, the
-one place a step's order is written: the engine bridge translates onto it, the
+one place a step's order is written: the core port translates onto it, the
 native engine model calls its c_ twins), with injected times, checked exactly."""
 import pytest
 

@@ -21,7 +21,7 @@ import pytest
 
 from helpers import add_waiting, make_core
 from kvadmit.arrival import ArrivalRecord
-from kvadmit.bridge import EngineBridge
+from kvadmit.port import CorePort
 
 EXPECTED_DELAY_S = 18.0
 
@@ -49,23 +49,23 @@ def test_aborts_and_cancellations_move_the_backlog_clock_to_their_time():
 
 
 def test_the_bridge_aborts_at_the_engine_time():
-    """The adapters' path: EngineBridge.leave(now) aborts at `now` (it aborted at no
+    """The adapters' path: CorePort.leave(now) aborts at `now` (it aborted at no
     time before, so the backlog clock skipped the abort for the real engines)."""
     core = core_for_the_timeline()
-    bridge = EngineBridge(core)
+    port = CorePort(core)
 
     def arrive(key, now):
-        arrival = bridge.arrive(key, object(), lambda: ArrivalRecord(8, 4), now)
+        arrival = port.arrive(key, object(), lambda: ArrivalRecord(8, 4), now)
         assert arrival.accepted, arrival.refusal
         return arrival.slot
 
     core.admit(arrive("a", 0.0), 1.0)
     arrive("b", 1.0)
-    bridge.leave("b", False, None, 3.0)
+    port.leave("b", False, None, 3.0)
     c = arrive("c", 3.0)
     core.admit(c, 4.0)
     core.cancel_admit(c, 6.0)
-    bridge.leave("c", True, None, 8.0)    # finished, but never ran since: an abort
+    port.leave("c", True, None, 8.0)    # finished, but never ran since: an abort
     assert core.num_waiting == 0 and core.stats()["aborted"] == 2
     arrive("d", 20.0)
     arrive("e", 20.0)

@@ -1,8 +1,10 @@
-"""Lint of the Python package (scheduler/kvadmit): no function over MAX_LINES lines, and
-no import cycle between kvadmit's modules, counting every import statement (module-level
-and inside functions: a function-level import only hides a cycle, it does not remove it).
+"""Lint of the Python package (scheduler/kvadmit): no function over MAX_LINES lines, no
+module over MAX_MODULE_LINES (no native module over MAX_NATIVE_LINES), no import cycle
+between kvadmit's modules, counting every import statement (module-level and inside
+functions: a function-level import only hides a cycle, it does not remove it), and one
+door into the core: only kvadmit/port.py calls an AdmissionCore.
 
-Both checks read the source with `ast` (nothing is imported), and are tested on small
+The checks read the source with `ast` (nothing is imported), and are tested on small
 packages written here, so a lint that cannot fail would fail its own tests."""
 import ast
 import pathlib
@@ -13,6 +15,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "scheduler" / "kvadmit"
 NATIVE = ROOT / "native" / "kvadmit"
 MAX_LINES = 80
+MAX_MODULE_LINES = 500
+MAX_NATIVE_LINES = 700
+PATCHES = ROOT / "patches"
+# The one module that calls an AdmissionCore (kvadmit/__init__.py re-exports the class)
+PORT = "port.py"
 
 # Functions over MAX_LINES today, in files this change could not edit; each may not grow
 # (its length today is the limit) and should leave this list when its owner splits it.
@@ -120,6 +127,47 @@ def describe(graph, comp: set[str], package: pathlib.Path) -> str:
                      for a in sorted(comp) for b, line in sorted(graph[a].items()) if b in comp)
 
 
+def module_lengths(root: pathlib.Path, pattern: str) -> dict[str, int]:
+    return {p.relative_to(root).as_posix(): p.read_text().count("\n")
+            for p in sorted(root.rglob(pattern))}
+
+
+def core_calls(root: pathlib.Path) -> list[str]:
+    """Every place outside the port that reaches an AdmissionCore: the name AdmissionCore
+    used in code (not re-exported by a package's __init__), or an attribute named
+    `core` (an adapter's core, a NativeEngine's): "file:line what"."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel == PORT:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "core":
+                out.append(f"{rel}:{node.lineno} .core")
+            elif isinstance(node, ast.Name) and node.id == "AdmissionCore":
+                out.append(f"{rel}:{node.lineno} AdmissionCore")
+            elif isinstance(node, ast.ImportFrom) and path.name != "__init__.py" and \
+                    any(a.name == "AdmissionCore" for a in node.names):
+                out.append(f"{rel}:{node.lineno} imports AdmissionCore")
+    return out
+
+
+def test_only_the_port_calls_the_core():
+    assert (PACKAGE / PORT).exists()
+    calls = core_calls(PACKAGE) + core_calls(PATCHES)
+    assert not calls, ("only kvadmit/port.py calls the core (add a CorePort method for "
+                       "what an adapter needs): " + ", ".join(calls))
+
+
+def test_no_module_is_too_long():
+    python = module_lengths(PACKAGE, "*.py")
+    native = {**module_lengths(NATIVE, "*.pyx"), **module_lengths(NATIVE, "*.pxd")}
+    assert "config.py" in python and "_core.pyx" in native
+    too_long = {m: n for m, n in python.items() if n > MAX_MODULE_LINES}
+    too_long.update({m: n for m, n in native.items() if n > MAX_NATIVE_LINES})
+    assert not too_long, f"modules over {MAX_MODULE_LINES} lines (native: {MAX_NATIVE_LINES}): {too_long}"
+
+
 def test_no_function_is_longer_than_80_lines():
     lengths = function_lengths(PACKAGE)
     # the walk found the package's functions and methods
@@ -188,3 +236,14 @@ def test_the_length_check_counts_methods_and_nested_functions(tmp_path):
     lengths = function_lengths(pkg)
     assert lengths["m.py", "C.long"] == 82
     assert lengths["m.py", "outer"] == 4 and lengths["m.py", "outer.inner"] == 2
+
+
+@pytest.mark.parametrize("text, found", [
+    ("from kvadmit._native import AdmissionCore\nc = AdmissionCore(cfg, 1, 1)\n",
+     ["m.py:1 imports AdmissionCore", "m.py:2 AdmissionCore"]),
+    ("def f(adapter):\n    return adapter.core.stats()\n", ["m.py:2 .core"]),
+    ("def f(adapter):\n    return adapter.port.stats(), adapter.engine_core\n", []),
+])
+def test_the_port_check_finds_core_calls(tmp_path, text, found):
+    pkg = write(tmp_path, {"m.py": text, "port.py": "from kvadmit import AdmissionCore\n"})
+    assert core_calls(pkg) == found

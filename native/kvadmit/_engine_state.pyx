@@ -295,6 +295,10 @@ cdef class EngineState:
     def clock(self):
         return self._clock
 
+    def core_stats(self):
+        """The core's stats() (its counters: holds, refusals by reason, preemptions)."""
+        return self.core.stats()
+
     def take_rejections(self):
         """The requests refused since the last call, in order: (index, reason,
         engine time of the refusal, Retry-After in seconds or None)."""

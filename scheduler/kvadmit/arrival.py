@@ -3,7 +3,7 @@
 `ArrivalRecord` is the Python twin of the native struct in native/kvadmit/_arrival.pxd
 (same fields, same order: tests/test_arrival_record.py checks). The engine adapters
 build one from an engine's request (`kvadmit.vllm.admission`, `kvadmit.sglang.request`),
-the bridge hands it to `AdmissionCore.arrive`, and the simulator's columnar `Requests`
+the port (`kvadmit.port.CorePort`) hands it to `AdmissionCore.arrive`, and the simulator's columnar `Requests`
 holds one per request. Building one checks its numbers as the core will: a ValueError
 names the field and its limit.
 """

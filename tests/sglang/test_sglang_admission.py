@@ -47,13 +47,13 @@ def offer(h, prompt, max_new):
         cand.init_next_round_input(h.tree_cache)
         h.adapter.prepare_decision(slot, cand)
         free = h.allocator.available_size() + h.tree_cache.evictable_size()
-        expected = h.adapter.core.decide(slot, free) == "admit"
+        expected = h.adapter.port.core.decide(slot, free) == "admit"
     batch = h.step()
     admitted = batch is not None and any(r is cand for r in batch.reqs)
     assert admitted == (cand not in h.sched.waiting_queue)
     if h.adapter is not None:
         assert admitted == expected
-        assert h.adapter.core.state(h.adapter.slot_for(cand)) == ("running" if admitted else "waiting")
+        assert h.adapter.port.core.state(h.adapter.slot_for(cand)) == ("running" if admitted else "waiting")
     return admitted
 
 
@@ -148,7 +148,7 @@ def test_head_of_line(kvadmit_hooks, head_of_line, admitted):
     got = [] if batch is None or not batch.forward_mode.is_extend() else [r.rid for r in batch.reqs]
     assert got == admitted
     assert big in h.sched.waiting_queue
-    assert h.adapter.core.stats()["held"]["hold_capacity"] >= 1
+    assert h.adapter.port.core.stats()["held"]["hold_capacity"] >= 1
 
 
 def test_ignore_eos_request_is_admitted_by_the_core(kvadmit_hooks):

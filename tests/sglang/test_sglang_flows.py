@@ -22,7 +22,7 @@ def test_the_flow_field_reaches_the_core_and_its_cap_names_it(kvadmit_hooks):
     assert "(flow 'a')" in abort.finished_reason["message"]
     assert h.submit(make_req("b1", 50, 8, custom_params={"kvadmit": {"flow": "7"}}))
     h.run()
-    stats = h.adapter.core.flow_stats()
+    stats = h.adapter.port.core.flow_stats()
     assert stats["a"]["flow"] == flow_int("a") and stats["a"]["refused"] == 1
     assert (stats["a"]["admitted"], stats["7"]["admitted"]) == (1, 1)
     assert stats["a"]["kv_block_steps"] > 0 and stats["7"]["kv_block_steps"] > 0
@@ -54,7 +54,7 @@ def test_a_flow_within_its_share_evicts_a_flow_over_it(kvadmit_hooks):
         h.run()
         assert sorted(r.rid for r in h.finished) == ["a1", "b1", "b2"]
         assert h.allocator.available_size() + h.tree_cache.evictable_size() == 400
-        return started, displaced, h.adapter.core.flow_stats(), h.adapter.core.stats()
+        return started, displaced, h.adapter.port.core.flow_stats(), h.adapter.port.core.stats()
 
     started, displaced, stats, totals = run(flows=True)
     assert started and displaced == ["b2"]

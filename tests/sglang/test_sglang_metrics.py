@@ -42,7 +42,7 @@ def test_prometheus_series_follow_the_core(kvadmit_hooks):
     assert get("kvadmit:new_token_ratio", labels) == pytest.approx(stats["new_token_ratio"])
     # the router signals: an idle engine has the whole pool as headroom, no pressure
     assert get("kvadmit:kv_headroom_blocks", labels) == stats["kv_headroom_blocks"] == \
-        h.adapter.core.num_blocks
+        h.adapter.port.core.num_blocks
     assert get("kvadmit:admission_pressure", labels) == stats["admission_pressure"] == 0.0
     assert get("kvadmit:predicted_queue_delay_s", labels) == 0.0
 
@@ -54,7 +54,7 @@ def test_internal_state_carries_kvadmit_stats(kvadmit_hooks):
     out = plugin.after_get_internal_state(GetInternalStateReqOutput(internal_state={"x": 1}), h.sched)
     assert out.internal_state["x"] == 1
     assert out.internal_state["kvadmit"]["policy"] == "peak"
-    assert out.internal_state["kvadmit"]["running"] == h.adapter.core.num_running > 0
+    assert out.internal_state["kvadmit"]["running"] == h.adapter.port.core.num_running > 0
     from sglang_harness import Harness
 
     plain = plugin.after_get_internal_state(GetInternalStateReqOutput(internal_state={}),

@@ -68,4 +68,4 @@ def test_every_request_ends_and_every_slot_comes_back(reqs, config, priority_sch
             assert req.finished(), req.rid
             assert len(req.output_ids) == req.kvadmit_test_out_len, req.rid
     assert h.allocator.available_size() + h.tree_cache.evictable_size() == POOL
-    assert h.adapter.core.num_waiting == 0
+    assert h.adapter.port.core.num_waiting == 0

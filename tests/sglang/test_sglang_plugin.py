@@ -153,7 +153,7 @@ def test_scheduler_init_builds_the_adapter(kvadmit_hooks, monkeypatch):
     plugin.around_scheduler_init(lambda self, *a, **k: None, sched)
     adapter = sched._kvadmit
     assert adapter.config.policy == "adaptive" and adapter.config.victim == "length"
-    assert adapter.core.num_blocks == 2048 and adapter.core.block_size == 1
+    assert adapter.port.core.num_blocks == 2048 and adapter.port.core.block_size == 1
     assert adapter.config.prefill_chunk_tokens == 512  # taken from SGLang's chunk size
     monkeypatch.setenv("KVADMIT_CONFIG", json.dumps({"prefill_chunk_tokens": 0}))
     plugin.around_scheduler_init(lambda self, *a, **k: None, sched)

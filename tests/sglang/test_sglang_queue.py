@@ -36,7 +36,7 @@ def test_queue_full_aborts_with_kvadmit_reason(kvadmit_hooks):
     assert reason["kvadmit_reason"] == "queue_full"
     assert "max_queued_requests=2" in reason["message"] and "retry after" in reason["message"]
     assert isinstance(reason["retry_after"], int) and reason["retry_after"] >= 1
-    core = h.adapter.core
+    core = h.adapter.port.core
     assert core.num_waiting == 2 and core.stats()["rejected"]["queue_full"] == 1
     assert h.adapter.slot_for(reqs[2]) is None
 
@@ -69,7 +69,7 @@ def test_priority_shedding_aborts_the_lowest(kvadmit_hooks):
     assert not h.submit(make_req("lowest", 30, 20, priority=0))
     assert h.outbox.sent[-1][0].rid == "lowest"
     assert h.outbox.sent[-1][0].finished_reason["kvadmit_reason"] == "queue_full"
-    assert h.adapter.core.num_waiting == 2
+    assert h.adapter.port.core.num_waiting == 2
 
 
 def test_sglang_own_cap_still_applies(kvadmit_hooks):
@@ -81,7 +81,7 @@ def test_sglang_own_cap_still_applies(kvadmit_hooks):
     assert not h.submit(make_req("b", 30, 20))
     (abort, _), = h.outbox.sent
     assert abort.finished_reason["message"] == "The request queue is full."
-    assert h.adapter.core.num_waiting == 1 and h.adapter.core.stats()["aborted"] == 1
+    assert h.adapter.port.core.num_waiting == 1 and h.adapter.port.core.stats()["aborted"] == 1
 
 
 def test_without_kvadmit_sglang_cap_unchanged(kvadmit_hooks):
@@ -105,5 +105,5 @@ def test_aborted_while_waiting_leaves_the_ledger(kvadmit_hooks):
     h.sched.waiting_queue.remove(b)  # what Scheduler.abort_request does for a queued request
     h.step()
     assert h.adapter.slot_for(b) is None
-    assert h.adapter.core.stats()["aborted"] == 1
+    assert h.adapter.port.core.stats()["aborted"] == 1
     assert h.submit(make_req("c", 30, 20))  # room again

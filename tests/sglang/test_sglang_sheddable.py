@@ -33,7 +33,7 @@ def test_a_sheddable_request_is_dropped_while_another_waits_for_kv(kvadmit_hooks
     assert "sheddable: dropped from the queue while requests that are not sheddable" \
         in reason["message"]
     assert len(batch.output_ids) == 0 and len(chat.output_ids) == 5 and long.finished()
-    core = h.adapter.core
+    core = h.adapter.port.core
     assert core.stats()["rejected"]["shed"] == 1 and core.num_waiting == 0
     assert h.allocator.available_size() + h.tree_cache.evictable_size() == 600
 
@@ -66,4 +66,4 @@ def test_a_request_without_priority_is_not_sheddable(kvadmit_hooks):
     h.run({0: [long], 1: [unset, chat]})
     assert h.outbox.sent == []
     assert len(unset.output_ids) == 5 and len(chat.output_ids) == 5
-    assert h.adapter.core.stats()["rejected"]["shed"] == 0
+    assert h.adapter.port.core.stats()["rejected"]["shed"] == 0

@@ -101,7 +101,7 @@ def test_infeasible_ttft_refused_while_feasible_runs(kvadmit_hooks):
     from sglang_harness import make_req
 
     h = harness(slo_guard=True, **MODEL_CFG)
-    core = h.adapter.core
+    core = h.adapter.port.core
     first = make_req("first", 100, 8, custom_params=kv(ttft_slo_s=1.0))
     assert h.submit(first)
     h.step()
@@ -134,7 +134,7 @@ def test_deadline(kvadmit_hooks):
     from sglang_harness import make_req
 
     h = harness(slo_guard=True, **MODEL_CFG)
-    pred = h.adapter.core.predict_ttft(100, h.t)   # empty server: one prefill step
+    pred = h.adapter.port.core.predict_ttft(100, h.t)   # empty server: one prefill step
     assert pred == pytest.approx(MODEL[0] + MODEL[1] * 100 + MODEL[2] * 100)
     assert not h.submit(make_req("near", 100, 8, custom_params=kv(deadline_s=h.t + pred / 2)))
     reason = h.outbox.sent[-1][0].finished_reason
@@ -171,7 +171,7 @@ def test_tpot_guard_holds_without_blocking_the_loop(kvadmit_hooks):
     from sglang_harness import make_req
 
     h = harness(pool=8192, slo_guard=True, **MODEL_CFG)
-    core = h.adapter.core
+    core = h.adapter.port.core
     a = make_req("a", 100, 6, custom_params=kv(tpot_slo_s=0.009))
     assert h.submit(a)
     h.step()
@@ -199,7 +199,7 @@ def test_agent_window_holds_other_sessions_until_idle(kvadmit_hooks):
 
     h = harness(agent_window=True, agent_window_init=1, agent_window_max=1,
                 agent_interval_steps=1, agent_idle_s=0.0)
-    core = h.adapter.core
+    core = h.adapter.port.core
     a1 = make_req("a1", 50, 3, custom_params=kv(session="A"))
     b1 = make_req("b1", 50, 3, custom_params=kv(session="B"))
     a2 = make_req("a2", 40, 3, custom_params=kv(session="A"))
@@ -233,7 +233,7 @@ def test_agent_window_grows_on_an_idle_pool(kvadmit_hooks):
     for i in range(3):
         assert h.submit(make_req(f"s{i}", 20, 6, custom_params=kv(session=i)))
     h.run()
-    core = h.adapter.core
+    core = h.adapter.port.core
     assert core.agent_window_size > 1.0 and core.stats()["agent_window"]["changes"] >= 1
     assert h.adapter.stats()["finished"] == 3
 
@@ -253,7 +253,7 @@ def test_observe_step_counts_steps(kvadmit_hooks):
     plan = {3 * i: [make_req(f"r{i}", rng.randint(20, 400), 64, out_len=rng.randint(5, 60))]
             for i in range(20)}
     log = h.run(plan)
-    fit = h.adapter.core.step_time
+    fit = h.adapter.port.core.step_time
     # Every batch is followed by a step (run() ends with one), so each is observed once.
     assert fit.observations == log.prefill + log.decode == h.adapter.stats()["observed_steps"]
     assert log.prefill > 0 and log.decode > 0
@@ -269,12 +269,12 @@ def test_observe_step_learns(kvadmit_hooks):
 
     truth = (0.02, 2e-4, 3e-6)
     h = harness(pool=4096, model=truth)  # the core starts from its default fit
-    prior = h.adapter.core.step_time.predict(8, 3000)
+    prior = h.adapter.port.core.step_time.predict(8, 3000)
     want = truth[0] + truth[1] * 8 + truth[2] * 3000
     rng = random.Random(5)
     h.run({3 * i: [make_req(f"r{i}", rng.randint(20, 400), 64, out_len=rng.randint(5, 60))]
            for i in range(30)})
-    after = h.adapter.core.step_time.predict(8, 3000)
+    after = h.adapter.port.core.step_time.predict(8, 3000)
     assert abs(after - want) < abs(prior - want) / 3
 
 
@@ -285,12 +285,12 @@ def test_idle_time_is_not_step_time(kvadmit_hooks):
     h.step()
     h.t += 50.0  # idle
     h.step()
-    assert h.adapter.core.step_time.observations == 0
+    assert h.adapter.port.core.step_time.observations == 0
     assert h.submit(make_req("a", 30, 3))
     h.step()            # prefill (the forward advances the clock by the model)
     h.step()            # observes the prefill
-    assert h.adapter.core.step_time.observations == 1
-    for got, want in zip(h.adapter.core.step_time.coefficients, MODEL):
+    assert h.adapter.port.core.step_time.observations == 1
+    for got, want in zip(h.adapter.port.core.step_time.coefficients, MODEL):
         assert got == pytest.approx(want, rel=1e-6)
 
 

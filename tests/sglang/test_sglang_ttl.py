@@ -24,6 +24,6 @@ def test_a_held_request_past_its_ttl_is_aborted_before_prefill(kvadmit_hooks):
     assert "past its ttl_s=0.5 s: dropped before prefill" in reason["message"]
     assert "retry_after" not in reason
     assert len(stale.output_ids) == 0 and len(patient.output_ids) == 5 and long.finished()
-    core = h.adapter.core
+    core = h.adapter.port.core
     assert core.stats()["rejected"]["expired"] == 1 and core.num_waiting == 0
     assert h.allocator.available_size() + h.tree_cache.evictable_size() == 600

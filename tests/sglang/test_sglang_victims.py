@@ -42,8 +42,8 @@ def test_order_is_the_cores(kvadmit_hooks, victim):
     h, batch = running_set(victim)
     order = batch._get_decode_retraction_order(batch.reqs)  # as retract_decode calls it
     slots = [h.adapter.slot_for(batch.reqs[i]) for i in order]
-    assert slots == h.adapter.core.victim_order()
-    assert slots[-1] == h.adapter.core.victim()
+    assert slots == h.adapter.port.core.victim_order()
+    assert slots[-1] == h.adapter.port.core.victim()
 
 
 def test_lifo_takes_the_last_admitted(kvadmit_hooks):
@@ -65,8 +65,8 @@ def test_retract_decode_takes_the_cores_victim(kvadmit_hooks, victim):
     from sglang.srt.managers.scheduler import Scheduler
 
     h, batch = running_set(victim)
-    core = h.adapter.core
-    expected = h.adapter.bridge.key(core.victim())
+    core = h.adapter.port.core
+    expected = h.adapter.port.key(core.victim())
     # Use up the pool so the next decode step does not fit.
     assert h.tree_cache.evictable_size() == 0
     taken = h.allocator.alloc(h.allocator.available_size())

@@ -15,7 +15,7 @@ def test_the_flow_field_reaches_the_core_and_its_cap_names_it(model_dir):
     b1 = eng.add([8] * 30, 8, extra_args={"kvadmit_flow": 7})
     eng.run()
     assert eng.log.stop_reasons[a2] == "kvadmit:queue_full"
-    core = eng.scheduler.kvadmit.core
+    core = eng.scheduler.kvadmit.port.core
     stats = core.flow_stats()
     assert stats["a"]["flow"] == flow_int("a") and stats["a"]["refused"] == 1
     assert (stats["a"]["admitted"], stats["7"]["admitted"]) == (1, 1)
@@ -47,7 +47,7 @@ def test_a_flow_within_its_share_starts_on_the_kv_of_a_flow_over_it(model_dir):
         eng.run()
         assert len(eng.log.outputs[chat]) == 20
         assert all(len(eng.log.outputs[r]) == 12 for r in b)
-        core = eng.scheduler.kvadmit.core
+        core = eng.scheduler.kvadmit.port.core
         assert core.num_waiting == 0 and core.num_running == 0
         return started, preempted, core.flow_stats(), core.stats()
 

@@ -87,7 +87,7 @@ def test_pause_keeps_kv_instead_of_preempting(model_dir, async_scheduling, prefi
     eng = engine(model_dir, dict(cfg, shortfall="pause"), **kw)
     assert run(eng, reqs) == ids
     assert base.log.preemptions > 10
-    assert eng.scheduler.kvadmit.core.stats()["paused"] > 0
+    assert eng.scheduler.kvadmit.port.core.stats()["paused"] > 0
     assert eng.log.preemptions < base.log.preemptions
     assert eng.log.outputs == base.log.outputs     # the fake model's tokens: complete and exact
     pool = eng.scheduler.kv_cache_manager.block_pool
@@ -171,13 +171,13 @@ def test_remove_requests_leaves_the_core_too(model_dir):
     s = eng.scheduler
     s.waiting.remove_requests([s.requests[ids[0]], s.requests[ids[1]]])
     s.waiting.remove_request(s.requests[ids[2]])
-    assert len(s.waiting) == 1 and s.waiting and s.kvadmit.core.stats()["waiting"] == 1
+    assert len(s.waiting) == 1 and s.waiting and s.kvadmit.port.core.stats()["waiting"] == 1
     assert ids[3] in eng.step().num_scheduled_tokens
     s.finish_requests(ids[:2], RequestStatus.FINISHED_ABORTED)   # what vLLM's callers do next
     s.waiting.add_request(s.requests[ids[2]])                    # or: it comes back
     eng.run()
     assert all(len(eng.log.outputs[r]) == 20 for r in ids[2:])
-    stats = s.kvadmit.core.stats()
+    stats = s.kvadmit.port.core.stats()
     assert stats["finished"] == 2 and stats["waiting"] == stats["running"] == 0
     assert not s.kvadmit.slots
     pool = s.kv_cache_manager.block_pool
@@ -194,10 +194,10 @@ def test_a_request_put_back_that_the_core_refuses_is_served_untracked(model_dir)
     s.waiting.remove_request(back)
     r2 = eng.add([8] * 50, 20)                 # the queue is full again (r1, r2)
     s.waiting.add_request(back)
-    assert len(s.waiting) == 3 and s.waiting[0] is back and s.kvadmit.core.stats()["waiting"] == 2
+    assert len(s.waiting) == 3 and s.waiting[0] is back and s.kvadmit.port.core.stats()["waiting"] == 2
     eng.run()
     assert all(len(eng.log.outputs[r]) == 20 for r in (r0, r1, r2))
-    assert s.kvadmit.core.stats()["finished"] == 2 and not s.kvadmit.slots
+    assert s.kvadmit.port.core.stats()["finished"] == 2 and not s.kvadmit.slots
     pool = s.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
 
@@ -225,7 +225,7 @@ def test_every_policy_finishes_everything_and_leaks_nothing(model_dir, policy, s
     s = eng.scheduler
     pool = s.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
-    stats = s.kvadmit.core.stats()
+    stats = s.kvadmit.port.core.stats()
     assert stats["waiting"] == stats["running"] == 0 and not s.kvadmit.slots
     assert stats["finished"] == len(reqs) and stats["preempted"] == eng.log.preemptions
 
@@ -239,7 +239,7 @@ def test_strict_fifo_holds_small_requests_behind_a_held_head(model_dir):
     out = eng.step()
     assert big not in out.num_scheduled_tokens and small not in out.num_scheduled_tokens
     assert not eng.scheduler.waiting and len(eng.scheduler.waiting) == 2
-    assert eng.scheduler.kvadmit.core.stats()["held"]["hold_capacity"] >= 1
+    assert eng.scheduler.kvadmit.port.core.stats()["held"]["hold_capacity"] >= 1
 
 
 def test_bypass_lets_the_small_request_pass(model_dir):
@@ -250,7 +250,7 @@ def test_bypass_lets_the_small_request_pass(model_dir):
     small = eng.add([7] * 10, 10)
     out = eng.step()
     assert small in out.num_scheduled_tokens and big not in out.num_scheduled_tokens
-    assert eng.scheduler.kvadmit.core.info(eng.scheduler.kvadmit.slots[big])["bypassed"] == 1
+    assert eng.scheduler.kvadmit.port.core.info(eng.scheduler.kvadmit.slots[big])["bypassed"] == 1
     eng.run()
     assert len(eng.log.finished) == 3
 
@@ -317,7 +317,7 @@ def test_queue_cap_rejects_with_a_visible_reason(model_dir):
     assert eng.log.stop_reasons[ids[2]] == "kvadmit:queue_full"
     assert eng.log.outputs[ids[2]] == []
     assert all(len(eng.log.outputs[i]) == 20 for i in ids[:2])
-    assert eng.scheduler.kvadmit.core.stats()["rejected"]["queue_full"] == 1
+    assert eng.scheduler.kvadmit.port.core.stats()["rejected"]["queue_full"] == 1
 
 
 def test_context_and_invalid_input_rejections(model_dir):
@@ -387,7 +387,7 @@ def test_client_abort_is_accounted(model_dir):
     b = eng.add([6] * 50, 100)
     eng.step()
     eng.scheduler.finish_requests([a, b], RequestStatus.FINISHED_ABORTED)
-    st = eng.scheduler.kvadmit.core.stats()
+    st = eng.scheduler.kvadmit.port.core.stats()
     assert st["aborted"] == 2 and st["running"] == st["waiting"] == 0
     assert not eng.scheduler.kvadmit.slots
 
@@ -457,7 +457,7 @@ def test_slo_guard_refuses_an_infeasible_ttft_and_runs_a_feasible_one(model_dir)
     assert eng.log.stop_reasons[hopeless] == eng.log.stop_reasons[passed] == "kvadmit:slo_infeasible"
     assert eng.log.outputs[hopeless] == eng.log.outputs[passed] == []
     assert all(len(eng.log.outputs[r]) == 8 for r in (fine, due, none))
-    assert eng.scheduler.kvadmit.core.stats()["rejected"]["slo_infeasible"] == 2
+    assert eng.scheduler.kvadmit.port.core.stats()["rejected"]["slo_infeasible"] == 2
 
 
 def test_deadline_order_follows_the_request_fields(model_dir):
@@ -479,7 +479,7 @@ def test_tpot_guard_holds_an_admission_until_the_tight_request_finishes(model_di
     while tight not in eng.log.finished:
         assert other not in eng.step().num_scheduled_tokens
     assert other in eng.step().num_scheduled_tokens
-    assert eng.scheduler.kvadmit.core.stats()["held"]["hold_slo"] >= 1
+    assert eng.scheduler.kvadmit.port.core.stats()["held"]["hold_slo"] >= 1
 
 
 @pytest.mark.parametrize("extra, field", [
@@ -508,7 +508,7 @@ def test_a_bad_field_is_refused_as_invalid_naming_it(model_dir, caplog, extra, f
     err = error_for(refusal)
     assert err.http_status == 400 and field in err.message
     # Counted by the core as every reason is (kvadmit_rejected_total{reason="invalid"}).
-    assert eng.scheduler.kvadmit.core.stats()["rejected"]["invalid"] == 1
+    assert eng.scheduler.kvadmit.port.core.stats()["rejected"]["invalid"] == 1
 
 
 def test_agent_window_holds_other_sessions_without_blocking_the_queue(model_dir):
@@ -519,7 +519,7 @@ def test_agent_window_holds_other_sessions_without_blocking_the_queue(model_dir)
     eng = engine(model_dir, {"agent_window": True, "agent_window_init": 1, "agent_window_max": 1,
                              "agent_interval_steps": 1, "agent_idle_s": 0})
     s = eng.scheduler
-    core = s.kvadmit.core
+    core = s.kvadmit.port.core
     a1 = eng.add([3] * 40, 6, extra_args={"kvadmit": {"session": "A"}})
     b1 = eng.add([4] * 40, 6, extra_args={"kvadmit_session": "B"})
     started = {}
@@ -549,7 +549,7 @@ def test_prefix_hits_fed_to_the_agent_window_match_vllms_counters(model_dir):
         eng.run()
     s = eng.scheduler
     assert eng.log.prefix_hit_tokens == 128 and eng.log.prefix_query_tokens == 3 * 84
-    assert (s.kvadmit.bridge.prefix_hit_tokens, s.kvadmit.bridge.prefix_query_tokens) == (128, 3 * 84)
+    assert (s.kvadmit.port.prefix_hit_tokens, s.kvadmit.port.prefix_query_tokens) == (128, 3 * 84)
 
 
 def test_every_busy_step_feeds_the_step_time_fit(model_dir):
@@ -558,7 +558,7 @@ def test_every_busy_step_feeds_the_step_time_fit(model_dir):
     eng.add([9] * 100, 5)
     eng.add([8] * 30, 5)
     eng.run()
-    core = eng.scheduler.kvadmit.core
+    core = eng.scheduler.kvadmit.port.core
     steps = eng.log.steps
     assert steps >= 6 and core.step_time.observations == steps - 1   # the last step is unobserved
     eng.add([7] * 30, 3)          # after an idle gap: that gap is not a step time
@@ -597,7 +597,7 @@ def test_parallel_samples_are_admitted_or_refused_as_one_request(model_dir):
                                   eng.log.kv_transfer_params[refused[0]])
     assert refusal.retryable and refusal.status == 503
     assert all(len(eng.log.outputs[r]) == 20 for r in [first, *fits])
-    st = s.kvadmit.core.stats()
+    st = s.kvadmit.port.core.stats()
     # Counted once: one refusal, one arrival for it (the samples taken back uncounted).
     assert st["rejected"]["queue_full"] == 1
     assert st["arrived"] == 1 + 3 + 1 and st["finished"] == 4 and st["aborted"] == 0
@@ -606,7 +606,7 @@ def test_parallel_samples_are_admitted_or_refused_as_one_request(model_dir):
     eng.run()
     refusal = Refusal.from_output(eng.log.stop_reasons[never[0]], eng.log.kv_transfer_params[never[0]])
     assert refusal.status == 400 and "n=4 samples exceed max_queued_requests=3" in refusal.message
-    assert s.kvadmit.core.stats()["rejected"]["queue_full"] == 2
+    assert s.kvadmit.port.core.stats()["rejected"]["queue_full"] == 2
 
 
 def test_samples_wait_for_their_siblings_and_an_abort_drops_them(model_dir):
@@ -616,12 +616,12 @@ def test_samples_wait_for_their_siblings_and_an_abort_drops_them(model_dir):
     from kvadmit.protocol import samples_marker
     ids = [eng.add([9] * 30, 5, request_id=f"{i}_p", extra_args=samples_marker(3, "p"))
            for i in range(2)]                            # the third sample is late
-    assert not any(r in s.requests for r in ids) and s.kvadmit.core.stats()["arrived"] == 0
+    assert not any(r in s.requests for r in ids) and s.kvadmit.port.core.stats()["arrived"] == 0
     other = eng.add([8] * 30, 50)
     eng.step()
     # The client went away (vLLM may pass any iterable, read once).
     s.finish_requests(iter(ids + [other]), RequestStatus.FINISHED_ABORTED)
-    assert other not in s.requests and s.kvadmit.core.stats()["aborted"] == 1
+    assert other not in s.requests and s.kvadmit.port.core.stats()["aborted"] == 1
     last = eng.add([9] * 30, 5, request_id="2_p", extra_args=samples_marker(3, "p"))
     assert last not in s.requests                      # its siblings are gone: it waits alone
     s.finish_requests([last], RequestStatus.FINISHED_ABORTED)
@@ -646,7 +646,7 @@ def test_held_counts_steps_not_looks(model_dir):
     while held not in {r.request_id for r in s.running}:
         eng.step()
         steps_held += int(held not in {r.request_id for r in s.running})
-    st = s.kvadmit.core.stats()["held"]
+    st = s.kvadmit.port.core.stats()["held"]
     assert steps_held > 10
     assert st["hold_capacity"] + st["hold_blocks"] == steps_held, (st, steps_held)
 
@@ -687,8 +687,8 @@ def test_the_cores_clock_is_injected_once_and_read_exactly(model_dir):
     eng.step()                                      # 10 prompt tokens at 13.0
     t[0] = 13.25
     eng.step()                                      # that step took 0.25 s exactly
-    assert adm.bridge.observed_steps == 1
+    assert adm.port.observed_steps == 1
     from kvadmit import AdmissionCore
-    ref = AdmissionCore(adm.config, adm.usable_blocks, adm.core.block_size)
+    ref = AdmissionCore(adm.config, adm.usable_blocks, adm.port.core.block_size)
     ref.observe_step(10, 10, 0.25)
-    assert adm.core.stats()["step_time_fit"] == ref.stats()["step_time_fit"]
+    assert adm.port.core.stats()["step_time_fit"] == ref.stats()["step_time_fit"]

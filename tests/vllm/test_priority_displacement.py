@@ -36,7 +36,7 @@ def test_a_more_important_request_starts_on_the_kv_of_less_important_ones(model_
     eng.run()
     assert len(eng.log.outputs[chat]) == 20
     assert all(len(eng.log.outputs[r]) == 12 for r in batch)
-    core = eng.scheduler.kvadmit.core
+    core = eng.scheduler.kvadmit.port.core
     assert core.num_waiting == 0 and core.num_running == 0
 
 

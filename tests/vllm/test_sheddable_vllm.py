@@ -42,7 +42,7 @@ def test_while_a_request_waits_for_kv_a_sheddable_one_is_dropped_unprefilled(mod
     assert eng.log.stop_reasons[batch] == "kvadmit:shed"
     assert batch not in seen and eng.log.outputs[batch] == []
     assert len(eng.log.outputs[chat]) == 30 and len(eng.log.outputs[long]) == 40
-    core = eng.scheduler.kvadmit.core
+    core = eng.scheduler.kvadmit.port.core
     assert core.stats()["rejected"]["shed"] == 1
     pool = eng.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1

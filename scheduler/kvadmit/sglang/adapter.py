@@ -25,9 +25,9 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
-from kvadmit import AdmissionConfig, AdmissionCore
+from kvadmit import AdmissionConfig
 from kvadmit.arrival import ArrivalRecord
-from kvadmit.bridge import EngineBridge, StepReport
+from kvadmit.port import CorePort, StepReport
 from kvadmit.protocol import Refusal
 from kvadmit.sglang.request import arrival_record
 from kvadmit.sglang.settings import (clock_decides, engine_config, priority_config,
@@ -90,7 +90,7 @@ def adapter_for_reqs(reqs: Iterable[Any]) -> Optional["SGLangAdmission"]:
     """The live adapter tracking these requests (by object, not only rid), or None."""
     for req in reqs:
         for adapter in list(_ADAPTERS):
-            if not adapter.failed and adapter.bridge.obj(req.rid) is req:
+            if not adapter.failed and adapter.port.obj(req.rid) is req:
                 return adapter
     return None
 
@@ -124,11 +124,11 @@ class SGLangAdmission:
         # Several ranks share the waiting queue and time feeds decisions: every
         # rank uses rank 0's clock (ClockTick) instead of its own.
         self.synced_clock = synced_clock
-        self.core = AdmissionCore(config, max(num_tokens // page_size, 1), page_size, max_model_len)
         self.step_budget = max(int(step_budget), 0)
-        self.core.set_step_budget(self.step_budget)
-        # rids <-> core slots, arrivals, leaving, step timing, cache signals.
-        self.bridge = EngineBridge(self.core)
+        # The door into the core: rids <-> core slots, arrivals, leaving, step timing,
+        # cache signals, the queue's verbs.
+        self.port = CorePort.create(config, max(num_tokens // page_size, 1), page_size,
+                                    max_model_len, step_budget=self.step_budget)
         # ("displaced" is the core's: stats())
         self.counters = {"rejected_sent": 0, "shed_sent": 0, "requeued": 0,
                          "adopted": 0, "untracked": 0, "steps": 0, "ticks": 0}
@@ -188,7 +188,7 @@ class SGLangAdmission:
         logger.info("kvadmit: policy=%s victim=%s queue_order=%s on %d tokens (page %d), "
                     "max_model_len=%d, step budget %d tokens, clock %s", config.policy,
                     config.victim, config.queue_order, adapter.num_tokens, adapter.page_size,
-                    adapter.core.max_model_len, adapter.step_budget,
+                    adapter.port.max_model_len, adapter.step_budget,
                     "rank 0's (synced)" if adapter.synced_clock else "local")
         return adapter
 
@@ -213,16 +213,16 @@ class SGLangAdmission:
     # ------------------------------------------------------------------
     # Request progress
     def slot_for(self, req) -> Optional[int]:
-        return self.bridge.slot(req.rid)
+        return self.port.slot(req.rid)
 
     def _progress(self, slot: int, req) -> tuple[int, int]:
         """(computed, generated) tokens of a tracked request, as the core counts them."""
         generated = len(req.output_ids)
-        prompt = self.core.info(slot)["prompt_tokens"]
+        prompt = self.port.info(slot)["prompt_tokens"]
         return min(max(int(req.kv.kv_committed_len), 0), prompt + generated), generated
 
     def _update(self, slot: int, req) -> None:
-        self.core.update(slot, *self._progress(slot, req))
+        self.port.update(slot, *self._progress(slot, req))
 
     # ------------------------------------------------------------------
     # Arrival: Scheduler._abort_on_queued_limit
@@ -230,18 +230,18 @@ class SGLangAdmission:
         """A request enters SGLang's waiting queue: a new arrival (caps, maybe
         shedding) or a running request coming back (retraction, preemption)."""
         now = self.now() if now is None else now
-        slot = self.bridge.slot(req.rid)
+        slot = self.port.slot(req.rid)
         if slot is not None:
-            self.bridge.set_obj(req.rid, req)
-            if self.core.state(slot) == "running":
+            self.port.set_obj(req.rid, req)
+            if self.port.state(slot) == "running":
                 self._update(slot, req)
-                self.core.preempt(slot, now)
+                self.port.preempt(slot, now)
                 self.counters["requeued"] += 1
                 return EnqueueOutcome(requeued=True)
             return EnqueueOutcome()
         # A malformed kvadmit field (or count) is refused as invalid: retrying the same
         # request cannot help (HTTP 400).
-        arrival = self.bridge.arrive(req.rid, req, lambda: self._numbers(req, now, strict=True), now)
+        arrival = self.port.arrive(req.rid, req, lambda: self._numbers(req, now, strict=True), now)
         if not arrival.accepted:
             self.counters["rejected_sent"] += 1
             return EnqueueOutcome(rejection=arrival.refusal)
@@ -260,17 +260,17 @@ class SGLangAdmission:
         (priority preemption, flow displacement): the core preempts it, with its
         progress so far."""
         self._update(slot, req)
-        self.core.preempt(slot, self.now(), displaced=True)
+        self.port.preempt(slot, self.now(), displaced=True)
 
     def forget(self, req) -> None:
         """SGLang dropped a request kvadmit had accepted (e.g. its own queue cap)."""
-        self.bridge.leave(req.rid, False, None, self.now())
+        self.port.leave(req.rid, False, None, self.now())
 
     def _adopt(self, req, now: float) -> Optional[int]:
         """A request reached the queue or batch by a path kvadmit did not see.
         The core has no cap-free arrival, so one refused here stays untracked
         (a malformed field falls back to the defaults: no refusal here)."""
-        arrival = self.bridge.arrive(req.rid, req, lambda: self._numbers(req, now, strict=False), now)
+        arrival = self.port.arrive(req.rid, req, lambda: self._numbers(req, now, strict=False), now)
         if not arrival.accepted or arrival.shed:   # shed: cannot happen without shedding config
             self.counters["untracked"] += 1
             logger.warning("kvadmit: request %s bypassed the queue hook and is %s (%s)", req.rid,
@@ -287,9 +287,9 @@ class SGLangAdmission:
         """Sorts SGLang's waiting list in place into the core's service order
         (queue_order fcfs / priority); SGLang's admission loop then offers
         requests in that order. Untracked requests keep their place at the end."""
-        pos = {s: i for i, s in enumerate(self.core.waiting())}
+        pos = {s: i for i, s in enumerate(self.port.waiting())}
         end = len(pos)
-        slots = self.bridge.slots
+        slots = self.port.slots
         waiting_queue.sort(key=lambda r: pos.get(slots.get(r.rid), end))
 
     def prepare_decision(self, slot: int, req) -> None:
@@ -304,23 +304,23 @@ class SGLangAdmission:
         ledger will hold after the prefill anyway. The predict policy keeps
         SGLang's own accounting (it mirrors SGLang's rule), so it is left out.
         """
-        if self.core.state(slot) != "waiting":
+        if self.port.state(slot) != "waiting":
             return
-        info = self.core.info(slot)
+        info = self.port.info(slot)
         generated = len(req.output_ids)
         if self.config.policy != "predict":
             generated = min(generated + 1, info["max_new_tokens"])
         if generated != info["generated_tokens"]:
-            self.core.update(slot, 0, generated)
+            self.port.update(slot, 0, generated)
         cached = min(int(req.prefix_len), info["prompt_tokens"] + generated)
-        self.core.set_cached(slot, max(cached, 0))
+        self.port.set_cached(slot, max(cached, 0))
 
     def on_admitted(self, slot: int, req=None, prefix_tokens: int = 0) -> None:
         """The adder took the request: the core commits; its prefix-cache hit
         (tokens SGLang's radix cache matched) counts toward this step's hit rate."""
-        self.core.admit(slot, self.now())
+        self.port.admit(slot, self.now())
         if req is not None:
-            self.bridge.note_prefix_hits(max(int(prefix_tokens), 0),
+            self.port.note_prefix_hits(max(int(prefix_tokens), 0),
                                          len(req.origin_input_ids) + len(req.output_ids))
 
     # ------------------------------------------------------------------
@@ -347,7 +347,7 @@ class SGLangAdmission:
         """Brings the ledger in line with SGLang before the step decides anything:
         progress of every request holding KV, finished / aborted ones leave."""
         now = self.now() if now is None else now
-        core = self.core
+        port = self.port
         waiting_rids = {r.rid for r in waiting_queue}
         live = {}
         for batch in (running_batch, last_batch):
@@ -360,44 +360,44 @@ class SGLangAdmission:
         for rid, r in live.items():
             if rid in waiting_rids:
                 continue
-            slot = self.bridge.slot(rid)
+            slot = self.port.slot(rid)
             if slot is None:
                 slot = self._adopt(r, now)
                 if slot is None:
                     continue
-            self.bridge.set_obj(rid, r)
-            if core.state(slot) == "waiting":
-                core.admit(slot, now)
+            self.port.set_obj(rid, r)
+            if port.state(slot) == "waiting":
+                port.admit(slot, now)
             self._update(slot, r)
-        key = self.bridge.key
-        for slot in core.running():
+        key = self.port.key
+        for slot in port.running():
             if key(slot) not in live:
                 self._leave(key(slot), now)
-        for slot in core.waiting():
+        for slot in port.waiting():
             rid = key(slot)
             if rid not in waiting_rids and rid not in live:
                 self._leave(rid, now)
         for r in waiting_queue:
-            if r.rid not in self.bridge.slots:
+            if r.rid not in self.port.slots:
                 self._adopt(r, now)
 
     def _leave(self, rid, now: float) -> None:
         """SGLang is done with a tracked request: finished on its own, or aborted."""
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-        req = self.bridge.obj(rid)
+        req = self.port.obj(rid)
         natural = (req is not None and req.finished()
                    and not isinstance(req.finished_reason, FINISH_ABORT))
-        self.bridge.leave(rid, natural, lambda slot: self._progress(slot, req), now)
+        self.port.leave(rid, natural, lambda slot: self._progress(slot, req), now)
 
     def step(self, free_tokens: int, now: float):
         """Once per step, after `begin_step` and before admission: the step's report
-        to the engine bridge (`EngineBridge.step`: the previous step's time, and KV in
+        to the core's port (`CorePort.step`: the previous step's time, and KV in
         use: the pool less SGLang's free and evictable ``free_tokens``, in the core's
         blocks; the progress `begin_step` has reported request by request) and its
         plan back (the victim order is applied at retraction, `retraction_order`)."""
         used = self.num_tokens - max(int(free_tokens), 0)
-        return self.bridge.step(StepReport(now=now, used_blocks=used // self.page_size,
+        return self.port.step(StepReport(now=now, used_blocks=used // self.page_size,
                                            fresh=self._step_fresh))
 
     def end_step(self, now: Optional[float] = None, batch=None) -> None:
@@ -406,7 +406,7 @@ class SGLangAdmission:
         time ``now``."""
         now = self.now() if now is None else now
         tokens, context = _batch_shape(batch) or (0, 0)
-        self.bridge.step_done(tokens, context, now)
+        self.port.step_done(tokens, context, now)
         self.counters["steps"] += 1
         if self.exporter is not None:
             self.exporter.publish(self.stats())
@@ -418,22 +418,22 @@ class SGLangAdmission:
         victims off the end), in the core's victim order."""
         slots = []
         for r in reqs:
-            slot = self.bridge.slot(r.rid)
-            if slot is not None and self.core.state(slot) == "running":
+            slot = self.port.slot(r.rid)
+            if slot is not None and self.port.state(slot) == "running":
                 self._update(slot, r)
                 slots.append(slot)
             else:
                 slots.append(None)
-        pos = {s: i for i, s in enumerate(self.core.victim_order())}
+        pos = {s: i for i, s in enumerate(self.port.victim_order())}
         # Untracked requests are kept (front); ties keep SGLang's batch order.
         return sorted(range(len(reqs)), key=lambda i: (pos.get(slots[i], -1), i))
 
     # ------------------------------------------------------------------
     def stats(self) -> dict:
-        out = self.core.stats()
-        out.update(self.counters, observed_steps=self.bridge.observed_steps)
+        out = self.port.stats()
+        out.update(self.counters, observed_steps=self.port.observed_steps)
         out.update(policy=self.config.policy, victim=self.config.victim,
-                   num_blocks=self.core.num_blocks, block_size=self.core.block_size,
+                   num_blocks=self.port.num_blocks, block_size=self.port.block_size,
                    step_budget=self.step_budget,
                    clock="synced" if self.synced_clock else "local")
         return out

@@ -6,7 +6,7 @@ scheduler process reach the HTTP server's ``/metrics``. kvadmit exports
 ``kvadmit:*`` series with the same labels as SGLang's scheduler metrics, only
 where SGLang's own scheduler metrics are on (``--enable-metrics``).
 
-Without metrics the numbers are still reachable: ``core.stats()`` per rank in
+Without metrics the numbers are still reachable: ``adapter.stats()`` per rank in
 ``GET /server_info`` (``internal_states[i]["kvadmit"]``).
 """
 from __future__ import annotations

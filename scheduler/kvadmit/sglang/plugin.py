@@ -205,10 +205,10 @@ def send_rejection(scheduler, req, rejection) -> None:
 def around_get_next_batch_to_run(original, self, *args, **kwargs):
     """AROUND Scheduler.get_next_batch_to_run (once per scheduler step), the step
     sequence every engine runs (the core's `AdmissionCore.step` / `step_done`, through
-    kvadmit.bridge.EngineBridge.step): the ledger is
+    kvadmit.port.CorePort.step): the ledger is
     brought up to date with SGLang's batches, then the step's report (its time,
-    the KV pool in use) goes to the bridge; after SGLang has chosen the batch (and
-    its retractions) the bridge notes what it runs and steps the core, at the
+    the KV pool in use) goes to the port; after SGLang has chosen the batch (and
+    its retractions) the port notes what it runs and steps the core, at the
     step's time."""
     adapter = _live(self)
     if adapter is None:

@@ -139,14 +139,14 @@ class KvadmitPrefillAdder(PrefillAdder):
             free_tokens = int(self.memory_budget.remaining_current)
         adapter.prepare_decision(slot, req)
         free_blocks = max(free_tokens, 0) // adapter.page_size
-        nxt = adapter.core.next_admissible(free_blocks)
+        nxt = adapter.port.next_admissible(free_blocks)
         if nxt == slot:
             return None
         if nxt >= 0:
             # bypass, or this one's session is outside the agent window: a later
             # request goes first
             return AddReqResult.CONTINUE
-        if adapter.core.decide(slot, free_blocks) in ("hold_blocks", "hold_capacity"):
+        if adapter.port.decide(slot, free_blocks) in ("hold_blocks", "hold_capacity"):
             # memory: the batch is full for now, unless running requests it may take
             # KV from give it theirs now (priority preemption, flows)
             return None if self.displace_for(req, slot, need_row=False) else AddReqResult.NO_TOKEN
@@ -175,7 +175,7 @@ class KvadmitPrefillAdder(PrefillAdder):
             return super().preempt_to_schedule(req)
         try:
             slot = self.kvadmit.slot_for(req)
-            if slot is None or self.kvadmit.core.state(slot) != "waiting":
+            if slot is None or self.kvadmit.port.state(slot) != "waiting":
                 return False
             self.kvadmit.prepare_decision(slot, req)
             return self.displace_for(req, slot, need_row=True)
@@ -196,11 +196,11 @@ class KvadmitPrefillAdder(PrefillAdder):
         waiting queue after this batch (``preempt_list``); the core counts each as
         preempted. True: ``req`` may be admitted now."""
         adapter = self.kvadmit
-        core = adapter.core
-        if not (adapter.priority_preemption or core.flows.on):
+        port = adapter.port
+        if not (adapter.priority_preemption or port.flows_on):
             return False
         # SGLang's priority preemption off: flow displacement alone
-        victims = core.displaceable(slot, flows_only=not adapter.priority_preemption)
+        victims = port.displaceable(slot, flows_only=not adapter.priority_preemption)
         if not victims:
             return False
         by_slot = {}
@@ -217,15 +217,15 @@ class KvadmitPrefillAdder(PrefillAdder):
             return max(int(self.memory_budget.remaining_current), 0) // page
 
         held = sum(-(-int(by_slot[s].kv.kv_committed_len) // page) for s in victims)
-        if core.decide(slot, free_blocks() + held) != "admit":
+        if port.decide(slot, free_blocks() + held) != "admit":
             return False   # not even all of them would make room: evict none
         taken = 0
         for s in victims:
-            if taken >= need_row and core.decide(slot, free_blocks()) == "admit":
+            if taken >= need_row and port.decide(slot, free_blocks()) == "admit":
                 break
             self._evict(by_slot[s], s)
             taken += 1
-        return core.decide(slot, free_blocks()) == "admit"
+        return port.decide(slot, free_blocks()) == "admit"
 
     def _evict(self, req, slot: int) -> None:
         """Releases running ``req`` as SGLang's preempt_to_schedule does and tells the

@@ -98,4 +98,4 @@ def run_native(workload: Workload, config: AdmissionConfig, shape: EngineShape,
     eng.run(progress=progress)
     wall = time.perf_counter() - t0
     return RawRun("native", eng.results(), Totals.from_engine(eng.totals()), eng.timeline(), wall,
-                  extra={"core": eng.core.stats()})
+                  extra={"core": eng.core_stats()})

@@ -239,7 +239,7 @@ class VllmEngine:
         free = self.pool.get_num_free_blocks()
         used = self.nb - free
         state = self.kvadmit_state
-        sig = (state.core.router_signals() if state is not None else
+        sig = (state.port.router_signals() if state is not None else
                {"kv_headroom_blocks": free, "admission_pressure": used / self.nb,
                 "predicted_queue_delay_s": 0.0})
         sig.update(num_requests_waiting=waiting, num_requests_running=running,
@@ -270,8 +270,8 @@ class VllmEngine:
         extra = {"scheduler": "kvadmit" if self.kvadmit else "vllm",
                  "vllm_num_gpu_blocks": self.pool.num_gpu_blocks}
         if self.kvadmit:
-            extra["core"] = self.kvadmit_state.core.stats()
-            extra["flows"] = self.kvadmit_state.core.flow_stats()
+            extra["core"] = self.kvadmit_state.port.stats()
+            extra["flows"] = self.kvadmit_state.port.flow_stats()
         return RawRun("vllm", self.results(), Totals.from_engine(self.totals()), self.timeline(),
                       wall, extra=extra)
 
@@ -356,7 +356,7 @@ class VllmEngine:
         # Only requests held outside a full agent window wait: sleep until an idle
         # session leaves it (the adapter expires it at the next schedule()).
         state = self.kvadmit_state
-        expiry = state.core.next_session_expiry() if state is not None else math.inf
+        expiry = state.port.next_session_expiry() if state is not None else math.inf
         if expiry < math.inf and (not self.heap or expiry <= self.heap[0][0]) and expiry > self.clock:
             nxt = expiry
         elif self.heap:

@@ -14,7 +14,7 @@ only its queue verbs:
 - `order()`: the waiting slots in the core's order.
 
 Around `schedule()`, `before_step` and `after_step` run the per-step sequence
-through the engine bridge's step entry (`EngineBridge.step`, `step_done`); "what vLLM would schedule" for the pause plan is
+through the core's port (`CorePort.step`, `step_done`); "what vLLM would schedule" for the pause plan is
 `kvadmit.vllm.compat.running_step_tokens`. Refusals reach the client as engine
 outputs (`pending_refusals`, sent by the next `update_from_output`); a replay reads
 them through `watch_refusals` / `take_refused`.
@@ -27,10 +27,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvadmit._native import AdmissionCore, StepPlanner, prompt_blocks
+from kvadmit._native import prompt_blocks
 from kvadmit.arrival import ArrivalRecord, prompt_hash
-from kvadmit.bridge import EngineBridge, StepReport
 from kvadmit.config import AdmissionConfig
+from kvadmit.port import CorePort, StepReport
 from kvadmit.protocol import Refusal, sample_group
 from kvadmit.request_fields import (
     check_int,
@@ -96,10 +96,6 @@ class VllmAdmission:
         self._pool = kvm.block_pool
         # Block 0 is vLLM's null block: never handed to a request.
         self.usable_blocks = self._pool.num_gpu_blocks - 1
-        self.core = AdmissionCore(cfg, self.usable_blocks, sched.block_size,
-                                  sched.vllm_config.model_config.max_model_len)
-        # The SLO guard predicts prefill time from the engine's token budget a step.
-        self.core.set_step_budget(sched.vllm_config.scheduler_config.max_num_batched_tokens)
         # The core's clock (drain rate, queue delay, step times, sessions): injected,
         # so the simulator runs it on virtual time (`set_clock`).
         self._clock: Callable[[], float] = clock
@@ -112,12 +108,17 @@ class VllmAdmission:
         # blocks are evicted stays vLLM's LRU (BlockPool's free-block queue): kvadmit
         # cannot keep a paused session's prefix warm without patching vLLM's eviction,
         # and does not. The requests the gate started this step (their prefix-cache
-        # hits are reported to the bridge); None without the window or caching.
+        # hits are reported to the port); None without the window or caching.
         self.started_this_step: list | None = [] if cfg.agent_window and caching else None
         # auto with prefix caching: a prefix running requests share is counted once.
         self.count_shared_prefix = cfg.policy == "auto" and caching and single_full_attention_group
-        # Request ids <-> core slots, arrivals, leaving, the step sequence.
-        self.bridge = EngineBridge(self.core, counts_shared_prefix=self.count_shared_prefix)
+        # The door into the core: request ids <-> core slots, arrivals, leaving, the
+        # step sequence, the queue's verbs (the SLO guard predicts prefill time from
+        # the engine's token budget a step).
+        self.port = CorePort.create(
+            cfg, self.usable_blocks, sched.block_size, sched.vllm_config.model_config.max_model_len,
+            step_budget=sched.vllm_config.scheduler_config.max_num_batched_tokens,
+            counts_shared_prefix=self.count_shared_prefix)
         # One full-attention group's blocks by request id: the pause plan's and the
         # shared-prefix count's (None where neither runs).
         self._req_to_blocks = (kvm.coordinator.single_type_managers[0].req_to_blocks
@@ -125,8 +126,8 @@ class VllmAdmission:
         self.pause_plan_blocks = self._req_to_blocks if cfg.pause_on_shortfall else None
         self.step_rules = compat.step_rules(sched=sched)   # "what vLLM would schedule", this release's
         # Displacement and pauses (kvadmit._step_plan), beside vLLM's --watermark blocks
-        self.planner = StepPlanner(self.core, getattr(kvm, "watermark_blocks", 0),
-                                   sched.num_lookahead_tokens)
+        self.planner = self.port.planner(getattr(kvm, "watermark_blocks", 0),
+                                         sched.num_lookahead_tokens)
         self._step_now = 0.0                     # the time of the step being scheduled
         self.metrics: Any | None = process_metrics()   # Prometheus counters, if any
         # Refused: (client index, output), sent by the next update_from_output.
@@ -159,42 +160,42 @@ class VllmAdmission:
     @property
     def slots(self):
         """Request id -> core slot of every request kvadmit tracks (read-only view)."""
-        return self.bridge.slots
+        return self.port.slots
 
     # -- the waiting queue's verbs -----------------------------------------------
     def choose(self) -> int | None:
         """The slot the core lets start now (None: none may): the one this step's
         displacement made room for first, while it waits."""
         if self._displaced_for is not None:
-            if self.core.state(self._displaced_for) == "waiting":
+            if self.port.state(self._displaced_for) == "waiting":
                 return self._displaced_for
             self._displaced_for = None
-        slot = self.core.next_admissible(self._pool.get_num_free_blocks(), False)
+        slot = self.port.next_admissible(self._pool.get_num_free_blocks(), False)
         return None if slot < 0 else slot
 
     def commit(self, request) -> int:
         """vLLM takes ``request`` (the chosen one) to start it; its slot."""
-        slot = self.bridge.slot(request.request_id)
+        slot = self.port.slot(request.request_id)
         if self.count_shared_prefix:
-            self.core.set_shared(slot, self._shared_tokens(request))
-        self.core.admit(slot, self.clock())
+            self.port.set_shared(slot, self._shared_tokens(request))
+        self.port.admit(slot, self.clock())
         if self.started_this_step is not None:
             self.started_this_step.append(request)
         return slot
 
     def undo(self, slot: int) -> None:
         """A request vLLM took but did not start is back: its admission is undone."""
-        if self.core.state(slot) == "running":
-            self.core.cancel_admit(slot, self.clock())
+        if self.port.state(slot) == "running":
+            self.port.cancel_admit(slot, self.clock())
 
     def adopt(self, request) -> int | None:
         """The slot of a request vLLM puts in the waiting queue. One kvadmit does not
         track (it left through remove_requests) arrives at the core anew; None if the
         core refuses it: vLLM holds it already, so it is served untracked."""
-        slot = self.bridge.slot(request.request_id)
+        slot = self.port.slot(request.request_id)
         if slot is not None:
             return slot
-        arrival = self.bridge.arrive(request.request_id, request,
+        arrival = self.port.arrive(request.request_id, request,
                                      lambda: self.numbers(request), self.clock())
         self.shed(arrival.shed)
         if not arrival.accepted:
@@ -208,11 +209,11 @@ class VllmAdmission:
               progress=None) -> None:
         """The request leaves kvadmit at ``now`` (finished on its own, or aborted)."""
         self.forget_order(request_id)
-        self.bridge.leave(request_id, finished, progress, now)
+        self.port.leave(request_id, finished, progress, now)
 
     def order(self):
         """The waiting slots in the core's order."""
-        return self.core.waiting()
+        return self.port.waiting()
 
     # -- failing open -----------------------------------------------------------
     @property
@@ -252,7 +253,7 @@ class VllmAdmission:
         # arrive_group asks for each member's numbers in turn (its own id and
         # arrival_time: its place in vLLM's priority order).
         order = iter(members)
-        arrival = self.bridge.arrive_group(
+        arrival = self.port.arrive_group(
             [(r.request_id, r) for r in members], lambda: self.numbers(next(order)), self.clock())
         self.shed(arrival.shed)
         if not arrival.accepted:
@@ -339,18 +340,18 @@ class VllmAdmission:
 
     # -- every step ---------------------------------------------------------------
     def before_step(self, throttle_prefills: bool = False) -> None:
-        """Before vLLM's schedule(): the step's report to the bridge (its time, the KV
+        """Before vLLM's schedule(): the step's report to the port (its time, the KV
         blocks in use, the running requests' progress) and the plan back: `running`
         put in the core's victim order (vLLM preempts running[-1] first); then the
         pause plan, applied through vLLM's own decode deferral."""
-        sched, bridge = self._sched, self.bridge
+        sched, port = self._sched, self.port
         # From the previous schedule() to this one: that step's scheduling, forward
         # pass and output processing (with async scheduling, the pipeline's period).
         self._step_now = now = self.clock()
         self._displaced_for = None
         slots, computed, generated, by_slot = [], [], [], {}
         for req in sched.running:
-            slot = bridge.slot(req.request_id)
+            slot = port.slot(req.request_id)
             if slot is None:
                 continue
             prompt = req.num_prompt_tokens
@@ -359,7 +360,7 @@ class VllmAdmission:
             generated.append(gen)
             computed.append(min(req.num_computed_tokens, prompt + gen))
             by_slot[slot] = req
-        plan = bridge.step(StepReport(
+        plan = port.step(StepReport(
             now=now, used_blocks=self.usable_blocks - self._pool.get_num_free_blocks(),
             slots=slots, computed=computed, generated=generated))
         self.shed(plan.dropped)        # stale work leaves vLLM's queue before it admits
@@ -386,7 +387,7 @@ class VllmAdmission:
         slot, victims = planner.find_candidate(free)
         if slot < 0:
             return
-        req = self.bridge.obj(self.bridge.key(slot))
+        req = self.port.obj(self.port.key(slot))
         need, hit_ids = self._prompt_need(req)
         running = sched.running
         if not planner.is_short(need, free, len(running)):
@@ -395,7 +396,7 @@ class VllmAdmission:
         members = set(running)
         freed, kept, by_slot = [], [], {}
         for v in victims:
-            vreq = by_slot[v] = self.bridge.obj(self.bridge.key(v))
+            vreq = by_slot[v] = self.port.obj(self.port.key(v))
             if vreq not in members or not sched._request_blocks_can_be_freed(vreq):
                 freed.append(-1)
                 kept.append(0)
@@ -460,7 +461,7 @@ class VllmAdmission:
 
     def after_step(self, out) -> None:
         """After vLLM's schedule() returned ``out``: what the step runs (its tokens and
-        context, the prefix hits of the requests the gate started) to the bridge,
+        context, the prefix hits of the requests the gate started) to the port,
         which steps the core at the step's time."""
         self._displaced_for = None       # this step's: the next one displaces anew
         tokens = out.total_num_scheduled_tokens
@@ -482,7 +483,7 @@ class VllmAdmission:
                         queries += req.num_tokens
         if started:
             started.clear()
-        self.bridge.step_done(tokens, context, self._step_now, hits, queries)
+        self.port.step_done(tokens, context, self._step_now, hits, queries)
 
     def _shared_tokens(self, request) -> int:
         """Tokens of a just-allocated request in blocks other requests also hold
@@ -493,4 +494,4 @@ class VllmAdmission:
     def publish(self) -> None:
         """The core's counters to Prometheus."""
         if self.metrics is not None:
-            self.metrics.update(self.core.stats())
+            self.metrics.update(self.port.stats())

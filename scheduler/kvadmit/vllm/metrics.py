@@ -9,7 +9,7 @@ documented route for several processes). Without it they stay in the engine
 process and `/metrics` does not list them. `LLM.get_metrics()` lists them as
 `vllm:kvadmit_*` through a collector kvadmit's `vllm.general_plugins` entry point adds
 to the front end's registry (`register_bridge`, same multiprocess mode); in-process
-code can always read `scheduler.kvadmit.core.stats()`.
+code can always read `scheduler.kvadmit.port.stats()`.
 """
 from __future__ import annotations
 

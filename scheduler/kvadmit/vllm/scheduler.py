@@ -21,7 +21,7 @@ and back:
 Per-request SLO targets and agent sessions come from `SamplingParams.extra_args`
 (kvadmit.request_fields; vLLM's own `session_id` is the session when kvadmit's
 is not given). Every `schedule()` is one run of the core's step sequence
-(`AdmissionCore.step` / `step_done`, through `EngineBridge.step`): the previous
+(`AdmissionCore.step` / `step_done`, through `CorePort.step`): the previous
 step's duration (the wall time between two schedule() calls, which spans that
 step's forward pass), with `agent_window` the KV blocks in use and the prefix-cache
 hits of the requests started in the previous step, and the running requests'
@@ -139,7 +139,7 @@ class GatedWaitingQueue(RequestQueue):
 
     def holds(self, request: Request) -> bool:
         """Whether ``request`` waits in this queue (not in another of vLLM's)."""
-        slot = self._admission.bridge.slot(request.request_id)
+        slot = self._admission.port.slot(request.request_id)
         return slot in self._by_slot or request in self._untracked
 
     def invalidate(self) -> None:
@@ -272,7 +272,7 @@ class _KvadmitMixin:
             return super().add_request(request)   # streaming input for a live request
         try:
             if not self.requests:
-                self.kvadmit.bridge.engine_idle()
+                self.kvadmit.port.engine_idle()
             admitted = self.kvadmit.arrive(request)
         except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
             self.kvadmit.fail_open("on a request's arrival")
@@ -350,10 +350,10 @@ class _KvadmitMixin:
         return out
 
     def _preempt_request(self, request: Request, timestamp: float, *args, **kwargs) -> None:
-        slot = None if self.kvadmit.failed else self.kvadmit.bridge.slot(request.request_id)
+        slot = None if self.kvadmit.failed else self.kvadmit.port.slot(request.request_id)
         if slot is not None:
             try:
-                self.kvadmit.core.preempt(slot, self.kvadmit.clock(),
+                self.kvadmit.port.preempt(slot, self.kvadmit.clock(),
                                           displaced=self.kvadmit.displacing)
             except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
                 self.kvadmit.fail_open("preempting a request")

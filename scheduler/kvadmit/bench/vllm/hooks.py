@@ -51,7 +51,7 @@ class _CountsScheduledTokens:
         path = os.environ.get(COUNTS_ENV)
         if path and out.total_num_scheduled_tokens:
             state = getattr(self, "kvadmit", None)       # None: vLLM's own scheduler
-            paused = state.core.paused if state is not None else 0
+            paused = state.port.paused if state is not None else 0
             pathlib.Path(path).write_text(f"{self._bench_tokens} {paused}")
         return out
 
