@@ -22,17 +22,13 @@ from __future__ import annotations
 
 import json
 
-from kvadmit.request_fields import FLAT_PREFIX
+from kvadmit.request_fields import FLAT_PREFIX, HEADERS
 from kvadmit_patches import MIDDLEWARE_HOOK, add_app_middleware, require
 
 TARGET = "vllm.entrypoints.launchers.app.init_entrypoints_middleware"
 SERIES = ("0.32", "0.33", "0.34")     # the same hook as vllm_retry_after.py
 TARGETS = (MIDDLEWARE_HOOK,)
-HEADERS = {b"x-slo-ttft-ms": "ttft_slo_s", b"x-slo-tpot-ms": "tpot_slo_s",
-           b"x-llm-d-inference-ttl": "ttl_s", b"x-gateway-inference-fairness-id": "flow",
-           b"x-kvadmit-sheddable": "sheddable"}
-TEXT_HEADERS = (b"x-gateway-inference-fairness-id", b"x-kvadmit-sheddable")  # passed on as text
-MS_HEADERS = (b"x-slo-ttft-ms", b"x-slo-tpot-ms")
+# Which header carries which field, and in what unit: kvadmit.request_fields.SCHEMA.
 # A duration's unit suffix -> seconds (as Go's time.ParseDuration writes the common ones).
 UNITS = (("ms", 1e-3), ("s", 1.0), ("m", 60.0), ("h", 3600.0))
 PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -46,15 +42,14 @@ def slo_fields(headers) -> dict:
         field = HEADERS.get(name.lower())
         if field is None:
             continue
-        text = value.decode("latin-1").strip()
-        if name.lower() in TEXT_HEADERS:
-            out[FLAT_PREFIX + field] = text     # "" too: kvadmit's field check names it
+        key, text = FLAT_PREFIX + field.name, value.decode("latin-1").strip()
+        if field.header_unit == "text":
+            out[key] = text     # "" too: kvadmit's field check names it
             continue
         try:
-            out[FLAT_PREFIX + field] = (float(text) / 1000.0 if name.lower() in MS_HEADERS
-                                        else duration_s(text))
+            out[key] = float(text) / 1000.0 if field.header_unit == "ms" else duration_s(text)
         except ValueError:
-            out[FLAT_PREFIX + field] = text     # kvadmit's field check names it
+            out[key] = text     # kvadmit's field check names it
     return out
 
 

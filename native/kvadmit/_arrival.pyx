@@ -15,6 +15,16 @@ MAX_TTL_S = 86400.0    # as the config's max_queue_age_s
 
 # The struct's fields in declaration order (Cython turns a struct into a dict).
 FIELDS = tuple(_zero())
+# Each field's value when not given: what "none" or "the config's" means for it.
+# prompt_tokens and max_new_tokens have none: every request gives them.
+DEFAULTS = {"priority": 0, "cached_tokens": 0, "ttft_slo_s": -1.0, "tpot_slo_s": -1.0,
+            "session": -1, "arrival_time": 0.0, "arrival_tie": 0.0, "ttl_s": -1.0,
+            "flow": -1, "sheddable": False, "prompt_hash": 0}
+# The fields a workload gives per request (kvadmit._requests.Requests' columns, the
+# simulator's Workload): all but the engine's own stamps and its cache's count.
+COLUMNS = tuple(f for f in FIELDS if f not in ("cached_tokens", "arrival_time", "arrival_tie"))
+assert set(FIELDS) == set(DEFAULTS) | {"prompt_tokens", "max_new_tokens"}, \
+    "every arrival record field has a default (kvadmit._arrival.DEFAULTS)"
 
 
 cdef ArrivalRecord record_of(object record) except *:

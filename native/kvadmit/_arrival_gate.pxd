@@ -74,7 +74,8 @@ cdef class ArrivalGate:
     cdef Rejection c_refuse_context(self, int64_t prompt_tokens, int64_t max_new_tokens,
                                     int64_t max_model_len)
     cdef Rejection c_refuse_prefill(self, int64_t queued)
-    cdef Rejection c_refuse_delay(self, double delay, int64_t waiting, int64_t queued_tokens)
+    cdef Rejection c_refuse_delay(self, double delay, int64_t waiting, int64_t queued_tokens,
+                                  double cap, str limit)
     cdef Rejection c_refuse_slo(self, double predicted, double target, int64_t waiting,
                                 int64_t running)
     cdef Rejection c_refuse_full(self, int64_t over_reqs, int64_t over_tokens, int64_t waiting,

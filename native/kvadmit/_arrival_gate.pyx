@@ -373,16 +373,17 @@ cdef class ArrivalGate:
                 f"{self.max_queued_tokens}", "max_queued_tokens", self.max_queued_tokens, None)
         return None
 
-    cdef Rejection c_refuse_delay(self, double delay, int64_t waiting, int64_t queued_tokens):
-        """The refusal of an arrival whose predicted queueing delay exceeds
-        max_queue_delay_s (None: within it, or no cap)."""
-        if self.max_queue_delay_s > 0 and delay > self.max_queue_delay_s:
+    cdef Rejection c_refuse_delay(self, double delay, int64_t waiting, int64_t queued_tokens,
+                                  double cap, str limit):
+        """The refusal of an arrival whose predicted queueing delay exceeds `cap`
+        (the config's max_queue_delay_s, or the request's own: `limit` names which;
+        None: within it, or no cap)."""
+        if cap > 0 and delay > cap:
             return self.c_refuse(
                 R_QUEUE_DELAY,
                 f"predicted queueing delay {delay:.3g} s ({waiting} requests and "
-                f"{queued_tokens} prompt tokens waiting) exceeds max_queue_delay_s="
-                f"{self.max_queue_delay_s:g}", "max_queue_delay_s", self.max_queue_delay_s,
-                min(delay - self.max_queue_delay_s, self._retry_max))
+                f"{queued_tokens} prompt tokens waiting) exceeds {limit}={cap:g}",
+                limit, cap, min(delay - cap, self._retry_max))
         return None
 
     cdef Rejection c_refuse_slo(self, double predicted, double target, int64_t waiting,

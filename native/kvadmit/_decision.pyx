@@ -129,11 +129,15 @@ cdef class Decision(Judge):
         cdef double delay = 0.0
         cdef int64_t ahead = 0, ahead_tokens = 0
         cdef bint ttft_guarded = self.slo_guard.enabled and self.ledger.ttft(s) > 0
-        if self.gate.max_queue_delay_s > 0 or ttft_guarded:
+        # the cap on its predicted queueing delay (0: none)
+        cdef double cap = self.gate.max_queue_delay_s
+        cdef str limit = "max_queue_delay_s"
+        if cap > 0 or ttft_guarded:
             self.queue.c_ahead_of_slot(s, &ahead, &ahead_tokens)
             delay = self.c_predicted_delay(ahead, ahead_tokens, queued)
-        if self.gate.max_queue_delay_s > 0:
-            refused = self.gate.c_refuse_delay(delay, self.queue.c_size(), self.ledger.queued_tokens())
+        if cap > 0:
+            refused = self.gate.c_refuse_delay(delay, self.queue.c_size(), self.ledger.queued_tokens(),
+                                               cap, limit)
             if refused is not None:
                 return refused
         if ttft_guarded:

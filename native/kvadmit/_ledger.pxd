@@ -42,6 +42,7 @@ cdef class Ledger:
     cdef vector[double] _engine_t, _engine_tie   # the engine's arrival time and tie-break
     cdef vector[double] _expire_at   # when it is dropped if it has not started (INFINITY: never)
     cdef vector[double] _ttl_s       # its record's own ttl_s (negative: the config's default)
+    cdef vector[ArrivalRecord] _rec  # its arrival record, whole (a field no rule above reads yet)
     cdef vector[int64_t] _flow       # its flow id (-1: none)
     cdef vector[int32_t] _flow_ix    # its flow's index in kvadmit._flows.FlowTable (0: no flow)
     # per flow index: requests live (waiting or running), waiting, and their prefill tokens
@@ -128,6 +129,9 @@ cdef class Ledger:
         return self._expire_at[s]
     cdef inline double ttl_s(self, int32_t s) noexcept nogil:
         return self._ttl_s[s]
+    cdef inline const ArrivalRecord* record(self, int32_t s) noexcept nogil:
+        """s's arrival record as it arrived."""
+        return &self._rec[s]
     cdef inline int64_t flow(self, int32_t s) noexcept nogil:
         return self._flow[s]
     cdef inline int32_t flow_ix(self, int32_t s) noexcept nogil:

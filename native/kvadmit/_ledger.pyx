@@ -56,6 +56,7 @@ cdef class Ledger:
             self._engine_t.push_back(0.0); self._engine_tie.push_back(0.0)
             self._expire_at.push_back(0.0)
             self._ttl_s.push_back(-1.0)
+            self._rec.push_back(r[0])
             self._session.push_back(-1); self._activated_by.push_back(0); self._prompt_hash.push_back(0)
             self._flow.push_back(-1); self._flow_ix.push_back(0)
         self._prompt[s] = r.prompt_tokens
@@ -77,6 +78,7 @@ cdef class Ledger:
         self._engine_tie[s] = r.arrival_tie
         self._expire_at[s] = expire_at
         self._ttl_s[s] = r.ttl_s
+        self._rec[s] = r[0]
         self._session[s] = session
         self._flow[s] = r.flow
         self._flow_ix[s] = flow_ix

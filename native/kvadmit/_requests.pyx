@@ -7,6 +7,8 @@ from libc.math cimport isfinite
 
 from kvadmit._arrival cimport check_record
 
+from kvadmit._arrival import COLUMNS, DEFAULTS
+
 
 cdef _column(str name, values, Py_ssize_t n):
     if values is not None and len(values) != n:
@@ -24,22 +26,25 @@ cdef class Requests:
     length, at most max_new_tokens); ``priority`` (0), ``ttft_slo_s`` /
     ``tpot_slo_s`` (-1: the config's defaults), ``session`` (-1: none), ``ttl_s``
     (-1: the config's max_queue_age_s; 0: none), ``flow`` (-1: none), ``sheddable`` (false),
-    ``prompt_hash`` (0: unknown; a retry repeats its request's): the arrival record the
-    core gets. ``hash_offsets`` (n + 1) and ``hash_ids``: each row's
+    ``prompt_hash`` (0: unknown; a retry repeats its request's), and any other column of
+    the arrival record (kvadmit._arrival.COLUMNS, its default DEFAULTS): the arrival
+    record the core gets. ``hash_offsets`` (n + 1) and ``hash_ids``: each row's
     prefix-block ids in CSR form, describing its first ``hashed_tokens`` tokens
     (default: the prompt)."""
 
     def __init__(self, arrival_s, prompt_tokens, output_tokens, max_new_tokens, *,
-                 priority=None, ttft_slo_s=None, tpot_slo_s=None, session=None, ttl_s=None,
-                 flow=None, sheddable=None, prompt_hash=None, parent=None, delay_s=None,
-                 hashed_tokens=None, hash_offsets=None, hash_ids=None):
+                 parent=None, delay_s=None, hashed_tokens=None, hash_offsets=None, hash_ids=None,
+                 **record_columns):
         cdef Py_ssize_t n = len(arrival_s), i
+        for name in record_columns:
+            if name not in COLUMNS or name in ("prompt_tokens", "max_new_tokens"):
+                raise TypeError(f"Requests: no column {name!r} (the arrival record's: "
+                                f"{', '.join(COLUMNS)})")
+        # the record columns given (None: the default for every row)
+        cdef list given = [(name, col) for name, col in record_columns.items() if col is not None]
         for name, col in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens),
-                          ("max_new_tokens", max_new_tokens), ("priority", priority),
-                          ("ttft_slo_s", ttft_slo_s), ("tpot_slo_s", tpot_slo_s),
-                          ("session", session), ("ttl_s", ttl_s), ("flow", flow), ("sheddable", sheddable),
-                          ("prompt_hash", prompt_hash), ("parent", parent), ("delay_s", delay_s),
-                          ("hashed_tokens", hashed_tokens)):
+                          ("max_new_tokens", max_new_tokens), *given, ("parent", parent),
+                          ("delay_s", delay_s), ("hashed_tokens", hashed_tokens)):
             _column(name, col, n)
         if (parent is None) != (delay_s is None):
             raise ValueError("parent and delay_s go together")
@@ -48,22 +53,16 @@ cdef class Requests:
         if hash_offsets is not None and len(hash_offsets) != n + 1:
             raise ValueError(f"hash_offsets: {len(hash_offsets)} entries, expected {n + 1}")
         cdef ArrivalRecord r
+        cdef dict values = dict(DEFAULTS)
         cdef double t, last = -1e300, dl
         cdef int64_t par, out, hashed
         self.records.reserve(n)
         for i in range(n):
-            r.prompt_tokens = prompt_tokens[i]
-            r.max_new_tokens = max_new_tokens[i]
-            r.priority = priority[i] if priority is not None else 0
-            r.cached_tokens = 0
-            r.ttft_slo_s = ttft_slo_s[i] if ttft_slo_s is not None else -1.0
-            r.tpot_slo_s = tpot_slo_s[i] if tpot_slo_s is not None else -1.0
-            r.session = session[i] if session is not None else -1
-            r.arrival_time = r.arrival_tie = 0.0
-            r.ttl_s = ttl_s[i] if ttl_s is not None else -1.0
-            r.flow = flow[i] if flow is not None else -1
-            r.sheddable = bool(sheddable[i]) if sheddable is not None else False
-            r.prompt_hash = prompt_hash[i] if prompt_hash is not None else 0
+            values["prompt_tokens"] = prompt_tokens[i]
+            values["max_new_tokens"] = max_new_tokens[i]
+            for name, col in given:
+                values[name] = col[i]
+            r = values
             check_record(&r, i)
             out = output_tokens[i]
             if out < 1 or out > r.max_new_tokens:

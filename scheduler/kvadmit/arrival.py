@@ -1,7 +1,8 @@
 """The arrival record: one request's numbers as the admission core takes them.
 
-`ArrivalRecord` is the Python twin of the native struct in native/kvadmit/_arrival.pxd
-(same fields, same order: tests/test_arrival_record.py checks). The engine adapters
+`ArrivalRecord` is the Python twin of the native struct in native/kvadmit/_arrival.pxd,
+made from it (its fields in its order, its defaults: kvadmit._arrival.FIELDS and
+DEFAULTS), so a new field is declared in the struct alone. The engine adapters
 build one from an engine's request (`kvadmit.vllm.admission`, `kvadmit.sglang.request`),
 the port (`kvadmit.port.CorePort`) hands it to `AdmissionCore.arrive`, and the simulator's columnar `Requests`
 holds one per request. Building one checks its numbers as the core will: a ValueError
@@ -9,32 +10,25 @@ names the field and its limit.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
+from kvadmit._arrival import DEFAULTS, FIELDS
 from kvadmit._arrival import check as _check_record
 
 
-@dataclass(frozen=True, slots=True)
-class ArrivalRecord:
-    prompt_tokens: int          # prompt tokens (>= 1)
-    max_new_tokens: int         # its output cap (>= 1)
-    priority: int = 0           # lower is more important (vLLM's order)
-    cached_tokens: int = 0      # prompt tokens already cached, in [0, prompt_tokens]
-    ttft_slo_s: float = -1.0    # TTFT target, seconds (negative: the config's default; 0: none)
-    tpot_slo_s: float = -1.0    # TPOT target, seconds (the same)
-    session: int = -1           # its agent/session id (-1: none)
-    arrival_time: float = 0.0   # the engine's own arrival stamp (any clock) and its
-    arrival_tie: float = 0.0    # tie-break: the order of equal priorities (queue_order priority)
-    ttl_s: float = -1.0         # seconds it may wait before it first starts, else it is dropped
-                                # unserved (negative: the config's max_queue_age_s; 0: none)
-    flow: int = -1              # its flow (tenant, workload) for the fair share (-1: none)
-    sheddable: bool = False     # best-effort: served after all others, first to give way, and
-                                # dropped while others wait for KV (GIE's negative priority)
-    prompt_hash: int = 0        # a hash of its prompt's tokens (0: unknown): a retry repeats it,
-                                # a new client with the same numbers seldom does (the retry line)
+def _post_init(self) -> None:
+    _check_record(self)
 
-    def __post_init__(self) -> None:
-        _check_record(self)
+
+# The native struct's fields, in its order, with its defaults (kvadmit._arrival: each
+# field's meaning is written there, once); prompt_tokens and max_new_tokens have none.
+ArrivalRecord = dataclasses.make_dataclass(
+    "ArrivalRecord",
+    [(f, type(DEFAULTS[f]), DEFAULTS[f]) if f in DEFAULTS else (f, int) for f in FIELDS],
+    namespace={"__post_init__": _post_init, "__module__": __name__,
+               "__doc__": "One request's numbers as the admission core takes them "
+                          "(native/kvadmit/_arrival.pxd); built checked."},
+    frozen=True, slots=True)
 
 
 _HASHED_ENDS = 1024    # tokens hashed at each end of a long prompt: bounded work an arrival

@@ -17,33 +17,35 @@ vLLM that is `SamplingParams.extra_args`, in either of two shapes:
 (its prompt's token ids, its priority and max_tokens) against limits the model would otherwise hit
 as a crash; the adapters call them at arrival.
 
-Fields (all optional): `ttft_slo_s`, `tpot_slo_s`, `deadline_s` (absolute UNIX
-time by which the first token is due; `ttft_target` turns it into a TTFT target
-at arrival, the tighter of it and ttft_slo_s), `session` (an agent/session
-id, integer or string) and `ttl_s` (seconds it may wait before it starts; past it,
-it is dropped unserved as `expired`; 0: none; not given: the config's
-max_queue_age_s), `flow` (its tenant or workload for the fair share of the
-KV pool, integer or string; see docs/flows.md) and `sheddable` (true: best-effort
-traffic, served after all other and dropped while other waits for KV; see
-docs/capacity.md). A bad value raises `FieldError`
-naming the field; the adapter refuses the request as `invalid`.
+Every field is declared once, in `SCHEMA` (one `Field` each: its name, which is
+also the flat key `kvadmit_<name>` and SGLang's `custom_params` key, its parser and
+range, its default, the arrival record column it fills and the gateway header that
+may carry it). Validation (`parse`), the flat keys, the headers the vLLM header
+patch reads (`HEADERS`), the arrival record's columns (`record_columns`) and the
+simulator's columns follow from it. The fields (all optional) are listed there;
+`deadline_s` (absolute UNIX time by which the first token is due) has no column of
+its own: `ttft_target` turns it into a TTFT target at arrival, the tighter of it
+and ttft_slo_s. A bad value raises `FieldError` naming the field; the adapter
+refuses the request as `invalid`.
 """
 from __future__ import annotations
 
 import hashlib
 import math
 import time
-from typing import Any, Mapping, NamedTuple
+from collections import namedtuple
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
 
 KEY = "kvadmit"
 FLAT_PREFIX = "kvadmit_"
-FIELDS = ("ttft_slo_s", "tpot_slo_s", "deadline_s", "session", "ttl_s", "flow", "sheddable")
 MAX_TTFT_S = 86400.0          # as config default_ttft_slo_s
 MAX_TTL_S = 86400.0           # as config max_queue_age_s
 MAX_TPOT_S = 3600.0           # as config default_tpot_slo_s
 MIN_DEADLINE_UNIX = 1e9       # 2001-09-09: anything smaller is not an absolute time
 PAST_DEADLINE_TTFT_S = 1e-6   # a deadline already passed: a target no request meets
 SESSION_INT_LIMIT = 1 << 62   # integer sessions: [0, 2**62); strings map into [2**62, 2**63)
+INT_LIMIT = 1 << 62           # a request's integers at most: the core's int64, negated by SGLang
 
 
 class FieldError(ValueError):
@@ -53,24 +55,6 @@ class FieldError(ValueError):
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
         self.field = field
-
-
-class RequestFields(NamedTuple):
-    """A request's validated fields: -1 means "not given" (the config's default
-    target; no session), as `AdmissionCore.arrive` takes them; deadline_s None: none."""
-    ttft_slo_s: float = -1.0
-    tpot_slo_s: float = -1.0
-    session: int = -1
-    deadline_s: float | None = None
-    ttl_s: float = -1.0         # -1: the config's max_queue_age_s; 0: none
-    flow: int = -1              # its flow for the fair share (-1: none)
-    sheddable: bool = False     # best-effort traffic (docs/capacity.md)
-
-
-NONE = RequestFields()
-
-
-INT_LIMIT = 1 << 62          # a request's integers at most: the core's int64, negated by SGLang
 
 
 def check_prompt_tokens(token_ids, vocab_size: int, name: str = "prompt_token_ids",
@@ -158,6 +142,75 @@ def _seconds(value: Any, name: str, hi: float, zero: str = "no target") -> float
     return float(value)
 
 
+def _deadline(value: Any, name: str, now_unix: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise FieldError(f"kvadmit field {name}={value!r}: must be a UNIX time in seconds")
+    if value < MIN_DEADLINE_UNIX:
+        raise FieldError(f"kvadmit field {name}={value!r}: must be an absolute UNIX time in "
+                         f"seconds (a relative target is ttft_slo_s)")
+    if value - now_unix > MAX_TTFT_S:
+        raise FieldError(f"kvadmit field {name}={value!r}: more than {MAX_TTFT_S:g} s away "
+                         f"(a UNIX time in seconds, not milliseconds?)")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Field:
+    """One per-request field, declared once (see the module docstring)."""
+    name: str                     # the object key, flat key kvadmit_<name>, SGLang's custom_params key
+    parse: Callable[[Any, str, float], Any]   # (value, its name as spelled, now_unix) -> the core's value
+    default: Any                  # not given
+    column: Optional[str]         # the arrival record column it fills (None: folded into another)
+    header: Optional[bytes] = None   # a gateway's header carrying it (patches/vllm_slo_headers.py)
+    header_unit: str = "text"     # the header's value: "ms" (milliseconds), "duration" ("30s"), "text"
+    doc: str = ""
+
+    def is_given(self, value) -> bool:
+        """Whether a record column's value is one a request gave, not the default
+        (any negative value where the default is negative: "none", "the config's")."""
+        if isinstance(self.default, bool):
+            return bool(value) != self.default
+        if isinstance(self.default, (int, float)) and self.default < 0:
+            return value >= 0
+        return value != self.default
+
+
+def _seconds_field(hi: float, zero: str):
+    return lambda v, name, now: _seconds(v, name, hi, zero)
+
+
+SCHEMA = (
+    Field("ttft_slo_s", _seconds_field(MAX_TTFT_S, "no target"), -1.0, "ttft_slo_s",
+          b"x-slo-ttft-ms", "ms", "its TTFT target, seconds (-1: the config's default)"),
+    Field("tpot_slo_s", _seconds_field(MAX_TPOT_S, "no target"), -1.0, "tpot_slo_s",
+          b"x-slo-tpot-ms", "ms", "its TPOT target, seconds (-1: the config's default)"),
+    Field("session", lambda v, name, now: session_int(v, name), -1, "session", None, "text",
+          "its agent/session id, integer or string (-1: none)"),
+    Field("deadline_s", _deadline, None, None, None, "text",
+          "absolute UNIX time its first token is due by (tightens ttft_slo_s at arrival)"),
+    Field("ttl_s", _seconds_field(MAX_TTL_S, "none"), -1.0, "ttl_s", b"x-llm-d-inference-ttl",
+          "duration", "seconds it may wait before it starts, else dropped as expired "
+          "(-1: the config's max_queue_age_s; 0: none)"),
+    Field("flow", lambda v, name, now: flow_int(v, name), -1, "flow",
+          b"x-gateway-inference-fairness-id", "text",
+          "its tenant or workload for the fair share of the KV pool (docs/flows.md)"),
+    Field("sheddable", lambda v, name, now: flag(v, name), False, "sheddable", b"x-kvadmit-sheddable", "text",
+          "best-effort traffic: served after all other, dropped while other waits for KV "
+          "(docs/capacity.md)"),
+)
+FIELDS = tuple(f.name for f in SCHEMA)
+BY_NAME = {f.name: f for f in SCHEMA}
+# Header -> field, for the vLLM header patch (lower-case header names)
+HEADERS = {f.header: f for f in SCHEMA if f.header is not None}
+# The arrival record's columns the fields fill
+COLUMN_FIELDS = tuple(f for f in SCHEMA if f.column is not None)
+
+# A request's validated fields, in SCHEMA's order: each the core's value, or its
+# default when not given (-1: "not given": the config's default target, no session).
+RequestFields = namedtuple("RequestFields", FIELDS, defaults=[f.default for f in SCHEMA])
+NONE = RequestFields()
+
+
 def parse(values: Mapping[str, Any], now_unix: float | None = None,
           names: Mapping[str, str] | None = None) -> RequestFields:
     """Validates a mapping of field -> value. `now_unix` (default time.time()) is the
@@ -171,32 +224,18 @@ def parse(values: Mapping[str, Any], now_unix: float | None = None,
     unknown = sorted(set(values) - set(FIELDS), key=repr)   # keys may be any type offline
     if unknown:
         raise FieldError(f"unknown kvadmit field {name(unknown[0])!r}; known: {', '.join(FIELDS)}")
-    ttft = tpot = -1.0
-    session = -1
-    deadline = None
-    if "ttft_slo_s" in values:
-        ttft = _seconds(values["ttft_slo_s"], name("ttft_slo_s"), MAX_TTFT_S)
-    if "tpot_slo_s" in values:
-        tpot = _seconds(values["tpot_slo_s"], name("tpot_slo_s"), MAX_TPOT_S)
-    if "deadline_s" in values:
-        d = values["deadline_s"]
-        if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d):
-            raise FieldError(f"kvadmit field {name('deadline_s')}={d!r}: must be a UNIX time in "
-                             f"seconds")
-        if d < MIN_DEADLINE_UNIX:
-            raise FieldError(f"kvadmit field {name('deadline_s')}={d!r}: must be an absolute UNIX "
-                             f"time in seconds (a relative target is ttft_slo_s)")
-        now_unix = time.time() if now_unix is None else now_unix
-        if d - now_unix > MAX_TTFT_S:
-            raise FieldError(f"kvadmit field {name('deadline_s')}={d!r}: more than {MAX_TTFT_S:g} s "
-                             f"away (a UNIX time in seconds, not milliseconds?)")
-        deadline = float(d)
-    if "session" in values:
-        session = session_int(values["session"], name("session"))
-    ttl = _seconds(values["ttl_s"], name("ttl_s"), MAX_TTL_S, "none") if "ttl_s" in values else -1.0
-    flow = flow_int(values["flow"], name("flow")) if "flow" in values else -1
-    sheddable = flag(values["sheddable"], name("sheddable")) if "sheddable" in values else False
-    return RequestFields(ttft, tpot, session, deadline, ttl, flow, sheddable)
+    now_unix = time.time() if now_unix is None else now_unix
+    return NONE._replace(**{f.name: f.parse(values[f.name], name(f.name), now_unix)
+                            for f in SCHEMA if f.name in values})
+
+
+def record_columns(fields: RequestFields, ttft_target_s: float) -> dict:
+    """The arrival record's columns of a request's fields (kvadmit.ArrivalRecord's
+    keywords): each field's own column, with ``ttft_target_s`` (`ttft_target`: the
+    deadline folded in) for ttft_slo_s."""
+    out = {f.column: getattr(fields, f.name) for f in SCHEMA if f.column is not None}
+    out["ttft_slo_s"] = ttft_target_s
+    return out
 
 
 def ttft_target(fields: RequestFields, default_ttft_s: float, now_unix: float | None = None) -> float:

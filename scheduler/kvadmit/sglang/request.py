@@ -108,15 +108,13 @@ def arrival_record(req, now: float, strict: bool, config: AdmissionConfig,
         if strict:
             raise
         fields = request_fields.NONE
+    columns = request_fields.record_columns(fields, _ttft_target(fields, config, now))
+    columns["sheddable"] = (fields.sheddable
+                            or _negative_priority(req, config, low_priority_values_first))
     return ArrivalRecord(prompt_tokens=len(req.origin_input_ids),
                          max_new_tokens=max_new_tokens_of(req),
                          priority=core_priority(req, low_priority_values_first),
-                         ttft_slo_s=_ttft_target(fields, config, now),
-                         tpot_slo_s=fields.tpot_slo_s, session=fields.session,
-                         ttl_s=fields.ttl_s, flow=fields.flow,
-                         sheddable=(fields.sheddable
-                                    or _negative_priority(req, config, low_priority_values_first)),
-                         prompt_hash=prompt_hash(req.origin_input_ids))
+                         prompt_hash=prompt_hash(req.origin_input_ids), **columns)
 
 
 def _negative_priority(req, config: AdmissionConfig, low_priority_values_first: bool) -> bool:

@@ -15,6 +15,8 @@ import math
 
 import numpy as np
 
+from kvadmit.request_fields import COLUMN_FIELDS
+
 _SALT_BLOCK = 0x6B766164          # seeds for a prefix id's tokens: [id, _SALT_BLOCK]
 _SALT_REQUEST = 0x72657175        # seeds for a request's own tokens: [seed, index, _SALT_REQUEST]
 
@@ -62,13 +64,10 @@ class RequestTable:
         return self.extra[i]
 
     def append(self, row: dict) -> None:
-        """One of `Requests.row`'s rows. Its SLO targets, session, TTL, flow and class
-        reach kvadmit as request fields where given (a negative one is the config's
-        default or none, and not sheddable the default: none sent)."""
-        fields = {k: row[k] for k in ("ttft_slo_s", "tpot_slo_s", "session", "ttl_s", "flow")
-                  if row[k] >= 0}
-        if row["sheddable"]:
-            fields["sheddable"] = True
+        """One of `Requests.row`'s rows. Its record columns that are request fields
+        (SLO targets, session, TTL, flow, class...) reach kvadmit as such where given
+        (not the default: none sent)."""
+        fields = {f.name: row[f.column] for f in COLUMN_FIELDS if f.is_given(row[f.column])}
         if row["parent"] < 0:
             self.last_open = row["arrival_s"]
         for col, v in ((self.arrival, row["arrival_s"]), (self.prompt, row["prompt_tokens"]),

@@ -14,6 +14,7 @@ import random
 import dataclasses
 from dataclasses import dataclass, field
 
+from kvadmit._arrival import COLUMNS as RECORD_COLUMNS
 from kvadmit._native import Requests
 from kvadmit.traces import load_trace, max_tokens_for, trace_name
 
@@ -38,17 +39,25 @@ class Workload:
     ttl_s: list[float] | None = None           # per-request TTL in the queue (None: the config's)
     flow: list[int] | None = None              # per-request flow id for the fair share (-1: none)
     sheddable: list[bool] | None = None        # per-request best-effort class (None: none is)
+    # Any other arrival record column (kvadmit._arrival.COLUMNS), by name: one entry a request
+    record_columns: dict[str, list] = field(default_factory=dict)
     description: str = ""
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.arrival_s)
-        for name in ("prompt_tokens", "output_tokens", "max_tokens", "priority", "hashed_tokens",
-                     "parent", "delay_s", "session", "ttft_slo_s", "tpot_slo_s", "ttl_s",
-                     "flow", "sheddable"):
-            col = getattr(self, name)
+        for name, col in (*((name, getattr(self, name)) for name in (
+                "prompt_tokens", "output_tokens", "max_tokens", "hashed_tokens", "parent",
+                "delay_s", *self._own_record_columns())), *self.record_columns.items()):
             if col is not None and len(col) != n:
                 raise ValueError(f"workload {self.name}: {name} has {len(col)} entries, expected {n}")
+
+    @staticmethod
+    def _own_record_columns() -> tuple:
+        """The arrival record's columns this dataclass holds as fields of its own
+        (prompt_tokens, and max_tokens for max_new_tokens, go first, by position)."""
+        return tuple(c for c in RECORD_COLUMNS
+                     if c in Workload.__dataclass_fields__ and c != "prompt_tokens")
 
     def __len__(self) -> int:
         return len(self.arrival_s)
@@ -60,12 +69,12 @@ class Workload:
         with_ids = hash_ids and self.hash_ids is not None
         try:
             return Requests(self.arrival_s, self.prompt_tokens, self.output_tokens,
-                            self.max_tokens, priority=self.priority, ttft_slo_s=self.ttft_slo_s,
-                            tpot_slo_s=self.tpot_slo_s, session=self.session, ttl_s=self.ttl_s,
-                            flow=self.flow, sheddable=self.sheddable, parent=self.parent,
-                            delay_s=self.delay_s, hashed_tokens=self.hashed_tokens,
+                            self.max_tokens, parent=self.parent, delay_s=self.delay_s,
+                            hashed_tokens=self.hashed_tokens,
                             hash_offsets=self.hash_offsets if with_ids else None,
-                            hash_ids=self.hash_ids if with_ids else None)
+                            hash_ids=self.hash_ids if with_ids else None,
+                            **{c: getattr(self, c) for c in self._own_record_columns()},
+                            **self.record_columns)
         except ValueError as e:
             raise ValueError(f"workload {self.name}: {e}") from None
 

@@ -36,6 +36,7 @@ from kvadmit.request_fields import (
     check_int,
     check_prompt_tokens,
     from_extra_args,
+    record_columns,
     session_int,
     ttft_target,
 )
@@ -268,10 +269,14 @@ class VllmAdmission:
         or what would crash the engine)."""
         self._check_body(request)
         sp = request.sampling_params
-        fields = from_extra_args(sp.extra_args if sp is not None else None)
-        session = fields.session
-        if session < 0 and request.session_id:   # vLLM's session_id (X-Session-ID)
-            session = session_int(request.session_id, "session_id")
+        # A deadline (UNIX time) is read once, here, as a delay from this arrival: the
+        # core takes it as a TTFT target on the adapter's own clock.
+        now_unix = time.time()
+        fields = from_extra_args(sp.extra_args if sp is not None else None, now_unix)
+        columns = record_columns(fields, ttft_target(fields, self.config.default_ttft_slo_s,
+                                                     now_unix))
+        if columns["session"] < 0 and request.session_id:   # vLLM's session_id (X-Session-ID)
+            columns["session"] = session_int(request.session_id, "session_id")
         arrival_time = arrival_tie = 0.0
         if self.request_id_ties is not None:   # vLLM's priority order: its arrival_time, then id
             arrival_time = request.arrival_time
@@ -279,11 +284,8 @@ class VllmAdmission:
                                                    request.request_id)
         return ArrivalRecord(prompt_tokens=request.num_prompt_tokens,
                              max_new_tokens=request.max_tokens, priority=request.priority,
-                             ttft_slo_s=ttft_target(fields, self.config.default_ttft_slo_s),
-                             tpot_slo_s=fields.tpot_slo_s, session=session, ttl_s=fields.ttl_s,
-                             flow=fields.flow, sheddable=fields.sheddable,
                              arrival_time=arrival_time, arrival_tie=arrival_tie,
-                             prompt_hash=prompt_hash(request.prompt_token_ids))
+                             prompt_hash=prompt_hash(request.prompt_token_ids), **columns)
 
     def _check_body(self, request) -> None:
         """Refuses (FieldError) what would crash the engine further on: a prompt token
