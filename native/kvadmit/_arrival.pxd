@@ -1,8 +1,9 @@
 # One request's numbers as the core takes them at arrival: the arrival record.
-# Defined once, here; the Python twin is kvadmit.arrival.ArrivalRecord (a frozen
-# dataclass with the same fields in the same order, tests/test_arrival_record.py
-# checks), and kvadmit._requests.Requests holds one per request of a workload.
-# A new per-request field is one line here, one there, and where it is used.
+# Defined once, here; the Python twin kvadmit.arrival.ArrivalRecord is made from it
+# (its fields in order, with _arrival.pyx's DEFAULTS), and kvadmit._requests.Requests
+# holds one per request of a workload. A new per-request field is one line here, its
+# default and range in _arrival.pyx, its Field in kvadmit.request_fields.SCHEMA (if
+# a client sends it) and the rule that reads it (Ledger.record).
 from libc.stdint cimport int64_t
 
 
@@ -23,6 +24,8 @@ cdef struct ArrivalRecord:
                               # dropped while others wait for KV (GIE's negative priority)
     int64_t prompt_hash       # a hash of its prompt's tokens (0: unknown): a retry repeats it,
                               # a new client with the same numbers seldom does (the retry line)
+    double max_queue_delay_s  # its own cap on its predicted queueing delay at arrival, seconds
+                              # (<= 0: the config's max_queue_delay_s alone; else the tighter)
 
 
 cdef ArrivalRecord record_of(object record) except *

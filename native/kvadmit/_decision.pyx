@@ -132,6 +132,9 @@ cdef class Decision(Judge):
         # the cap on its predicted queueing delay (0: none)
         cdef double cap = self.gate.max_queue_delay_s
         cdef str limit = "max_queue_delay_s"
+        cdef double own = self.ledger.record(s).max_queue_delay_s
+        if own > 0 and (cap <= 0 or own < cap):   # a request may only tighten it
+            cap, limit = own, "kvadmit_max_queue_delay_s"
         if cap > 0 or ttft_guarded:
             self.queue.c_ahead_of_slot(s, &ahead, &ahead_tokens)
             delay = self.c_predicted_delay(ahead, ahead_tokens, queued)
