@@ -9,12 +9,14 @@ flows by `x-gateway-inference-fairness-id`: kvadmit's `flow` (the id as it is: d
 are that integer, any other text a stable hash), whose fair share of the KV pool
 docs/flows.md describes. GIE's sheddable class (an objective of negative priority)
 does not reach the engine, so a gateway route marks it with `x-kvadmit-sheddable:
-true`: kvadmit's `sheddable` (docs/capacity.md).
+true`: kvadmit's `sheddable` (docs/capacity.md), and a client's own cap on its queueing
+delay `x-kvadmit-max-queue-delay` (a duration): kvadmit's `max_queue_delay_s`. Which
+header carries which field, in what unit, is declared in kvadmit.request_fields.SCHEMA.
 vLLM passes no header to the engine, so this ASGI middleware (installed when the
 API server app is built, as the Retry-After one, vllm_retry_after.py) writes them into the JSON body
 of completion and chat-completion requests as the flat `vllm_xargs` keys kvadmit
 reads (`kvadmit_ttft_slo_s`, `kvadmit_tpot_slo_s`, `kvadmit_ttl_s` in seconds,
-`kvadmit_flow`, `kvadmit_sheddable`). A field the body already
+`kvadmit_flow`, `kvadmit_sheddable`, `kvadmit_max_queue_delay_s`). A field the body already
 sets wins; a malformed header is passed on as it is, so kvadmit refuses it as
 `invalid` naming the field. Other requests pass through untouched.
 """

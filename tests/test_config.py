@@ -140,3 +140,21 @@ def test_the_core_config_knows_no_adapter_key_yet_every_engine_names_them():
     assert "'native_allocator' is a vLLM-only setting" in out and "unknown key" not in out
     with pytest.raises(ValueError, match="'policy' is a key of the core's AdmissionConfig"):
         config.register_adapter_keys(["policy"], "is taken")
+
+
+@pytest.mark.parametrize("policy, shortfall, expected", [
+    ("auto", "auto", "preempt"),          # auto would pause: the engine cannot
+    ("peak", "auto", "preempt"),          # would not pause anyway: the same, resolved
+    ("auto", "preempt", "preempt"),
+    ("auto", "pause", None),              # an explicit pause the engine cannot do
+])
+def test_shortfall_is_resolved_once_for_an_engine_that_cannot_pause(policy, shortfall, expected):
+    cfg = AdmissionConfig(policy=policy, shortfall=shortfall)
+    assert cfg.for_engine(None) is cfg                # an engine that can pause keeps it
+    if expected is None:
+        with pytest.raises(ConfigError, match="shortfall='pause': no pausing here; use "
+                                              "shortfall='preempt'"):
+            cfg.for_engine("no pausing here")
+        return
+    out = cfg.for_engine("no pausing here")
+    assert out.shortfall == expected and not out.pause_on_shortfall

@@ -144,7 +144,8 @@ def core_calls(root: pathlib.Path) -> list[str]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr == "core":
                 out.append(f"{rel}:{node.lineno} .core")
-            elif isinstance(node, ast.Name) and node.id == "AdmissionCore":
+            elif (isinstance(node, ast.Name) and node.id == "AdmissionCore") or \
+                    (isinstance(node, ast.Attribute) and node.attr == "AdmissionCore"):
                 out.append(f"{rel}:{node.lineno} AdmissionCore")
             elif isinstance(node, ast.ImportFrom) and path.name != "__init__.py" and \
                     any(a.name == "AdmissionCore" for a in node.names):
@@ -243,6 +244,7 @@ def test_the_length_check_counts_methods_and_nested_functions(tmp_path):
      ["m.py:1 imports AdmissionCore", "m.py:2 AdmissionCore"]),
     ("def f(adapter):\n    return adapter.core.stats()\n", ["m.py:2 .core"]),
     ("def f(adapter):\n    return adapter.port.stats(), adapter.engine_core\n", []),
+    ("import kvadmit._native as n\nc = n.AdmissionCore(cfg, 1, 1)\n", ["m.py:2 AdmissionCore"]),
 ])
 def test_the_port_check_finds_core_calls(tmp_path, text, found):
     pkg = write(tmp_path, {"m.py": text, "port.py": "from kvadmit import AdmissionCore\n"})

@@ -197,3 +197,13 @@ def test_a_request_may_take_kv_only_under_priority_or_flows():
     assert not core.may_take_kv()
     core.arrive(ArrivalRecord(8, 4, flow=1), now=0.0)
     assert core.may_take_kv()
+
+
+def test_flows_only_leaves_priority_retraction_out():
+    """An engine that does not retract by priority (SGLang with its priority preemption
+    off) asks for flow displacement alone: lower priorities are not its to take."""
+    core = make_core("overcommit", num_blocks=1000, queue_order="priority")
+    slots = [add_running(core, 10, 50, generated=2, priority=pr) for pr in (3, 9)]
+    s = add_waiting(core, 10, 10, priority=0)
+    assert core.displaceable(s) == [slots[1], slots[0]]
+    assert core.displaceable(s, flows_only=True) == []       # no flow over its share either

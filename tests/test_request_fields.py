@@ -66,3 +66,11 @@ def test_bad_fields_name_themselves(extra, words):
     with pytest.raises(FieldError) as e:
         from_extra_args(extra, now_unix=NOW)
     assert words in str(e.value)
+
+
+def test_the_schema_keeps_its_order():
+    """RequestFields' positional order is the schema's; a new field goes at the end."""
+    from kvadmit.request_fields import FIELDS, SCHEMA
+    assert FIELDS == tuple(f.name for f in SCHEMA) == RequestFields._fields
+    assert FIELDS[:7] == ("ttft_slo_s", "tpot_slo_s", "session", "deadline_s", "ttl_s", "flow",
+                          "sheddable")

@@ -510,7 +510,7 @@ cdef class AdmissionCore(CoreView):
 
     # ------------------------------------------------------------------
     # The step: the one place a step's sequence is written, for every engine (the
-    # engine bridge's `EngineBridge.step` / `step_done` translate onto it; the native
+    # core port's `CorePort.step` / `step_done` translate onto it; the native
     # engine model calls the c_ twins). `step` at the start of an engine step, before
     # it schedules anything; `step_done` once the engine has scheduled it.
     def step(self, double now, int64_t used_blocks, slots=(), computed_tokens=(),

@@ -3,7 +3,7 @@
 # engine's own step arithmetic, what each running request would compute, stays the
 # engine's: compat.running_step_tokens for vLLM).
 #
-# Before the step the engine asks the core for the victim order (the bridge's step)
+# Before the step the engine asks the core for the victim order (the port's step)
 # and puts its running list in it; then, here, in two halves, because the second
 # reads the running list the first leaves:
 #   1. displacement. c_candidate: the waiting request the core lets start on running

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -256,9 +255,6 @@ class AdmissionConfig:
             return self
         if self.shortfall == "pause":
             raise ConfigError(f"shortfall={self.shortfall!r}: {cannot_pause}; use shortfall='preempt'")
-        if self.pause_on_shortfall:
-            logging.getLogger("kvadmit").info("kvadmit: %s; shortfall=auto preempts instead",
-                                              cannot_pause)
         return self.replace(shortfall="preempt")
 
     @property

@@ -69,8 +69,8 @@ class StepReport:
 class StepPlan:
     """The core's plan for the step (`CorePort.step`). Admissions stay the gate's
     answers to the engine's own loop (`AdmissionCore.next_admissible` per candidate,
-    as allocation goes) and pauses the pause plan's (`AdmissionCore.plan_shortfall`,
-    which needs the engine's per-request token arithmetic)."""
+    as allocation goes), displacement and pauses the step planner's
+    (`kvadmit._step_plan.StepPlanner`, which needs the engine's own numbers)."""
     # Running slots from most protected to first victim (engines preempt from the end).
     victim_order: list
     # Waiting requests that must not reach prefill, no longer tracked: [(obj,

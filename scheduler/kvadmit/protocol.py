@@ -80,7 +80,7 @@ _INFO: dict[str, ReasonInfo] = {
         None, "the engine's prefill backlog is full, or the prompt alone exceeds it "
               "(kvadmit max_queued_tokens)"),
     "queue_delay": ReasonInfo(True, "the predicted wait in the engine's queue exceeds kvadmit "
-                                    "max_queue_delay_s"),
+                                    "max_queue_delay_s (the config's, or the request's own)"),
     "shed": ReasonInfo(True, "the request was shed from a full queue for a higher-priority request"),
     "slo_infeasible": ReasonInfo(True, "the predicted time to first token exceeds the request's "
                                        "TTFT target (ttft_slo_s / deadline_s, or the server's default)"),

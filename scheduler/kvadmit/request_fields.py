@@ -179,6 +179,7 @@ def _seconds_field(hi: float, zero: str):
     return lambda v, name, now: _seconds(v, name, hi, zero)
 
 
+# In RequestFields' order: a new field goes at the end (positional uses stay valid).
 SCHEMA = (
     Field("ttft_slo_s", _seconds_field(MAX_TTFT_S, "no target"), -1.0, "ttft_slo_s",
           b"x-slo-ttft-ms", "ms", "its TTFT target, seconds (-1: the config's default)"),
@@ -194,13 +195,14 @@ SCHEMA = (
     Field("flow", lambda v, name, now: flow_int(v, name), -1, "flow",
           b"x-gateway-inference-fairness-id", "text",
           "its tenant or workload for the fair share of the KV pool (docs/flows.md)"),
+    Field("sheddable", lambda v, name, now: flag(v, name), False, "sheddable",
+          b"x-kvadmit-sheddable", "text",
+          "best-effort traffic: served after all other, dropped while other waits for KV "
+          "(docs/capacity.md)"),
     Field("max_queue_delay_s", _seconds_field(MAX_TTFT_S, "the config's"), -1.0,
           "max_queue_delay_s", b"x-kvadmit-max-queue-delay", "duration",
           "its own cap on its predicted queueing delay at arrival, seconds: refused "
           "(queue_delay) past the tighter of it and the config's max_queue_delay_s"),
-    Field("sheddable", lambda v, name, now: flag(v, name), False, "sheddable", b"x-kvadmit-sheddable", "text",
-          "best-effort traffic: served after all other, dropped while other waits for KV "
-          "(docs/capacity.md)"),
 )
 FIELDS = tuple(f.name for f in SCHEMA)
 BY_NAME = {f.name: f for f in SCHEMA}

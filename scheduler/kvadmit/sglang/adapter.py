@@ -6,10 +6,10 @@ keeps a map from SGLang request ids (``Req.rid``) to core slots and reports
 progress. Everything here is a pure function of scheduler state (the waiting
 queue, the running batch, the allocator's free tokens) and of the adapter's
 clock, so every tensor-parallel rank takes the same decisions. The clock feeds
-decisions only with ``slo_guard``, ``agent_window`` or ``max_queue_delay_s``
-(step times, deadlines, idle sessions, drain rate); on a server with several
-ranks per waiting queue the adapter then takes rank 0's clock, which rides
-SGLang's per-iteration request broadcast (`ClockTick`), instead of its own.
+decisions (step times, deadlines, idle sessions, the drain rate, TTLs), through the
+config or through any request's own fields (``ttl_s``, ``max_queue_delay_s``): on a
+server with several ranks per waiting queue the adapter takes rank 0's clock, which
+rides SGLang's per-iteration request broadcast (`ClockTick`), instead of its own.
 
 The configuration as SGLang runs it is `kvadmit.sglang.settings`; one request's
 numbers, and a refusal's finish reason, `kvadmit.sglang.request`.
@@ -30,7 +30,7 @@ from kvadmit.arrival import ArrivalRecord
 from kvadmit.port import CorePort, StepReport
 from kvadmit.protocol import Refusal
 from kvadmit.sglang.request import arrival_record
-from kvadmit.sglang.settings import (clock_decides, engine_config, priority_config,
+from kvadmit.sglang.settings import (engine_config, priority_config,
                                      ranks_per_queue, step_budget_of, unsupported_reasons)
 
 logger = logging.getLogger("kvadmit.sglang")
@@ -179,7 +179,8 @@ class SGLangAdmission:
             max_model_len=int(getattr(scheduler, "max_req_len", 0) or 0),
             low_priority_values_first=bool(scheduler.schedule_low_priority_values_first),
             step_budget=step_budget_of(scheduler),
-            synced_clock=clock_decides(config) and ranks_per_queue(scheduler) > 1,
+            # any request's ttl_s or max_queue_delay_s lets the clock decide
+            synced_clock=ranks_per_queue(scheduler) > 1,
             vocab_size=int(getattr(getattr(scheduler, "model_config", None), "vocab_size", 0) or 0),
             priority_preemption=bool(getattr(scheduler, "enable_priority_preemption", False)),
         )
@@ -401,7 +402,7 @@ class SGLangAdmission:
                                            fresh=self._step_fresh))
 
     def end_step(self, now: Optional[float] = None, batch=None) -> None:
-        """After the scheduler chose ``batch``: its shape to the bridge (the step
+        """After the scheduler chose ``batch``: its shape to the port (the step
         timing charges the next interval to it), which steps the core at the step's
         time ``now``."""
         now = self.now() if now is None else now

@@ -3,9 +3,8 @@
 The JSON comes from ``--kvadmit-config`` or ``KVADMIT_CONFIG`` (`config_text_from_env`)
 and is checked for SGLang (`load_config`, `engine_config`); the server's own flags
 then shape it (`priority_config`, `step_budget_of`) unless the operator wrote the key
-(`explicit_keys`). Whether the clock feeds decisions (`clock_decides`) and how many
-ranks run one waiting queue (`ranks_per_queue`) say whether the adapter must take
-rank 0's clock. Setups kvadmit does not manage are named at start-up
+(`explicit_keys`). How many ranks run one waiting queue (`ranks_per_queue`) says
+whether the adapter must take rank 0's clock. Setups kvadmit does not manage are named at start-up
 (`unsupported_reasons`).
 
 SGLang is imported lazily (only `unsupported_reasons` and `ranks_per_queue` need it).
@@ -92,11 +91,6 @@ def priority_config(config: AdmissionConfig, scheduler, explicit: frozenset = fr
         threshold = int(getattr(scheduler, "priority_scheduling_preemption_threshold", 0) or 0)
         config = config.replace(priority_preemption_threshold=min(max(threshold, 0), NO_PREEMPTION))
     return config
-
-
-def clock_decides(config: AdmissionConfig) -> bool:
-    """Whether wall time feeds the core's decisions under this configuration."""
-    return config.slo_guard or config.agent_window or config.max_queue_delay_s > 0
 
 
 def step_budget_of(scheduler) -> int:

@@ -140,7 +140,7 @@ class VllmAdmission:
         # The waiting slot this step's displacement preempted running requests for: it
         # starts first (its victims, back in the queue, may rank before it there).
         self._displaced_for: int | None = None
-        # True while _displace_for_waiting preempts: the Scheduler tells the core so
+        # True while _displace preempts: the Scheduler tells the core so
         self.displacing = False
         # kvadmit's own errors inside vLLM's engine (fail_open): none yet.
         self.internal_errors = 0

@@ -244,9 +244,11 @@ class _KvadmitMixin:
         if self._kvadmit_single_full_attention_group():
             return cfg.for_engine(None)
         groups = self.kv_cache_config.kv_cache_groups
-        return cfg.for_engine(
-            f"pausing needs one full-attention KV cache group; this model has {len(groups)} "
-            f"group(s) of {sorted({type(g.kv_cache_spec).__name__ for g in groups})}")
+        why = (f"pausing needs one full-attention KV cache group; this model has {len(groups)} "
+               f"group(s) of {sorted({type(g.kv_cache_spec).__name__ for g in groups})}")
+        if cfg.pause_on_shortfall and cfg.shortfall == "auto":
+            logger.info("kvadmit: %s; shortfall=auto preempts instead", why)
+        return cfg.for_engine(why)
 
     def _kvadmit_single_full_attention_group(self) -> bool:
         """The pause plan counts blocks for one full-attention group (listed in its
