@@ -33,7 +33,6 @@ cdef class Ledger:
     cdef vector[int64_t] _shared     # prompt tokens in blocks other running requests hold (auto)
     cdef vector[int64_t] _held_step  # the step its last hold was counted in
     cdef vector[int64_t] _session    # its agent session (-1: none)
-    cdef vector[int64_t] _prompt_hash   # its record's prompt_hash (0: unknown)
     cdef vector[int32_t] _bypassed, _preempts
     cdef vector[char] _state, _unstarted
     cdef vector[char] _sheddable     # its record's class: served after, and gives way to, all others
@@ -41,8 +40,7 @@ cdef class Ledger:
     cdef vector[double] _ttft, _tpot, _arrive_t
     cdef vector[double] _engine_t, _engine_tie   # the engine's arrival time and tie-break
     cdef vector[double] _expire_at   # when it is dropped if it has not started (INFINITY: never)
-    cdef vector[double] _ttl_s       # its record's own ttl_s (negative: the config's default)
-    cdef vector[ArrivalRecord] _rec  # its arrival record, whole (a field no rule above reads yet)
+    cdef vector[ArrivalRecord] _rec  # its arrival record, whole (its ttl_s, prompt_hash, ...)
     cdef vector[int64_t] _flow       # its flow id (-1: none)
     cdef vector[int32_t] _flow_ix    # its flow's index in kvadmit._flows.FlowTable (0: no flow)
     # per flow index: requests live (waiting or running), waiting, and their prefill tokens
@@ -98,7 +96,7 @@ cdef class Ledger:
     cdef inline int64_t session(self, int32_t s) noexcept nogil:
         return self._session[s]
     cdef inline int64_t prompt_hash(self, int32_t s) noexcept nogil:
-        return self._prompt_hash[s]
+        return self._rec[s].prompt_hash
     cdef inline int32_t bypassed(self, int32_t s) noexcept nogil:
         return self._bypassed[s]
     cdef inline bint unstarted(self, int32_t s) noexcept nogil:
@@ -128,7 +126,7 @@ cdef class Ledger:
     cdef inline double expire_at(self, int32_t s) noexcept nogil:
         return self._expire_at[s]
     cdef inline double ttl_s(self, int32_t s) noexcept nogil:
-        return self._ttl_s[s]
+        return self._rec[s].ttl_s
     cdef inline const ArrivalRecord* record(self, int32_t s) noexcept nogil:
         """s's arrival record as it arrived."""
         return &self._rec[s]

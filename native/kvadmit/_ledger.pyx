@@ -55,9 +55,8 @@ cdef class Ledger:
             self._ttft.push_back(0.0); self._tpot.push_back(0.0); self._arrive_t.push_back(0.0)
             self._engine_t.push_back(0.0); self._engine_tie.push_back(0.0)
             self._expire_at.push_back(0.0)
-            self._ttl_s.push_back(-1.0)
             self._rec.push_back(r[0])
-            self._session.push_back(-1); self._activated_by.push_back(0); self._prompt_hash.push_back(0)
+            self._session.push_back(-1); self._activated_by.push_back(0)
             self._flow.push_back(-1); self._flow_ix.push_back(0)
         self._prompt[s] = r.prompt_tokens
         self._cached[s] = r.cached_tokens
@@ -65,7 +64,6 @@ cdef class Ledger:
         self._max_new[s] = r.max_new_tokens
         self._priority[s] = r.priority
         self._sheddable[s] = r.sheddable
-        self._prompt_hash[s] = r.prompt_hash
         self._arrival[s] = self._seq
         self._seq += 1
         self._admit_seq[s] = self._admit_step[s] = self._held_step[s] = -1
@@ -77,7 +75,6 @@ cdef class Ledger:
         self._engine_t[s] = r.arrival_time
         self._engine_tie[s] = r.arrival_tie
         self._expire_at[s] = expire_at
-        self._ttl_s[s] = r.ttl_s
         self._rec[s] = r[0]
         self._session[s] = session
         self._flow[s] = r.flow

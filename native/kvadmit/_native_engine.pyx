@@ -137,13 +137,13 @@ cdef class NativeEngine(EngineState):
         cdef int64_t hits, fresh, n, freed, kept
         cdef int64_t* rows
         cdef size_t i, j, nr = self._running.size()
-        cdef int32_t s = self.planner.c_candidate(self.allocator.c_num_free()), r, v, b
+        cdef int32_t s = self.planner.c_candidate(self.allocator.c_num_free(), False), r, v, b
         self._pinned = -1
         if s >= 0:
             r = self._slot_req[s]
             self.planner.need = self._prompt_need(r, self._prompt[r] + self._gen[r], budget[0],
                                                   &hits, &fresh, &n)
-            if self.planner.c_short(self.allocator.c_num_free(), nr):
+            if self.planner.c_short(self.allocator.c_num_free(), nr) and self.planner.c_victims():
                 for i in range(self.planner.victims.size()):
                     v = self._slot_req[self.planner.victims[i]]
                     freed = kept = 0

@@ -47,7 +47,8 @@ cdef class StepPlanner:
     cdef int64_t n_rows
     cdef vector[char] paused               # per row: sits this step out
 
-    cdef int32_t c_candidate(self, int64_t free_blocks) noexcept nogil
+    cdef int32_t c_candidate(self, int64_t free_blocks, bint with_victims) noexcept nogil
+    cdef size_t c_victims(self) noexcept nogil
     cdef bint c_short(self, int64_t free_blocks, int64_t running) noexcept nogil
     cdef size_t c_displace(self, int64_t free_blocks, int64_t running) noexcept nogil
     cdef int64_t* c_rows(self, int64_t n) noexcept nogil

@@ -49,10 +49,10 @@ cdef class StepPlanner:
         self.candidate = -1
 
     # -- 1. displacement --------------------------------------------------------------
-    cdef int32_t c_candidate(self, int64_t free_blocks) noexcept nogil:
+    cdef int32_t c_candidate(self, int64_t free_blocks, bint with_victims) noexcept nogil:
         """The waiting request the core lets start now, if running requests' KV may be
-        taken for it (its displaceable ones in `victims`, their `freed` at -1 until the
-        engine fills them in); -1: none."""
+        taken for it; -1: none. `with_victims`: its displaceable ones too (`c_victims`),
+        and -1 where it has none; else the engine asks `c_victims` once it is short."""
         self.candidate, self.need = -1, 0
         self.victims.clear()
         self.displaced.clear()
@@ -61,13 +61,18 @@ cdef class StepPlanner:
         cdef int32_t s = self.core.c_next_admissible(free_blocks, False)
         if s < 0:
             return -1
-        self.core.c_displaceable(s, self.victims)
-        if self.victims.empty():
-            return -1
+        self.candidate = s
+        if with_victims and self.c_victims() == 0:
+            self.candidate = -1
+        return self.candidate
+
+    cdef size_t c_victims(self) noexcept nogil:
+        """The candidate's displaceable ones, first victim first, into `victims`, their
+        `freed` at -1 until the engine fills them in; how many."""
+        self.core.c_displaceable(self.candidate, self.victims)
         self.freed.assign(self.victims.size(), -1)
         self.kept.assign(self.victims.size(), 0)
-        self.candidate = s
-        return s
+        return self.victims.size()
 
     cdef bint c_short(self, int64_t free_blocks, int64_t running) noexcept nogil:
         """Whether the candidate's need, with the watermark beside it while `running`
@@ -116,7 +121,7 @@ cdef class StepPlanner:
     def find_candidate(self, int64_t free_blocks):
         """`c_candidate`: (slot, its displaceable slots, first victim first), or (-1, [])."""
         _check_counts(free_blocks=free_blocks)
-        cdef int32_t s = self.c_candidate(free_blocks)
+        cdef int32_t s = self.c_candidate(free_blocks, True)
         return s, [v for v in self.victims]
 
     def is_short(self, int64_t need, int64_t free_blocks, int64_t running):

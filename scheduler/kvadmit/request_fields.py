@@ -205,7 +205,6 @@ SCHEMA = (
           "(queue_delay) past the tighter of it and the config's max_queue_delay_s"),
 )
 FIELDS = tuple(f.name for f in SCHEMA)
-BY_NAME = {f.name: f for f in SCHEMA}
 # Header -> field, for the vLLM header patch (lower-case header names)
 HEADERS = {f.header: f for f in SCHEMA if f.header is not None}
 # The arrival record's columns the fields fill

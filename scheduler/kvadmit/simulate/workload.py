@@ -48,16 +48,10 @@ class Workload:
         n = len(self.arrival_s)
         for name, col in (*((name, getattr(self, name)) for name in (
                 "prompt_tokens", "output_tokens", "max_tokens", "hashed_tokens", "parent",
-                "delay_s", *self._own_record_columns())), *self.record_columns.items()):
+                "delay_s", *OWN_RECORD_COLUMNS)), *self.record_columns.items()):
             if col is not None and len(col) != n:
                 raise ValueError(f"workload {self.name}: {name} has {len(col)} entries, expected {n}")
 
-    @staticmethod
-    def _own_record_columns() -> tuple:
-        """The arrival record's columns this dataclass holds as fields of its own
-        (prompt_tokens, and max_tokens for max_new_tokens, go first, by position)."""
-        return tuple(c for c in RECORD_COLUMNS
-                     if c in Workload.__dataclass_fields__ and c != "prompt_tokens")
 
     def __len__(self) -> int:
         return len(self.arrival_s)
@@ -73,7 +67,7 @@ class Workload:
                             hashed_tokens=self.hashed_tokens,
                             hash_offsets=self.hash_offsets if with_ids else None,
                             hash_ids=self.hash_ids if with_ids else None,
-                            **{c: getattr(self, c) for c in self._own_record_columns()},
+                            **{c: getattr(self, c) for c in OWN_RECORD_COLUMNS},
                             **self.record_columns)
         except ValueError as e:
             raise ValueError(f"workload {self.name}: {e}") from None
@@ -114,6 +108,13 @@ class Workload:
         arr = [t0 + (a - t0) / factor if self.is_open(i) else a for i, a in enumerate(self.arrival_s)]
         return dataclasses.replace(self, arrival_s=arr)
 
+
+
+
+# The arrival record's columns Workload holds as fields of its own (prompt_tokens, and
+# max_tokens for max_new_tokens, go to Requests first, by position)
+OWN_RECORD_COLUMNS = tuple(c for c in RECORD_COLUMNS
+                           if c in Workload.__dataclass_fields__ and c != "prompt_tokens")
 
 def from_trace(path: str | pathlib.Path, limit: int | None = None, rate: float = 1.0,
                max_tokens_rule: str = "cap", max_tokens_cap: int = 2048,
