@@ -105,15 +105,16 @@ MIDDLEWARE_HOOK = Target("vllm.entrypoints.launchers.app:init_entrypoints_middle
                          ("args", "app"))
 
 
-def add_app_middleware(middleware) -> None:
+def add_app_middleware(middleware, options=None) -> None:
     """Adds the ASGI `middleware` to vLLM's API server app where vLLM adds its own
-    (init_entrypoints_middleware, when the app is built), once per middleware."""
+    (init_entrypoints_middleware, when the app is built), once per middleware;
+    ``options(args)``, if given, makes its keyword arguments from the server's."""
     import vllm.entrypoints.launchers.app as app_module
 
     def make(original):
         def init_entrypoints_middleware(args, app, *rest, **kwargs):
             result = original(args, app, *rest, **kwargs)
-            app.add_middleware(middleware)
+            app.add_middleware(middleware, **(options(args) if options is not None else {}))
             return result
         return init_entrypoints_middleware
 

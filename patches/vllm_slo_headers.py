@@ -18,13 +18,26 @@ of completion and chat-completion requests as the flat `vllm_xargs` keys kvadmit
 reads (`kvadmit_ttft_slo_s`, `kvadmit_tpot_slo_s`, `kvadmit_ttl_s` in seconds,
 `kvadmit_flow`, `kvadmit_sheddable`, `kvadmit_max_queue_delay_s`). A field the body already
 sets wins; a malformed header is passed on as it is, so kvadmit refuses it as
-`invalid` naming the field. Other requests pass through untouched.
+`invalid` naming the field.
+
+It is also where the API server decides who may raise a request's claim
+(kvadmit.trust, docs/trust-and-failure.md): where the config's `untrusted_fields`
+resolves to ignore or refuse, every POST whose JSON body names a field that would raise
+its claim (a `kvadmit_*` key of `vllm_xargs`, headers included, or a negative
+`priority`) is screened: from a trusted source (the gateway secret's header, or a peer
+in `trusted_proxies`) it passes, with the gateway's headers winning over the body;
+from any other client each raise is removed (the server's default applies) and
+counted in `kvadmit_untrusted_fields_total{field}`, or the request is refused with 400
+naming them. The secret's header never reaches vLLM. Other requests pass through
+untouched.
 """
 from __future__ import annotations
 
 import json
+import time
 
-from kvadmit.request_fields import FLAT_PREFIX, HEADERS
+from kvadmit.request_fields import FLAT_PREFIX, HEADERS, KEY
+from kvadmit.trust import SECRET_HEADER, count, refusal_message
 from kvadmit_patches import MIDDLEWARE_HOOK, add_app_middleware, require
 
 TARGET = "vllm.entrypoints.launchers.app.init_entrypoints_middleware"
@@ -66,47 +79,128 @@ def duration_s(text: str) -> float:
 def with_fields(body: bytes, fields: dict) -> bytes | None:
     """The JSON body with `fields` added to its vllm_xargs (the body's own win);
     None if the body is not a JSON object."""
+    doc = _json_object(body)
+    if doc is None or not _merge(doc, fields, headers_win=False):
+        return None
+    return json.dumps(doc).encode()
+
+
+def _json_object(body: bytes) -> dict | None:
     try:
         doc = json.loads(body or b"{}")
     except ValueError:
         return None
-    if not isinstance(doc, dict):
-        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _merge(doc: dict, fields: dict, headers_win: bool) -> bool:
+    """Puts the header fields into the body's vllm_xargs (False: vllm_xargs is not an
+    object, left for vLLM to refuse)."""
     xargs = doc.get("vllm_xargs")
     if xargs is None:
         xargs = {}
     if not isinstance(xargs, dict):
-        return None
-    doc["vllm_xargs"] = {**fields, **xargs}
-    return json.dumps(doc).encode()
+        return False
+    if fields:
+        doc["vllm_xargs"] = {**xargs, **fields} if headers_win else {**fields, **xargs}
+    return True
+
+
+def screen(doc: dict, trust, now_unix: float) -> list[str]:
+    """An untrusted request's raises (kvadmit.trust), by the names the client used
+    (kvadmit_<field> in vllm_xargs, priority): their values removed from `doc` (the
+    server's defaults apply). A value that does not parse is left for kvadmit to
+    refuse as invalid."""
+    xargs = doc.get("vllm_xargs") if isinstance(doc.get("vllm_xargs"), dict) else {}
+    values = {k[len(FLAT_PREFIX):]: v for k, v in xargs.items() if k.startswith(FLAT_PREFIX)}
+    names = [FLAT_PREFIX + f for f in trust.raised(values, now_unix)]
+    for key in names:
+        del xargs[key]
+    nested = xargs.get(KEY)          # the object form, should a release let it through
+    if isinstance(nested, dict):
+        for f in trust.raised(nested, now_unix):
+            del nested[f]
+            names.append(f"{KEY}.{f}")
+    priority = doc.get("priority")
+    if isinstance(priority, int) and not isinstance(priority, bool) and priority < 0:
+        doc.pop("priority")
+        names.append("priority")
+    return names
 
 
 class SloHeaderMiddleware:
-    def __init__(self, app):
+    """The gateway headers into vllm_xargs, and who may raise a claim (kvadmit.trust):
+    with `trust` screening, a request that is not from a trusted source has its raises
+    removed (counted) or is refused with 400; a trusted one's headers win over its
+    body. The gateway secret's header is always removed."""
+
+    def __init__(self, app, trust=None):
         self.app = app
+        self.trust = trust
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in PATHS:
+        if scope["type"] != "http" or scope.get("method") != "POST":
             return await self.app(scope, receive, send)
-        fields = slo_fields(scope.get("headers", []))
-        if not fields:
+        headers = scope.get("headers", [])
+        if any(k.lower() == SECRET_HEADER for k, _ in headers):
+            scope = {**scope, "headers": [(k, v) for k, v in headers if k.lower() != SECRET_HEADER]}
+        fields = slo_fields(headers) if scope.get("path") in PATHS else {}
+        screening = self.trust is not None and self.trust.screens
+        if not fields and not screening:
             return await self.app(scope, receive, send)
-        chunks, more = [], True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return await self.app(scope, _replay([message]), send)
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
-        new = with_fields(body, fields)
-        if new is None:
-            new = body
+        body, early = await _read_body(receive)
+        if early is not None:
+            return await self.app(scope, _replay([early]), send)
+        doc = _json_object(body)
+        trusted = not screening or self.trust.trusted(headers, (scope.get("client") or (None,))[0])
+        raised = []
+        if doc is not None and _merge(doc, fields, headers_win=screening and trusted):
+            if not trusted:
+                raised = screen(doc, self.trust, time.time())
+                count(raised)
+            body = json.dumps(doc).encode()
+        if raised and self.trust.mode == "refuse":
+            return await _refuse(send, raised)
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
-        headers.append((b"content-length", str(len(new)).encode()))
+        headers.append((b"content-length", str(len(body)).encode()))
         scope = {**scope, "headers": headers}
-        await self.app(scope, _replay([{"type": "http.request", "body": new, "more_body": False}],
+        await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}],
                                       receive), send)
+
+
+async def _read_body(receive) -> tuple[bytes, dict | None]:
+    """The whole request body, or a non-body message that came first."""
+    chunks, more = [], True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"", message
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    return b"".join(chunks), None
+
+
+async def _refuse(send, names: list[str]) -> None:
+    """400 in vLLM's error shape, naming the fields (untrusted_fields: refuse)."""
+    body = json.dumps({"error": {"message": refusal_message(names), "type": "BadRequestError",
+                                 "param": names[0], "code": 400}}).encode()
+    await send({"type": "http.response.start", "status": 400,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def trust_of(args):
+    """The trust rule of a vLLM API server's arguments: None unless kvadmit is its
+    scheduler (kvadmit's settings are then checked where vLLM builds its config)."""
+    from kvadmit.trust import Trust
+    from kvadmit.vllm.plugin import _names_kvadmit
+    from kvadmit.vllm.settings import configs_of
+
+    if not _names_kvadmit(getattr(args, "scheduler_cls", None)):
+        return None
+    config, _ = configs_of(getattr(args, "additional_config", None))
+    return Trust.of(config)
 
 
 def _replay(messages, then=None):
@@ -124,5 +218,5 @@ def apply() -> bool:
     """Installs the middleware hook once; PatchUnavailable (nothing done) where it
     cannot apply."""
     require(__name__)
-    add_app_middleware(SloHeaderMiddleware)
+    add_app_middleware(SloHeaderMiddleware, lambda args: {"trust": trust_of(args)})
     return True

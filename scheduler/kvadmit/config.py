@@ -18,6 +18,8 @@ from kvadmit._native import POLICIES, VICTIMS
 QUEUE_ORDERS = ("fcfs", "priority", "deadline")
 HEAD_OF_LINE = ("auto", "strict", "bypass")
 SHORTFALLS = ("auto", "preempt", "pause")
+FAILURE_MODES = ("open", "closed")
+UNTRUSTED_FIELDS = ("auto", "honour", "ignore", "refuse")
 
 
 class ConfigError(ValueError):
@@ -49,6 +51,10 @@ FLOW_KEYS = {"weight": ("float", 0.0, MAX_FLOW_WEIGHT),
 
 def flows_rule(doc: str) -> dict:
     return {"kind": "flows", "doc": doc}
+
+
+def addresses_rule(doc: str) -> dict:
+    return {"kind": "addresses", "doc": doc}
 
 
 @dataclass(frozen=True)
@@ -177,6 +183,21 @@ class AdmissionConfig:
         0, 1_000_000, "agent window: intervals after a decrease during which W does not grow"))
     agent_idle_s: float = field(default=60.0, metadata=float_rule(
         0.0, 86400.0, "agent window: a session with nothing queued or running this long leaves it"))
+    on_internal_error: str = field(default="open", metadata=choice_rule(
+        FAILURE_MODES, "when kvadmit's own code raises inside the engine: open (hand every held "
+        "request to the engine's own scheduling and pass everything through from then on) or "
+        "closed (refuse every held and every new request with a named 503 until restart; running "
+        "requests finish). See docs/trust-and-failure.md"))
+    untrusted_fields: str = field(default="auto", metadata=choice_rule(
+        UNTRUSTED_FIELDS, "a request field that raises its claim (flow, session, a priority above "
+        "the default, a tighter SLO or deadline, a longer TTL) from a client that is not a trusted "
+        "source: honour it, ignore it (counted per field), or refuse the request with 400; auto: "
+        "honour while nothing is configured that a claim could take from others (no flows, "
+        "queue_order fcfs, no agent window, no trusted source), else ignore. See docs/trust-and-failure.md"))
+    trusted_proxies: list = field(default_factory=list, metadata=addresses_rule(
+        "addresses (IP or CIDR) of the gateways or proxies whose requests may raise their claim "
+        "(the peer address of the HTTP connection); the other trusted source is a gateway "
+        "carrying the shared secret of KVADMIT_GATEWAY_SECRET in x-kvadmit-gateway-secret"))
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -373,6 +394,8 @@ def _allowed(rule: Mapping[str, Any]) -> str:
         return " \\| ".join(f"`{o}`" for o in rule["options"])
     if kind == "bool":
         return "`true` \\| `false`"
+    if kind == "addresses":
+        return "list of IP addresses or CIDR networks"
     if kind == "flows":
         return "object: flow -> {" + ", ".join(
             f"`{k}`: {'(' if k == 'weight' else '['}{lo}, {hi}]"
@@ -394,6 +417,8 @@ def _check(f: dataclasses.Field, value: Any) -> None:
             raise ConfigError(f"{where}: must be true or false")
     elif kind == "flows":
         _check_flows(f.name, value)
+    elif kind == "addresses":
+        _check_addresses(f.name, value)
     elif kind == "int":
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{where}: must be an integer in [{rule['lo']}, {rule['hi']}]")
@@ -444,3 +469,19 @@ def _check_flows(name: str, value: Any) -> None:
                     raise ConfigError(f"{at}: must be a number in ({lo}, {hi:g}]")
                 if not lo < v <= hi:
                     raise ConfigError(f"{at}: out of range ({lo}, {hi:g}]")
+
+
+def _check_addresses(name: str, value: Any) -> None:
+    """A list of IP addresses or CIDR networks (strings)."""
+    import ipaddress
+    if not isinstance(value, list):
+        raise ConfigError(f"kvadmit config: {name}={value!r}: must be a list of IP addresses "
+                          f"or CIDR networks, as strings")
+    for i, item in enumerate(value):
+        try:
+            if not isinstance(item, str):
+                raise ValueError("not a string")
+            ipaddress.ip_network(item, strict=False)
+        except ValueError as e:
+            raise ConfigError(f"kvadmit config: {name}[{i}]={item!r}: not an IP address or CIDR "
+                              f"network ({e})") from None

@@ -164,6 +164,10 @@ class Field:
     header: Optional[bytes] = None   # a gateway's header carrying it (patches/vllm_slo_headers.py)
     header_unit: str = "text"     # the header's value: "ms" (milliseconds), "duration" ("30s"), "text"
     doc: str = ""
+    # Whether a parsed value raises the request's claim over the server's default
+    # (value, config, now_unix) -> bool; None: it never does (it can only lower the
+    # claim). Who may raise one: kvadmit.trust.
+    raises: Optional[Callable[[Any, Any, float], bool]] = None
 
     def is_given(self, value) -> bool:
         """Whether a record column's value is one a request gave, not the default
@@ -179,22 +183,49 @@ def _seconds_field(hi: float, zero: str):
     return lambda v, name, now: _seconds(v, name, hi, zero)
 
 
+# The claim rules (Field.raises): each compares a parsed value with the config's default.
+def _given(v, config, now) -> bool:
+    return v >= 0
+
+
+def _tighter(default_key: str):
+    """A target is a raise when it is tighter than the config's default (0: none)."""
+    def raises(v, config, now) -> bool:
+        default = getattr(config, default_key)
+        return v > 0 and (default == 0 or v < default)
+    return raises
+
+
+def _deadline_raises(v, config, now) -> bool:
+    default = config.default_ttft_slo_s
+    return v is not None and (default == 0 or v - now < default)
+
+
+def _longer_ttl(v, config, now) -> bool:
+    """A TTL longer than the config's max_queue_age_s (0 in either: none) is a raise."""
+    cap = config.max_queue_age_s
+    return v >= 0 and cap > 0 and (v == 0 or v > cap)
+
+
 # In RequestFields' order: a new field goes at the end (positional uses stay valid).
 SCHEMA = (
     Field("ttft_slo_s", _seconds_field(MAX_TTFT_S, "no target"), -1.0, "ttft_slo_s",
-          b"x-slo-ttft-ms", "ms", "its TTFT target, seconds (-1: the config's default)"),
+          b"x-slo-ttft-ms", "ms", "its TTFT target, seconds (-1: the config's default)",
+          _tighter("default_ttft_slo_s")),
     Field("tpot_slo_s", _seconds_field(MAX_TPOT_S, "no target"), -1.0, "tpot_slo_s",
-          b"x-slo-tpot-ms", "ms", "its TPOT target, seconds (-1: the config's default)"),
+          b"x-slo-tpot-ms", "ms", "its TPOT target, seconds (-1: the config's default)",
+          _tighter("default_tpot_slo_s")),
     Field("session", lambda v, name, now: session_int(v, name), -1, "session", None, "text",
-          "its agent/session id, integer or string (-1: none)"),
+          "its agent/session id, integer or string (-1: none)", _given),
     Field("deadline_s", _deadline, None, None, None, "text",
-          "absolute UNIX time its first token is due by (tightens ttft_slo_s at arrival)"),
+          "absolute UNIX time its first token is due by (tightens ttft_slo_s at arrival)",
+          _deadline_raises),
     Field("ttl_s", _seconds_field(MAX_TTL_S, "none"), -1.0, "ttl_s", b"x-llm-d-inference-ttl",
           "duration", "seconds it may wait before it starts, else dropped as expired "
-          "(-1: the config's max_queue_age_s; 0: none)"),
+          "(-1: the config's max_queue_age_s; 0: none)", _longer_ttl),
     Field("flow", lambda v, name, now: flow_int(v, name), -1, "flow",
           b"x-gateway-inference-fairness-id", "text",
-          "its tenant or workload for the fair share of the KV pool (docs/flows.md)"),
+          "its tenant or workload for the fair share of the KV pool (docs/flows.md)", _given),
     Field("sheddable", lambda v, name, now: flag(v, name), False, "sheddable",
           b"x-kvadmit-sheddable", "text",
           "best-effort traffic: served after all other, dropped while other waits for KV "

@@ -31,6 +31,7 @@ from kvadmit.sglang import adapter as _adapter
 from kvadmit.sglang import http as _http
 from kvadmit.sglang import request as _request
 from kvadmit.sglang import settings as _settings
+from kvadmit.sglang import trust as _trust
 
 logger = logging.getLogger("kvadmit.sglang")
 
@@ -310,7 +311,8 @@ def cli_hooks() -> dict:
 
 
 def http_hooks() -> dict:
-    """The OpenAI server's hook, where that server imports: in a process without its
+    """The HTTP server's hooks (its answer to a refusal; who may raise a claim,
+    kvadmit.sglang.trust), where SGLang's OpenAI server imports: in a process without its
     dependencies (torchvision, say) no OpenAI server can run, and there is nothing to
     hook."""
     try:
@@ -319,7 +321,9 @@ def http_hooks() -> dict:
         logger.info("kvadmit: SGLang's OpenAI server does not import in this process (%s); "
                     "its refusal hook is not installed here", e)
         return {}
-    return {_http.T_HANDLE_REQUEST: (_http.around_handle_request, _hook_types().AROUND)}
+    H = _hook_types()
+    return {_http.T_HANDLE_REQUEST: (_http.around_handle_request, H.AROUND),
+            _trust.T_GENERATE: (_trust.before_generate_request, H.BEFORE)}
 
 
 def engine_hooks() -> dict:

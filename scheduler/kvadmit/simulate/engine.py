@@ -92,6 +92,7 @@ def native_engine(workload: Workload, config: AdmissionConfig, shape: EngineShap
 def run_native(workload: Workload, config: AdmissionConfig, shape: EngineShape,
                step: StepTimeModel, sample_interval_s: float | None = None,
                progress=None) -> RawRun:
+    workload = workload.screened(config)
     eng = native_engine(workload, config, shape, step, sample_interval_s)
     t0 = time.perf_counter()
     eng.add_requests(workload.requests(hash_ids=shape.prefix_caching))

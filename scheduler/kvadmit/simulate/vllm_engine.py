@@ -121,6 +121,8 @@ class VllmReplay:
                  step: StepTimeModel, model_dir: str, sample_interval_s: float | None = None,
                  seed: int = 0, engine_args: dict | None = None):
         workload.check_block_size(shape.block_size)
+        if config is not None:
+            workload = workload.screened(config)
         if sample_interval_s is None:
             sample_interval_s = workload.sample_interval_s()
         n = len(workload)

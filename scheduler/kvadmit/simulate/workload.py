@@ -16,7 +16,11 @@ from dataclasses import dataclass, field
 
 from kvadmit._arrival import COLUMNS as RECORD_COLUMNS
 from kvadmit._native import Requests
+from kvadmit.request_fields import SCHEMA
 from kvadmit.traces import load_trace, max_tokens_for, trace_name
+from kvadmit.trust import PRIORITY, Trust
+
+FIELDS = {f.name: f for f in SCHEMA}
 
 
 @dataclass
@@ -41,6 +45,7 @@ class Workload:
     sheddable: list[bool] | None = None        # per-request best-effort class (None: none is)
     # Any other arrival record column (kvadmit._arrival.COLUMNS), by name: one entry a request
     record_columns: dict[str, list] = field(default_factory=dict)
+    trusted: list[bool] | None = None          # from a trusted source (kvadmit.trust; None: all)
     description: str = ""
     meta: dict = field(default_factory=dict)
 
@@ -48,7 +53,7 @@ class Workload:
         n = len(self.arrival_s)
         for name, col in (*((name, getattr(self, name)) for name in (
                 "prompt_tokens", "output_tokens", "max_tokens", "hashed_tokens", "parent",
-                "delay_s", *OWN_RECORD_COLUMNS)), *self.record_columns.items()):
+                "delay_s", "trusted", *OWN_RECORD_COLUMNS)), *self.record_columns.items()):
             if col is not None and len(col) != n:
                 raise ValueError(f"workload {self.name}: {name} has {len(col)} entries, expected {n}")
 
@@ -71,6 +76,31 @@ class Workload:
                             **self.record_columns)
         except ValueError as e:
             raise ValueError(f"workload {self.name}: {e}") from None
+
+    def screened(self, config) -> "Workload":
+        """The requests as kvadmit takes them under `config`'s trust rule
+        (kvadmit.trust): an untrusted request's columns that raise its claim take their
+        defaults (priority 0), counted by field in meta["untrusted_fields"]."""
+        trust = Trust.of(config, {})
+        if self.trusted is None or all(self.trusted) or not trust.screens:
+            return self
+        columns = {**{c: getattr(self, c) for c in OWN_RECORD_COLUMNS}, **self.record_columns}
+        columns = {c: list(v) for c, v in columns.items() if v is not None and c != PRIORITY}
+        priority = list(self.priority) if self.priority is not None else None
+        counts: dict[str, int] = {}
+        for i in (i for i, ok in enumerate(self.trusted) if not ok):
+            row = {c: v[i] for c, v in columns.items()}
+            for name in trust.raised_columns(row, priority[i] if priority else 0):
+                counts[name] = counts.get(name, 0) + 1
+                if name == PRIORITY:
+                    priority[i] = 0
+                else:
+                    columns[FIELDS[name].column][i] = FIELDS[name].default
+        own = {c: v for c, v in columns.items() if c in OWN_RECORD_COLUMNS}
+        return dataclasses.replace(
+            self, priority=priority, **own,
+            record_columns={c: v for c, v in columns.items() if c not in OWN_RECORD_COLUMNS},
+            meta={**self.meta, "untrusted_fields": counts})
 
     def hash_ids_of(self, i: int) -> list[int]:
         if self.hash_ids is None:

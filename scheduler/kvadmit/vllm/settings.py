@@ -51,3 +51,13 @@ VLLM_ONLY_KEYS = frozenset(f.name for f in dataclasses.fields(VllmSettings))
 # Other engines (SGLang's plug-in, the simulator) refuse these by name.
 register_adapter_keys(VLLM_ONLY_KEYS, "is a vLLM-only setting (kvadmit's vLLM scheduler reads it "
                                       "from --additional-config); this engine does not take it")
+
+
+def configs_of(additional_config) -> tuple["AdmissionConfig", VllmSettings]:
+    """The core's config and the vLLM-only settings in vLLM's `--additional-config`
+    (a dict or JSON text; its `"kvadmit"` object, kvadmit.config.section_from)."""
+    from kvadmit.config import AdmissionConfig, json_object, section_from
+
+    raw = section_from(additional_config, "--additional-config")
+    vllm_settings, core_keys = VllmSettings.split(json_object(raw) if isinstance(raw, str) else raw)
+    return AdmissionConfig.from_dict(core_keys), vllm_settings

@@ -1,0 +1,146 @@
+"""Who may raise a request's claim on capacity (docs/trust-and-failure.md).
+
+Every scheduling field comes from the request. A client may always lower its own
+claim (mark itself sheddable, a lower priority, a shorter TTL, a looser target); a
+field that raises it (`request_fields.Field.raises`: a flow, a session, a tighter
+TTFT/TPOT target or deadline than the config's default, a longer TTL than its
+max_queue_age_s; and the engine's own `priority` above its default) is honoured
+only from a trusted source:
+
+- a gateway that adds the shared secret of ``KVADMIT_GATEWAY_SECRET`` (the HTTP
+  server's environment) in the header ``x-kvadmit-gateway-secret`` (stripped before
+  the engine sees the request), or
+- a peer address in the config's ``trusted_proxies``.
+
+Offline use (vLLM's ``LLM``, SGLang's ``Engine``) has no client: the caller is the
+operator, and everything is trusted. An untrusted raise is ignored and counted per
+field, or refused with 400 (``untrusted_fields``). ``auto`` honours every field
+while nothing is configured that a claim could take from others (no flows,
+queue_order fcfs, no agent window, no trusted source): single-user set-ups keep
+working unchanged.
+
+`Trust` is the pure rule (no engine, no HTTP); the engines' HTTP layers apply it
+(patches/vllm_slo_headers.py, kvadmit.sglang.trust) and the simulator's workloads
+too (`kvadmit.simulate.workload.Workload.trusted`).
+"""
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional
+
+from kvadmit.request_fields import SCHEMA, FieldError
+
+SECRET_ENV = "KVADMIT_GATEWAY_SECRET"
+SECRET_HEADER = b"x-kvadmit-gateway-secret"
+PRIORITY = "priority"            # the engine's own field, screened beside the schema's
+REFUSAL_REASON = "untrusted_field"
+_BY_NAME = {f.name: f for f in SCHEMA}
+
+
+def resolved_mode(config, has_source: bool) -> str:
+    """untrusted_fields with "auto" resolved: honour while no claim can take from
+    others (no flows, fcfs, no agent window, no trusted source named), else ignore."""
+    if config.untrusted_fields != "auto":
+        return config.untrusted_fields
+    protects = (bool(config.flows) or config.queue_order != "fcfs" or config.agent_window
+                or has_source)
+    return "ignore" if protects else "honour"
+
+
+@dataclass(frozen=True)
+class Trust:
+    """The trust rule of one server: its mode (honour, ignore or refuse), its
+    trusted sources and the config the claim rules compare with."""
+    mode: str
+    config: Any
+    secret: Optional[bytes] = None
+    proxies: tuple = ()
+
+    @classmethod
+    def of(cls, config, environ: Optional[Mapping[str, str]] = None) -> "Trust":
+        environ = os.environ if environ is None else environ
+        secret = environ.get(SECRET_ENV) or None
+        proxies = tuple(ipaddress.ip_network(p, strict=False) for p in config.trusted_proxies)
+        mode = resolved_mode(config, bool(secret or proxies))
+        return cls(mode, config, secret.encode() if secret else None, proxies)
+
+    @property
+    def screens(self) -> bool:
+        """Whether untrusted requests are screened at all (mode not honour)."""
+        return self.mode != "honour"
+
+    def trusted(self, headers: Iterable[tuple[bytes, bytes]], peer: Optional[str]) -> bool:
+        """Whether an HTTP request is from a trusted source: the gateway secret in its
+        headers, or its peer address in trusted_proxies."""
+        if self.secret is not None:
+            for name, value in headers:
+                if name.lower() == SECRET_HEADER and hmac.compare_digest(value.strip(), self.secret):
+                    return True
+        if self.proxies and peer:
+            try:
+                address = ipaddress.ip_address(peer)
+            except ValueError:
+                return False
+            return any(address in net for net in self.proxies)
+        return False
+
+    def raised(self, values: Mapping[str, Any], now_unix: float) -> list[str]:
+        """The fields of `values` (field name -> value as the client sent it) that
+        raise the request's claim. A value that does not parse is left to the engine,
+        which refuses it as invalid naming the field."""
+        out = []
+        for name, raw in values.items():
+            field = _BY_NAME.get(name)
+            if field is None or field.raises is None:
+                continue
+            try:
+                value = field.parse(raw, name, now_unix)
+            except FieldError:
+                continue
+            if field.raises(value, self.config, now_unix):
+                out.append(name)
+        return out
+
+    def raised_columns(self, columns: Mapping[str, Any], priority: int) -> list[str]:
+        """The same rule on an arrival record's parsed columns (the simulator's rows):
+        the fields whose column value raises the claim, and "priority" below 0."""
+        out = [f.name for f in SCHEMA if f.column is not None and f.raises is not None
+               and f.column in columns and f.raises(columns[f.column], self.config, 0.0)]
+        if priority < 0:
+            out.append(PRIORITY)
+        return out
+
+
+def refusal_message(names: list[str]) -> str:
+    """The 400 message of a request refused for untrusted raises (mode refuse)."""
+    return (f"kvadmit:{REFUSAL_REASON}: {', '.join(names)} would raise this request's claim "
+            f"on capacity, and it does not come from a trusted source (a gateway with "
+            f"{SECRET_HEADER.decode()}, or an address in trusted_proxies; see "
+            f"docs/trust-and-failure.md) (retrying will not help)")
+
+
+_COUNTERS: dict[str, Any] = {}
+
+
+def count(names: Iterable[str], metric: str = "kvadmit_untrusted_fields") -> None:
+    """Counts ignored or refused raises per field in this process's Prometheus
+    registry (`<metric>_total{field}`: in vLLM's and SGLang's API server, where
+    their /metrics is served)."""
+    names = list(names)
+    if not names:
+        return
+    try:
+        counter = _COUNTERS.get(metric)
+        if counter is None:
+            from prometheus_client import Counter
+            counter = _COUNTERS[metric] = Counter(
+                metric, "Request fields that would raise a request's claim, from a client "
+                "that is not a trusted source: ignored or refused (docs/trust-and-failure.md)",
+                ["field"])
+    except ImportError:      # no Prometheus client: nothing to count into
+        return
+    for name in names:
+        counter.labels(field=name).inc()

@@ -1,0 +1,101 @@
+"""SGLang: who may raise a request's claim (kvadmit.sglang.trust), on SGLang's real
+GenerateReqInput, Starlette's Request and SGLang's own hook wrapper around the real
+TokenizerManager.generate_request. SGLang cannot serve without CUDA: no HTTP server
+runs here (its handlers answer a ValueError from generate_request with 400)."""
+import asyncio
+import json
+
+import pytest
+
+pytest.importorskip("sglang.srt")  # not "sglang": see conftest.py
+
+from sglang.srt.managers.io_struct import GenerateReqInput  # noqa: E402
+from sglang.srt.managers.tokenizer_manager import TokenizerManager  # noqa: E402
+from sglang.srt.plugins.hook_registry import HookType, _wrap_fn  # noqa: E402
+from starlette.requests import Request  # noqa: E402
+
+from kvadmit.sglang import plugin  # noqa: E402
+from kvadmit.sglang.trust import T_GENERATE, before_generate_request  # noqa: E402
+from kvadmit.trust import SECRET_ENV, SECRET_HEADER  # noqa: E402
+
+GENERATE = _wrap_fn(TokenizerManager.generate_request, before_generate_request, HookType.BEFORE)
+MANAGER = object.__new__(TokenizerManager)      # the hook runs before the method's body
+
+
+def http_request(headers=(), peer="192.0.2.9"):
+    return Request({"type": "http", "method": "POST", "path": "/generate",
+                    "headers": list(headers), "client": (peer, 5555)})
+
+
+def generate(obj, request):
+    """The wrapped method called as SGLang's routes call it (the async generator it
+    returns is not run: the screening happened at the call)."""
+    asyncio.run(GENERATE(MANAGER, obj, request).aclose())
+    return obj
+
+
+def request_obj(fields, priority=None, batch=False):
+    sp = {"max_new_tokens": 8, "custom_params": {"kvadmit": dict(fields)}}
+    return GenerateReqInput(input_ids=[[5, 6]] * 2 if batch else [5, 6],
+                            sampling_params=[sp, json.loads(json.dumps(sp))] if batch else sp,
+                            priority=priority)
+
+
+@pytest.fixture
+def config(monkeypatch):
+    def set_config(values, secret=None):
+        monkeypatch.setenv("KVADMIT_CONFIG", json.dumps(values))
+        if secret is None:
+            monkeypatch.delenv(SECRET_ENV, raising=False)
+        else:
+            monkeypatch.setenv(SECRET_ENV, secret)
+    return set_config
+
+
+def untrusted_fields_total(field):
+    from prometheus_client import REGISTRY
+    return REGISTRY.get_sample_value("kvadmit:untrusted_fields_total", {"field": field}) or 0.0
+
+
+def test_the_hook_is_on_the_http_servers_generate_request():
+    assert plugin.http_hooks()[T_GENERATE] == (before_generate_request, HookType.BEFORE)
+
+
+def test_an_untrusted_client_loses_its_raises_in_every_sample_and_keeps_the_rest(config):
+    config({"flows": {"gold": {"weight": 4}}, "default_ttft_slo_s": 1.0})
+    before = untrusted_fields_total("custom_params.kvadmit.flow")
+    obj = generate(request_obj({"flow": "gold", "session": "a1", "ttft_slo_s": 5.0,
+                                "sheddable": True}, priority=10, batch=True), http_request())
+    for sp in obj.sampling_params:
+        assert sp["custom_params"]["kvadmit"] == {"ttft_slo_s": 5.0, "sheddable": True}
+    assert obj.priority is None
+    assert untrusted_fields_total("custom_params.kvadmit.flow") == before + 1
+    assert untrusted_fields_total("priority") >= 1
+
+
+def test_a_gateway_with_the_secret_or_a_listed_proxy_is_trusted(config):
+    config({"flows": {"gold": {}}, "trusted_proxies": ["10.0.0.0/8"]}, secret="s3cret")
+    request = http_request([(b"X-KVAdmit-Gateway-Secret", b"s3cret")])
+    obj = generate(request_obj({"flow": "gold"}, priority=10), request)
+    assert obj.sampling_params["custom_params"]["kvadmit"] == {"flow": "gold"} and obj.priority == 10
+    assert SECRET_HEADER not in dict(request.scope["headers"])
+    obj = generate(request_obj({"flow": "gold"}), http_request(peer="10.3.4.5"))
+    assert obj.sampling_params["custom_params"]["kvadmit"] == {"flow": "gold"}
+    obj = generate(request_obj({"flow": "gold"}), http_request([(SECRET_HEADER, b"guess")]))
+    assert obj.sampling_params["custom_params"]["kvadmit"] == {}
+
+
+def test_refuse_mode_raises_the_valueerror_sglang_answers_with_400(config):
+    config({"untrusted_fields": "refuse"})
+    with pytest.raises(ValueError, match=r"^kvadmit:untrusted_field: custom_params.kvadmit.flow "
+                                         r"would raise"):
+        generate(request_obj({"flow": "gold"}), http_request())
+
+
+def test_offline_and_single_user_servers_are_untouched(config):
+    config({"flows": {"gold": {}}})
+    obj = generate(request_obj({"flow": "gold"}, priority=3), None)     # sglang.Engine: no HTTP
+    assert obj.sampling_params["custom_params"]["kvadmit"] == {"flow": "gold"} and obj.priority == 3
+    config({})                                                          # auto: honour
+    obj = generate(request_obj({"flow": "gold"}, priority=3), http_request())
+    assert obj.sampling_params["custom_params"]["kvadmit"] == {"flow": "gold"} and obj.priority == 3

@@ -1,0 +1,216 @@
+"""Who may raise a request's claim (kvadmit.trust): the claim rule of every field, the
+mode's resolution, the trusted sources, and the vLLM API server's middleware that
+applies them (patches/vllm_slo_headers.py) on the ASGI level with a recording app."""
+import asyncio
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from kvadmit import AdmissionConfig
+from kvadmit.config import ConfigError
+from kvadmit.request_fields import SCHEMA
+from kvadmit.trust import SECRET_ENV, SECRET_HEADER, Trust, resolved_mode
+from kvadmit_patches.vllm_slo_headers import SloHeaderMiddleware, trust_of
+
+NOW = 2_000_000_000.0
+CONFIG = AdmissionConfig(default_ttft_slo_s=1.0, default_tpot_slo_s=0.05, max_queue_age_s=30.0,
+                         flows={"gold": {"weight": 4}})
+# field -> (values that raise the claim, values that lower it or leave it)
+CLAIMS = {
+    "ttft_slo_s": ([0.5, 0.001], [1.0, 2.0, 0]),
+    "tpot_slo_s": ([0.01], [0.05, 0.5, 0]),
+    "session": (["agent-7", 3], []),
+    "deadline_s": ([NOW + 0.5], [NOW + 5.0]),
+    "ttl_s": ([60.0, 0], [10.0, 30.0]),
+    "flow": (["gold", "7"], []),
+    "sheddable": ([], [True, False]),
+    "max_queue_delay_s": ([], [0.1, 5.0]),
+}
+
+
+def test_every_field_has_its_claim_rule_tested():
+    assert set(CLAIMS) == {f.name for f in SCHEMA}
+
+
+@pytest.mark.parametrize("name", sorted(CLAIMS))
+def test_a_field_raises_the_claim_only_past_the_servers_default(name):
+    trust = Trust.of(CONFIG, {})
+    raising, lowering = CLAIMS[name]
+    for v in raising:
+        assert trust.raised({name: v}, NOW) == [name], v
+    for v in lowering:
+        assert trust.raised({name: v}, NOW) == [], v
+
+
+def test_without_server_defaults_any_target_or_ttl_is_judged_against_none():
+    trust = Trust.of(AdmissionConfig(flows={"a": {}}), {})
+    assert trust.raised({"ttft_slo_s": 30.0, "deadline_s": NOW + 60}, NOW) == ["ttft_slo_s", "deadline_s"]
+    # no max_queue_age_s: every TTL shortens the wait (none)
+    assert trust.raised({"ttl_s": 5.0, "ttft_slo_s": 0}, NOW) == []
+
+
+def test_a_malformed_value_is_left_for_the_engine_to_refuse_as_invalid():
+    assert Trust.of(CONFIG, {}).raised({"flow": "", "ttft_slo_s": "soon", "nope": 1}, NOW) == []
+
+
+def test_the_simulators_columns_follow_the_same_rules():
+    trust = Trust.of(CONFIG, {})
+    assert trust.raised_columns({"flow": 3, "session": -1, "ttl_s": -1.0, "ttft_slo_s": 0.2}, -1) \
+        == ["ttft_slo_s", "flow", "priority"]
+    assert trust.raised_columns({"flow": -1, "sheddable": True, "ttl_s": 5.0}, 2) == []
+
+
+def test_auto_honours_everything_until_a_claim_could_take_from_others():
+    assert resolved_mode(AdmissionConfig(), False) == "honour"
+    for changes in ({"flows": {"a": {}}}, {"queue_order": "priority"}, {"queue_order": "deadline"},
+                    {"agent_window": True}, {"trusted_proxies": ["10.0.0.0/8"]}):
+        assert Trust.of(AdmissionConfig(**changes), {}).mode == "ignore", changes
+    assert Trust.of(AdmissionConfig(), {SECRET_ENV: "s3cret"}).mode == "ignore"
+    for mode in ("honour", "ignore", "refuse"):
+        assert resolved_mode(AdmissionConfig(untrusted_fields=mode, flows={"a": {}}), True) == mode
+
+
+def test_trusted_sources_are_the_gateway_secret_and_the_listed_proxies():
+    trust = Trust.of(AdmissionConfig(trusted_proxies=["10.1.0.0/16", "::1"]), {SECRET_ENV: "s3cret"})
+    assert trust.trusted([(b"X-KVAdmit-Gateway-Secret", b"s3cret")], "192.0.2.1")
+    assert not trust.trusted([(SECRET_HEADER, b"guess")], "192.0.2.1")
+    assert trust.trusted([], "10.1.200.3") and trust.trusted([], "::1")
+    assert not trust.trusted([], "10.2.0.1") and not trust.trusted([], "not-an-ip")
+    assert not trust.trusted([], None)
+    assert not Trust.of(AdmissionConfig(), {}).trusted([(SECRET_HEADER, b"")], "127.0.0.1")
+
+
+def test_trusted_proxies_must_be_addresses():
+    with pytest.raises(ConfigError, match=r"trusted_proxies\[1\]='10.0.0.300'"):
+        AdmissionConfig(trusted_proxies=["10.0.0.1", "10.0.0.300"])
+    with pytest.raises(ConfigError, match="trusted_proxies='10.0.0.1': must be a list"):
+        AdmissionConfig(trusted_proxies="10.0.0.1")
+
+
+# -- the vLLM API server's middleware ---------------------------------------------------
+def call(trust, doc, headers=(), path="/v1/completions", peer="192.0.2.9"):
+    """The middleware in front of a recording app: (what the app got, or None, the
+    response's status and body when the middleware answered itself)."""
+    body = json.dumps(doc).encode()
+    scope = {"type": "http", "method": "POST", "path": path, "client": (peer, 5555),
+             "headers": [(b"content-length", str(len(body)).encode()), *headers]}
+    seen, sent = {}, []
+    chunks = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def app(scope, receive, send):
+        m = await receive()
+        seen["doc"], seen["headers"] = json.loads(m["body"]), dict(scope["headers"])
+
+    async def receive():
+        return chunks.pop(0)
+
+    async def send(message):
+        sent.append(message)
+    asyncio.run(SloHeaderMiddleware(app, trust)(scope, receive, send))
+    if sent:
+        return None, sent[0]["status"], json.loads(sent[1]["body"])
+    return seen, None, None
+
+
+def untrusted_fields_total(field):
+    from prometheus_client import REGISTRY
+    return REGISTRY.get_sample_value("kvadmit_untrusted_fields_total", {"field": field}) or 0.0
+
+
+def test_an_untrusted_client_loses_its_raises_and_keeps_what_lowers_its_claim():
+    trust = Trust.of(CONFIG, {SECRET_ENV: "s3cret"})
+    before = untrusted_fields_total("kvadmit_flow")
+    doc = {"prompt": [5], "priority": -3, "vllm_xargs": {
+        "kvadmit_session": "agent-1", "kvadmit_ttft_slo_s": 5.0, "kvadmit_ttl_s": 10, "other": 1}}
+    seen, _, _ = call(trust, doc, [(b"x-gateway-inference-fairness-id", b"gold"),
+                                   (b"x-kvadmit-sheddable", b"true")])
+    assert "priority" not in seen["doc"]
+    assert seen["doc"]["vllm_xargs"] == {"kvadmit_ttft_slo_s": 5.0, "kvadmit_ttl_s": 10, "other": 1,
+                                         "kvadmit_sheddable": "true"}
+    assert untrusted_fields_total("kvadmit_flow") == before + 1
+    assert untrusted_fields_total("kvadmit_session") >= 1 and untrusted_fields_total("priority") >= 1
+    # a lower priority than the default is the client's to choose
+    seen, _, _ = call(trust, {"prompt": [5], "priority": 4})
+    assert seen["doc"]["priority"] == 4
+
+
+def test_a_gateway_with_the_secret_is_trusted_its_headers_win_and_the_secret_goes_no_further():
+    trust = Trust.of(CONFIG, {SECRET_ENV: "s3cret"})
+    doc = {"prompt": [5], "priority": -3, "vllm_xargs": {"kvadmit_flow": "client-claims",
+                                                         "kvadmit_session": "a1"}}
+    seen, _, _ = call(trust, doc, [(b"x-gateway-inference-fairness-id", b"gold"),
+                                   (SECRET_HEADER, b"s3cret")])
+    assert seen["doc"]["priority"] == -3
+    assert seen["doc"]["vllm_xargs"] == {"kvadmit_flow": "gold", "kvadmit_session": "a1"}
+    assert SECRET_HEADER not in seen["headers"]
+    assert seen["headers"][b"content-length"] == str(len(json.dumps(seen["doc"]))).encode()
+    # a listed proxy's requests too
+    proxied = Trust.of(CONFIG.replace(trusted_proxies=["192.0.2.0/24"]), {})
+    seen, _, _ = call(proxied, doc)
+    assert seen["doc"]["vllm_xargs"]["kvadmit_flow"] == "client-claims"
+
+
+def test_refuse_mode_answers_400_naming_the_fields_and_the_engine_never_sees_it():
+    trust = Trust.of(CONFIG.replace(untrusted_fields="refuse"), {})
+    seen, status, body = call(trust, {"prompt": [5], "vllm_xargs": {"kvadmit_flow": "gold"}},
+                              path="/v1/chat/completions")
+    assert seen is None and status == 400
+    assert body["error"]["message"].startswith("kvadmit:untrusted_field: kvadmit_flow would raise")
+    assert body["error"]["param"] == "kvadmit_flow"
+    # nothing to screen: it passes
+    seen, status, _ = call(trust, {"prompt": [5], "vllm_xargs": {"kvadmit_sheddable": True}})
+    assert status is None and seen["doc"]["vllm_xargs"] == {"kvadmit_sheddable": True}
+
+
+def test_every_json_post_is_screened_not_only_completions():
+    trust = Trust.of(CONFIG, {})
+    seen, _, _ = call(trust, {"input": "x", "priority": -1}, path="/v1/embeddings")
+    assert "priority" not in seen["doc"]
+
+
+def test_honour_passes_every_field_as_before():
+    trust = Trust.of(AdmissionConfig(), {})
+    doc = {"prompt": [5], "priority": -3, "vllm_xargs": {"kvadmit_flow": "x"}}
+    seen, _, _ = call(trust, doc, [(b"x-gateway-inference-fairness-id", b"gold")])
+    assert seen["doc"]["priority"] == -3 and seen["doc"]["vllm_xargs"]["kvadmit_flow"] == "x"
+
+
+def test_the_servers_trust_comes_from_its_additional_config():
+    args = SimpleNamespace(scheduler_cls="kvadmit.vllm.Scheduler",
+                           additional_config={"kvadmit": {"flows": {"a": {}}}})
+    assert trust_of(args).mode == "ignore"
+    args.additional_config = {"kvadmit": json.dumps({"untrusted_fields": "refuse"})}
+    assert trust_of(args).mode == "refuse"
+    assert trust_of(SimpleNamespace(scheduler_cls=None, additional_config={})) is None
+    assert time.time() < NOW          # the test's deadlines are ahead of now
+
+
+# -- the simulator's workloads ----------------------------------------------------------
+def test_the_simulator_ignores_an_untrusted_workloads_raises():
+    """A burst of eight requests claiming flow 1, whose queue the config caps at one:
+    trusted, the flow's cap refuses most of them; from untrusted clients the claim is
+    ignored (the flow cap does not apply) and counted, their lower claims kept."""
+    from kvadmit.simulate.engine import EngineShape, run_native
+    from kvadmit.simulate.steptime import CPU_TINY
+    from kvadmit.simulate.workload import Workload
+
+    n = 8
+    w = Workload(name="burst", arrival_s=[0.0] * n, prompt_tokens=[64] * n,
+                 output_tokens=[16] * n, max_tokens=[16] * n, priority=[-1] * n,
+                 flow=[1] * n, sheddable=[False] * (n - 1) + [True])
+    shape = EngineShape(num_blocks=64, block_size=16, max_model_len=512, max_num_seqs=2,
+                        max_num_batched_tokens=512)
+    config = AdmissionConfig(flows={"1": {"max_queued_requests": 1}})
+    trusted = run_native(w, config, shape, CPU_TINY).totals
+    assert trusted.rejected >= 4
+    untrusted = w.__class__(**{**w.__dict__, "trusted": [False] * n})
+    screened = untrusted.screened(config)
+    assert screened.meta["untrusted_fields"] == {"flow": n, "priority": n}
+    assert screened.flow == [-1] * n and screened.priority == [0] * n
+    assert screened.sheddable == w.sheddable
+    totals = run_native(untrusted, config, shape, CPU_TINY).totals
+    assert totals.rejected == 0 and totals.finished == n
+    # honour: the same workload as it is
+    assert untrusted.screened(config.replace(untrusted_fields="honour")) is untrusted
