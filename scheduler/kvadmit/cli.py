@@ -6,6 +6,9 @@
     kvadmit bench serve [--load 0.25 0.5 1 1.5 2] ...
         online goodput against load on `vllm serve`, driven by `vllm bench serve`
         (kvadmit.bench.serve).
+    kvadmit bench agents [--sessions 96 --turns 6] ...
+        agent sessions (generate, tool wait, generate again) on `vllm serve`:
+        makespan, prefix hits and KV usage over time (kvadmit.bench.agents).
     kvadmit simulate --trace azure2023_conv --preset h100-8b --load 1.5
         Replays a workload through every policy on a virtual clock, on the native
         engine model or vLLM's real scheduler (kvadmit.simulate).
@@ -52,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:2] == ["bench", "serve"]:   # the online benchmark on `vllm serve`
         from kvadmit.bench.serve.cli import main as bench_serve
         return bench_serve(argv[2:])
+    if argv[:2] == ["bench", "agents"]:  # agent sessions on `vllm serve`
+        from kvadmit.bench.agents import main as bench_agents
+        return bench_agents(argv[2:])
     if argv[:1] == ["serve"]:
         try:
             from kvadmit.vllm import serve
