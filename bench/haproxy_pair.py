@@ -1,7 +1,9 @@
 """Two `vllm serve` instances with kvadmit behind HAProxy, on this machine.
 
 HAProxy balances round robin, retries a request another instance when one answers
-503 (`retry-on 503` with `option redispatch`: kvadmit's overload refusals are 503),
+503 (`retry-on 503` with `option redispatch`; HAProxy's `retry-on` cannot name 429,
+kvadmit's default overload status, so both instances are configured with
+`"overload_status": 503`),
 and sets each server's weight from kvadmit's KV headroom through HAProxy's
 agent-check protocol: a small agent per instance answers HAProxy's probe with
 `<headroom as a share of the pool>%` read from the instance's `/metrics`
@@ -32,6 +34,9 @@ from concurrent.futures import ThreadPoolExecutor
 from kvadmit.vllm.serve import launch_command, small_engine_flags
 
 POOL_BLOCKS = 23        # --num-gpu-blocks-override 24, less vLLM's null block
+# kvadmit's status for an overload refusal behind HAProxy: `retry-on` retries a 503 and
+# cannot name a 429 (kvadmit's default), so the instances answer 503 explicitly.
+OVERLOAD_STATUS = 503
 
 
 def free_port() -> int:
@@ -92,8 +97,9 @@ listen llm
 
 
 class Pair:
-    """Two kvadmit `vllm serve` instances (`caps[i]`: max_queued_requests), their
-    agents and HAProxy in front; a context manager (everything stops on exit)."""
+    """Two kvadmit `vllm serve` instances (`caps[i]`: max_queued_requests, and
+    `overload_status` 503, the status HAProxy's `retry-on 503` retries), their agents
+    and HAProxy in front; a context manager (everything stops on exit)."""
 
     def __init__(self, model_dir: str, caps=(1, 6), workdir: str | None = None):
         self.model_dir = model_dir
@@ -119,7 +125,8 @@ class Pair:
             os.makedirs(prom, exist_ok=True)
             cmd = launch_command(self.model_dir, port, "--skip-tokenizer-init",
                                  *small_engine_flags(POOL_BLOCKS + 1, 512, 4), "--additional-config",
-                                 json.dumps({"kvadmit": {"max_queued_requests": cap}}))
+                                 json.dumps({"kvadmit": {"max_queued_requests": cap,
+                                                         "overload_status": OVERLOAD_STATUS}}))
             log = open(os.path.join(self.dir, f"serve{i}.log"), "w")
             self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                                env=dict(os.environ, PROMETHEUS_MULTIPROC_DIR=prom)))

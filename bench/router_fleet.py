@@ -10,12 +10,16 @@ a small KV pool) behind one front:
 - `kvadmit/*`: kvadmit's default plus the one setting a user states, the TTFT
   target, as `max_queue_delay_s` = half of it (`kvadmit.bench.serve.configs.queue_delay_for`);
 - `*/router-defaults`: `vllm-router` with nothing but its worker list (policy
-  cache_aware, breaker on, 5 attempts 50 ms apart x1.5);
+  cache_aware, breaker on, 5 attempts 50 ms apart x1.5); kvadmit answers overload
+  with its default status, 429 (vllm-router retries a 429 on another worker like a
+  503 but does not count it against the worker's breaker; until issue 44 the default
+  was 503, which opened the breakers: docs/router.md's recorded run);
 - `*/recipe`: the documented recipe (docs/router.md): `--policy power_of_two
   --worker-startup-check-interval 1` (the router polls each worker's `GET /get_load`
-  every second) and, on kvadmit, `overload_status: 429` (vllm-router retries a 429
-  on another worker like a 503 but does not count it against the worker's breaker);
-- `*/haproxy`: HAProxy round robin, `retry-on 503` with redispatch.
+  every second), kvadmit on its default 429 as well (the same instances as
+  `kvadmit/router-defaults`);
+- `*/haproxy`: HAProxy round robin, `retry-on 503` with redispatch; kvadmit set to
+  `overload_status: 503` (HAProxy's `retry-on` cannot name 429).
 
 Load: Poisson arrivals at `--load` times the fleet's measured capacity (a closed
 loop of instances x max_num_seqs clients on stock vLLM), half of them streaming;
@@ -87,9 +91,8 @@ def setups(ttft_s: float, names: list[str] | None = None) -> list[Setup]:
         Setup("vllm-cap/recipe", "vllm-cap", "vllm-router", RECIPE_FLAGS),
         Setup("vllm-cap/haproxy", "vllm-cap", "haproxy"),
         Setup("kvadmit/router-defaults", "kvadmit", "vllm-router", (), kv),
-        Setup("kvadmit/haproxy", "kvadmit", "haproxy", (), kv),
-        Setup("kvadmit/recipe", "kvadmit", "vllm-router", RECIPE_FLAGS,
-              {**kv, "overload_status": 429}),
+        Setup("kvadmit/haproxy", "kvadmit", "haproxy", (), {**kv, "overload_status": 503}),
+        Setup("kvadmit/recipe", "kvadmit", "vllm-router", RECIPE_FLAGS, kv),
     ]
     if not names:
         return all_setups

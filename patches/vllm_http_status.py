@@ -6,9 +6,9 @@ Retry-After hint) in the output's kv_transfer_params. Through `vllm serve` that
 would be a 200 response with finish_reason "abort". This patch wraps
 `AsyncLLM.generate` so that such an output raises a `GracefulHTTPError` instead,
 which vLLM's OpenAI server turns into an error response with the status, message
-and Retry-After that `kvadmit.protocol` defines for both engines (503, or the
-configured `overload_status`, with Retry-After when retrying can help, 400
-otherwise). A parallel-sampling request (n > 1) is one unit: any refused sample
+and Retry-After that `kvadmit.protocol` defines for both engines (the configured
+`overload_status`, 429 by default or 503, with Retry-After when retrying can help,
+400 otherwise). A parallel-sampling request (n > 1) is one unit: any refused sample
 refuses the request (the engine refuses all of its samples together).
 
 A streaming response would have started (HTTP 200) before the engine's first

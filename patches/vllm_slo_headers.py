@@ -37,7 +37,7 @@ import json
 import time
 
 from kvadmit.request_fields import FLAT_PREFIX, HEADERS, KEY
-from kvadmit.trust import SECRET_HEADER, count, refusal_message
+from kvadmit.trust import SECRET_HEADER, UNTRUSTED_KEY, count, refusal_message
 from kvadmit_patches import MIDDLEWARE_HOOK, add_app_middleware, require
 
 TARGET = "vllm.entrypoints.launchers.app.init_entrypoints_middleware"
@@ -47,6 +47,7 @@ TARGETS = (MIDDLEWARE_HOOK,)
 # A duration's unit suffix -> seconds (as Go's time.ParseDuration writes the common ones).
 UNITS = (("ms", 1e-3), ("s", 1.0), ("m", 60.0), ("h", 3600.0))
 PATHS = ("/v1/completions", "/v1/chat/completions")
+VLLM_SESSION_HEADER = b"x-session-id"       # vLLM's own (SESSION_ID_HEADER)
 
 
 def slo_fields(headers) -> dict:
@@ -106,12 +107,12 @@ def _merge(doc: dict, fields: dict, headers_win: bool) -> bool:
     return True
 
 
-def screen(doc: dict, trust, now_unix: float) -> list[str]:
+def screen(doc: dict, trust, now_unix: float, headers=()) -> list[str]:
     """An untrusted request's raises (kvadmit.trust), by the names the client used
     (kvadmit_<field> in vllm_xargs, priority): their values removed from `doc` (the
     server's defaults apply). A value that does not parse is left for kvadmit to
     refuse as invalid."""
-    xargs = doc.get("vllm_xargs") if isinstance(doc.get("vllm_xargs"), dict) else {}
+    xargs = doc.setdefault("vllm_xargs", {})
     values = {k[len(FLAT_PREFIX):]: v for k, v in xargs.items() if k.startswith(FLAT_PREFIX)}
     names = [FLAT_PREFIX + f for f in trust.raised(values, now_unix)]
     for key in names:
@@ -125,6 +126,13 @@ def screen(doc: dict, trust, now_unix: float) -> list[str]:
     if isinstance(priority, int) and not isinstance(priority, bool) and priority < 0:
         doc.pop("priority")
         names.append("priority")
+    # vLLM's own session id (body, X-Session-ID, vllm_xargs) stays vLLM's; kvadmit
+    # does not take it as the request's session (kvadmit.vllm.admission): counted,
+    # never refused (it is vLLM's field).
+    xargs[UNTRUSTED_KEY] = True
+    if doc.get("session_id") or xargs.get("session_id") or any(
+            k.lower() == VLLM_SESSION_HEADER for k, _ in headers):
+        count(["session_id"])
     return names
 
 
@@ -156,7 +164,7 @@ class SloHeaderMiddleware:
         raised = []
         if doc is not None and _merge(doc, fields, headers_win=screening and trusted):
             if not trusted:
-                raised = screen(doc, self.trust, time.time())
+                raised = screen(doc, self.trust, time.time(), headers)
                 count(raised)
             body = json.dumps(doc).encode()
         if raised and self.trust.mode == "refuse":

@@ -60,3 +60,54 @@ def test_samples_are_grouped_only_by_their_own_ids():
     assert sample_group("3_req-7", marker) is None            # index beyond n
     assert sample_group("1_other", marker) is None            # not this parent's sample
     assert sample_group("1_req-7", {}) is None and sample_group("1_req-7", None) is None
+
+
+@pytest.mark.parametrize("settings, status", [({}, 429), ({"overload_status": 503}, 503)])
+def test_every_refusal_a_client_sees_has_the_configs_overload_status(settings, status):
+    """429 by default (issue 44: vllm-router and SMG count a 5xx against a worker's
+    breaker, a 429 not), 503 when configured (HAProxy's `retry-on 503`): the port's
+    refusals carry it, through a vLLM output's kv_transfer_params as well, and so does
+    SGLang's finish reason, also for a bare core `Rejection` given the config's status."""
+    from kvadmit import AdmissionConfig, AdmissionCore, Rejection
+    from kvadmit.arrival import ArrivalRecord
+    from kvadmit.port import CorePort
+    from kvadmit.sglang.request import rejection_finish_reason
+
+    config = AdmissionConfig.from_dict({"max_queued_requests": 1, **settings})
+    assert config.overload_status == status
+    port = CorePort(AdmissionCore(config, 64, 16, 0))
+    first = port.arrive("a", object(), lambda: ArrivalRecord(32, 8), 0.0)
+    assert first.accepted
+    refused = port.arrive("b", object(), lambda: ArrivalRecord(32, 8), 0.0)
+    assert not refused.accepted and refused.refusal.reason == "queue_full"
+    refusal = refused.refusal
+    assert refusal.retryable and refusal.status == status
+    back = Refusal.from_output(refusal.stop_reason, refusal.to_params())
+    assert back.status == status
+    assert rejection_finish_reason(refusal)["status_code"] == status
+    # A bare Rejection (no Refusal built by the port): the config's status when given,
+    # else the config's default, 429 (not Refusal's own 503).
+    bare = Rejection("queue_full", "m", "max_queued_requests", 1, 1.0)
+    assert rejection_finish_reason(bare, config.overload_status)["status_code"] == status
+    assert rejection_finish_reason(bare)["status_code"] == 429
+    final = Rejection("context_length", "m", "max_model_len", 512, None)
+    assert rejection_finish_reason(final, config.overload_status)["status_code"] == 400
+
+
+def test_failed_closed_is_the_adapters_own_503_without_retry_after():
+    """The refusal of every request once kvadmit failed closed: not the core's reason
+    (its stats keep their keys), always 503 whatever overload_status says, no
+    Retry-After, a message that names the state and the restart; it survives the trip
+    through a vLLM output's kv_transfer_params."""
+    from kvadmit.protocol import ADAPTER_REASONS, FAILED_CLOSED, RETRY_HINT_RE, failed_closed
+    assert FAILED_CLOSED in ADAPTER_REASONS and FAILED_CLOSED not in REJECT_REASONS
+    r = failed_closed()
+    assert (r.reason, r.status, r.retry_after, r.retryable) == (FAILED_CLOSED, 503, None, False)
+    assert Refusal(FAILED_CLOSED, r.message, None, 429).status == 503
+    text = r.client_message()
+    assert text.startswith("kvadmit:failed_closed: kvadmit failed inside this engine")
+    assert "restarted" in text and text.endswith("(retry on another instance)")
+    assert not RETRY_HINT_RE.search(text.encode())        # no Retry-After header from it
+    back = Refusal.from_output(r.stop_reason, r.to_params())
+    assert back == r and back.status == 503 and back.client_message() == text
+    assert RETRY_AFTER_KEY not in r.to_params() and STATUS_KEY not in r.to_params()

@@ -1,5 +1,6 @@
 """The Retry-After middleware of patches/vllm_retry_after.py, on a bare ASGI app
-(no vLLM needed): the header appears only on kvadmit's 503 refusals with a hint."""
+(no vLLM needed): the header, and the hint as a number in the body, appear only on
+kvadmit's 503 (or 429) refusals with a hint."""
 import asyncio
 import json
 
@@ -25,8 +26,17 @@ def call(status: int, message: str, chunks: int = 1):
         sent.append(message)
 
     asyncio.run(RetryAfterMiddleware(app)({"type": "http"}, None, send))
-    assert b"".join(m.get("body", b"") for m in sent[1:]) == body      # body untouched
-    return dict(sent[0]["headers"]), sent[0]["status"]
+    got = b"".join(m.get("body", b"") for m in sent[1:])
+    headers = dict(sent[0]["headers"])
+    if b"retry-after" in headers and chunks == 1:
+        # the hint also as a number beside the message; nothing else in the body changed
+        error = json.loads(got)["error"]
+        assert error.pop("retry_after_s") == int(headers[b"retry-after"])
+        assert error == {"message": message, "code": status}
+        assert headers[b"content-length"] == str(len(got)).encode()
+    else:
+        assert got == body                                          # body untouched
+    return headers, sent[0]["status"]
 
 
 def test_kvadmit_503_with_a_hint_gets_the_header():

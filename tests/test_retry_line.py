@@ -81,8 +81,8 @@ def test_the_line_counts_only_places_still_to_come():
     assert place == 1 and wait == pytest.approx(room)
 
 
-# vllm-router's defaults: a 503 is retried after 50 ms, then x1.5, 5 attempts in all,
-# Retry-After ignored (/work/shared/notes/ROUTERS.md).
+# vllm-router's defaults: a refusal (429, kvadmit's default, or 503) is retried after
+# 50 ms, then x1.5, 5 attempts in all, Retry-After ignored (/work/shared/notes/ROUTERS.md).
 ROUTER_ATTEMPTS = [0.0, 0.05, 0.125, 0.2375, 0.40625]
 
 

@@ -11,7 +11,7 @@ import pytest
 from kvadmit import AdmissionConfig
 from kvadmit.config import ConfigError
 from kvadmit.request_fields import SCHEMA
-from kvadmit.trust import SECRET_ENV, SECRET_HEADER, Trust, resolved_mode
+from kvadmit.trust import SECRET_ENV, SECRET_HEADER, UNTRUSTED_KEY, Trust, resolved_mode
 from kvadmit_patches.vllm_slo_headers import SloHeaderMiddleware, trust_of
 
 NOW = 2_000_000_000.0
@@ -64,8 +64,10 @@ def test_the_simulators_columns_follow_the_same_rules():
 
 def test_auto_honours_everything_until_a_claim_could_take_from_others():
     assert resolved_mode(AdmissionConfig(), False) == "honour"
+    # an agent window alone keeps a single user's sessions
+    assert Trust.of(AdmissionConfig(agent_window=True), {}).mode == "honour"
     for changes in ({"flows": {"a": {}}}, {"queue_order": "priority"}, {"queue_order": "deadline"},
-                    {"agent_window": True}, {"trusted_proxies": ["10.0.0.0/8"]}):
+                    {"trusted_proxies": ["10.0.0.0/8"]}):
         assert Trust.of(AdmissionConfig(**changes), {}).mode == "ignore", changes
     assert Trust.of(AdmissionConfig(), {SECRET_ENV: "s3cret"}).mode == "ignore"
     for mode in ("honour", "ignore", "refuse"):
@@ -128,12 +130,36 @@ def test_an_untrusted_client_loses_its_raises_and_keeps_what_lowers_its_claim():
                                    (b"x-kvadmit-sheddable", b"true")])
     assert "priority" not in seen["doc"]
     assert seen["doc"]["vllm_xargs"] == {"kvadmit_ttft_slo_s": 5.0, "kvadmit_ttl_s": 10, "other": 1,
-                                         "kvadmit_sheddable": "true"}
+                                         "kvadmit_sheddable": "true", UNTRUSTED_KEY: True}
     assert untrusted_fields_total("kvadmit_flow") == before + 1
     assert untrusted_fields_total("kvadmit_session") >= 1 and untrusted_fields_total("priority") >= 1
+    # vLLM's own session id stays, marked so that kvadmit does not take it; counted
+    sessions = untrusted_fields_total("session_id")
+    seen, _, _ = call(trust, {"prompt": [5]}, [(b"X-Session-ID", b"agent-9")])
+    assert seen["doc"]["vllm_xargs"] == {UNTRUSTED_KEY: True}
+    assert untrusted_fields_total("session_id") == sessions + 1
     # a lower priority than the default is the client's to choose
     seen, _, _ = call(trust, {"prompt": [5], "priority": 4})
     assert seen["doc"]["priority"] == 4
+
+
+@pytest.mark.parametrize("mode", ["ignore", "refuse"])
+@pytest.mark.parametrize("name", sorted(n for n, (raising, _) in CLAIMS.items() if raising))
+def test_each_raising_field_from_an_untrusted_client_is_ignored_or_refused(name, mode):
+    """Each field that can raise a claim, sent by a client in vllm_xargs with a raising
+    value (a deadline relative to now), never reaches the engine."""
+    trust = Trust.of(CONFIG.replace(untrusted_fields=mode), {})
+    value = CLAIMS[name][0][0]
+    if name == "deadline_s":
+        value = time.time() + 0.5
+    key = "kvadmit_" + name
+    before = untrusted_fields_total(key)
+    seen, status, body = call(trust, {"prompt": [5], "vllm_xargs": {key: value}})
+    assert untrusted_fields_total(key) == before + 1
+    if mode == "ignore":
+        assert key not in seen["doc"]["vllm_xargs"]
+    else:
+        assert seen is None and status == 400 and body["error"]["param"] == key
 
 
 def test_a_gateway_with_the_secret_is_trusted_its_headers_win_and_the_secret_goes_no_further():
@@ -161,7 +187,8 @@ def test_refuse_mode_answers_400_naming_the_fields_and_the_engine_never_sees_it(
     assert body["error"]["param"] == "kvadmit_flow"
     # nothing to screen: it passes
     seen, status, _ = call(trust, {"prompt": [5], "vllm_xargs": {"kvadmit_sheddable": True}})
-    assert status is None and seen["doc"]["vllm_xargs"] == {"kvadmit_sheddable": True}
+    assert status is None and seen["doc"]["vllm_xargs"] == {"kvadmit_sheddable": True,
+                                                            UNTRUSTED_KEY: True}
 
 
 def test_every_json_post_is_screened_not_only_completions():

@@ -135,10 +135,12 @@ class AdmissionConfig:
         1, 10_000_000, "adaptive: lengths needed before predictions replace max_new"))
     adaptive_bucket_tokens: int = field(default=16, metadata=int_rule(
         1, 1_000_000, "adaptive: histogram bucket width of the length model (tokens)"))
-    overload_status: int = field(default=503, metadata=choice_rule(
-        (503, 429), "HTTP status of a refusal retrying can help (overload), with Retry-After: "
-        "503 Service Unavailable, or 429 Too Many Requests (see docs/router.md for which one a "
-        "router acts on); a request the server can never take is 400 either way"))
+    overload_status: int = field(default=429, metadata=choice_rule(
+        (429, 503), "HTTP status of a refusal retrying can help (overload), with Retry-After: "
+        "429 Too Many Requests by default, since vllm-router and SMG count a 5xx, not a 429, "
+        "against a worker's circuit breaker; 503 Service Unavailable behind HAProxy "
+        "(`retry-on 503`, which cannot name 429; see docs/router.md); a request the server "
+        "can never take is 400 either way"))
     retry_after_default_s: float = field(default=1.0, metadata=float_rule(
         0.0, 86400.0, "Retry-After hint when no drain rate has been observed yet"))
     retry_after_max_s: float = field(default=300.0, metadata=float_rule(
@@ -192,8 +194,8 @@ class AdmissionConfig:
         UNTRUSTED_FIELDS, "a request field that raises its claim (flow, session, a priority above "
         "the default, a tighter SLO or deadline, a longer TTL) from a client that is not a trusted "
         "source: honour it, ignore it (counted per field), or refuse the request with 400; auto: "
-        "honour while nothing is configured that a claim could take from others (no flows, "
-        "queue_order fcfs, no agent window, no trusted source), else ignore. See docs/trust-and-failure.md"))
+        "honour until flows, a priority or deadline queue_order, or a trusted source is "
+        "configured, then ignore. See docs/trust-and-failure.md"))
     trusted_proxies: list = field(default_factory=list, metadata=addresses_rule(
         "addresses (IP or CIDR) of the gateways or proxies whose requests may raise their claim "
         "(the peer address of the HTTP connection); the other trusted source is a gateway "

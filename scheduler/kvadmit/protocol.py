@@ -5,18 +5,25 @@ numbers behind it, and a Retry-After hint in seconds when retrying can help.
 The core decides all three (`kvadmit.Rejection`); this module says what each
 engine shows the client, so vLLM and SGLang answer the same refusal the same way:
 
-- HTTP status: 503 Service Unavailable for a retryable refusal (overload: the
-  queue, the backlog, the predicted wait or TTFT, shedding), or 429 Too Many
-  Requests where the config's ``overload_status`` says so, 400 Bad Request for
+- HTTP status: the config's ``overload_status`` for a retryable refusal (overload:
+  the queue, the backlog, the predicted wait or TTFT, shedding), 429 Too Many
+  Requests by default, or 503 Service Unavailable (both engines give every
+  `Refusal` the config's; one built without it is 503), 400 Bad Request for
   a request this server can never take (context, KV pool, a prompt larger than
   ``max_queued_tokens``, more samples (n) than ``max_queued_requests``, an
   invalid request field). Retryability belongs to the
   refusal, not only to its reason: ``queued_tokens_full`` is retryable when the
   backlog is full, not when the prompt alone exceeds the cap.
-- Every retryable refusal carries ``Retry-After: N`` (whole seconds, at least 1);
-  a non-retryable one never does.
+- Every retryable refusal carries ``Retry-After: N`` (whole seconds, at least 1),
+  and the same N as a number, ``retry_after_s``, beside the message in its JSON
+  error body (for clients behind a router that drops the header); a non-retryable
+  one carries neither.
 - The client's message is ``kvadmit:<reason>: <message> (retry after N s)`` (or
   ``(retrying will not help)``), the same text in both engines.
+- An adapter refuses by itself, without the core, with one reason of its own
+  (`ADAPTER_REASONS`): ``failed_closed``, once kvadmit failed inside the engine
+  under ``on_internal_error: closed``: always 503, no Retry-After, the message
+  ending ``(retry on another instance)`` (docs/trust-and-failure.md).
 
 vLLM's engine core cannot raise to the client: it finishes a refused request with
 ``stop_reason = "kvadmit:<reason>"`` and the refusal in the output's
@@ -28,6 +35,7 @@ import it.
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -65,9 +73,12 @@ FINAL_STATUS = HTTPStatus.BAD_REQUEST
 class ReasonInfo:
     """One refusal reason: whether it is retryable (True: always, False: never,
     None: it depends on the refusal) and the message a client sees when the engine
-    did not say more."""
+    did not say more; an adapter's own reason (`ADAPTER_REASONS`) also has a fixed
+    ``status`` and its own ``tail`` in place of the retry hint."""
     retryable: Optional[bool]
     message: str
+    status: Optional[int] = None
+    tail: Optional[str] = None
 
 
 # What a client is told for each reason. The reasons themselves are the core's
@@ -94,13 +105,55 @@ if set(_INFO) != set(REJECT_REASONS):
     raise ImportError(f"kvadmit.protocol: refusal reasons {sorted(set(_INFO) ^ set(REJECT_REASONS))} "
                       f"are not both the core's (kvadmit._arrival_gate.REJECT_REASONS) and "
                       f"described here")
-# Every reason kvadmit refuses with: the core's REJECT_REASONS, none other, in its order.
+# Every reason the core refuses with: its REJECT_REASONS, none other, in its order.
 REASONS: dict[str, ReasonInfo] = {reason: _INFO[reason] for reason in REJECT_REASONS}
+
+# The reasons an engine adapter refuses with by itself, without the core (not the
+# core's: its stats and counters do not know them). failed_closed: kvadmit's own code
+# raised inside the engine and the config says on_internal_error: closed. Always 503
+# (whatever overload_status says: the instance is out of service, not rate-limiting this
+# client; 503 is what takes it out of a router's rotation) and no Retry-After: this
+# instance will not serve before a restart, of which nobody knows the time.
+FAILED_CLOSED = "failed_closed"
+ADAPTER_REASONS: dict[str, ReasonInfo] = {
+    FAILED_CLOSED: ReasonInfo(
+        False, "kvadmit failed inside this engine and, configured with on_internal_error: "
+               "closed, admits no request until the engine is restarted",
+        status=HTTPStatus.SERVICE_UNAVAILABLE, tail="(retry on another instance)"),
+}
+if set(ADAPTER_REASONS) & set(REASONS):
+    raise ImportError("kvadmit.protocol: an adapter's reason is also the core's")
+
+
+def failed_closed() -> "Refusal":
+    """The refusal of every held and every new request once kvadmit failed closed."""
+    return Refusal(FAILED_CLOSED, ADAPTER_REASONS[FAILED_CLOSED].message)
 
 RETRY_TAIL = "(retry after {} s)"
 FINAL_TAIL = "(retrying will not help)"
 # What patches/vllm_retry_after.py finds in a 503 body to set the Retry-After header.
 RETRY_HINT_RE = re.compile(rb"kvadmit:[a-z_]+:[^\"]*?\(retry after (\d+) s\)")
+# The hint as a number in a refusal's JSON body, beside the message (vLLM: in the
+# "error" object; SGLang: its flat error body): the Retry-After value, for a client
+# behind a router that forwards the body but drops the header.
+RETRY_AFTER_FIELD = "retry_after_s"
+
+
+def body_with_retry_after(body: bytes, seconds: int) -> Optional[bytes]:
+    """A refusal's JSON error body with `RETRY_AFTER_FIELD` beside its message (the
+    message and every other field unchanged), or None when the body is not such an
+    error object or already has the field."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    error = data.get("error") if isinstance(data.get("error"), dict) else data
+    if not str(error.get("message", "")).startswith(PREFIX) or RETRY_AFTER_FIELD in error:
+        return None
+    error[RETRY_AFTER_FIELD] = int(seconds)
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def retry_after_header(seconds: Optional[float]) -> Optional[int]:
@@ -135,6 +188,9 @@ class Refusal:
 
     @property
     def status(self) -> HTTPStatus:
+        fixed = ADAPTER_REASONS.get(self.reason)
+        if fixed is not None:
+            return HTTPStatus(fixed.status)
         return HTTPStatus(self.overload_status) if self.retryable else FINAL_STATUS
 
     @property
@@ -148,7 +204,11 @@ class Refusal:
 
     def client_message(self) -> str:
         """The one text both engines send: reason, the limit and numbers, retry hint."""
-        tail = RETRY_TAIL.format(self.retry_after) if self.retryable else FINAL_TAIL
+        fixed = ADAPTER_REASONS.get(self.reason)
+        if fixed is not None:
+            tail = fixed.tail
+        else:
+            tail = RETRY_TAIL.format(self.retry_after) if self.retryable else FINAL_TAIL
         return f"{PREFIX}{self.reason}: {self.message} {tail}"
 
     def log_line(self, request_id: Any) -> str:
@@ -172,7 +232,7 @@ class Refusal:
             return None
         reason = stop_reason[len(PREFIX):]
         params = params if isinstance(params, Mapping) else {}
-        info = REASONS.get(reason)
+        info = REASONS.get(reason) or ADAPTER_REASONS.get(reason)
         message = params.get(DETAIL_KEY) or (info.message if info else "refused by kvadmit")
         retry = params.get(RETRY_AFTER_KEY)
         status = params.get(STATUS_KEY, RETRYABLE_STATUS)

@@ -15,9 +15,8 @@ only from a trusted source:
 Offline use (vLLM's ``LLM``, SGLang's ``Engine``) has no client: the caller is the
 operator, and everything is trusted. An untrusted raise is ignored and counted per
 field, or refused with 400 (``untrusted_fields``). ``auto`` honours every field
-while nothing is configured that a claim could take from others (no flows,
-queue_order fcfs, no agent window, no trusted source): single-user set-ups keep
-working unchanged.
+until flows, a priority or deadline order, or a trusted source is configured:
+single-user set-ups (an agent window's sessions included) keep working unchanged.
 
 `Trust` is the pure rule (no engine, no HTTP); the engines' HTTP layers apply it
 (patches/vllm_slo_headers.py, kvadmit.sglang.trust) and the simulator's workloads
@@ -36,17 +35,20 @@ from kvadmit.request_fields import SCHEMA, FieldError
 SECRET_ENV = "KVADMIT_GATEWAY_SECRET"
 SECRET_HEADER = b"x-kvadmit-gateway-secret"
 PRIORITY = "priority"            # the engine's own field, screened beside the schema's
+# vllm_xargs mark of a screened request: kvadmit does not take vLLM's own session id
+# (X-Session-ID) as its session. Setting it can only lower a client's own claim.
+UNTRUSTED_KEY = "kvadmit_untrusted"
 REFUSAL_REASON = "untrusted_field"
 _BY_NAME = {f.name: f for f in SCHEMA}
 
 
 def resolved_mode(config, has_source: bool) -> str:
-    """untrusted_fields with "auto" resolved: honour while no claim can take from
-    others (no flows, fcfs, no agent window, no trusted source named), else ignore."""
+    """untrusted_fields with "auto" resolved: honour while no flows, no priority or
+    deadline order and no trusted source are configured (a single user's server, an
+    agent window's sessions included), else ignore."""
     if config.untrusted_fields != "auto":
         return config.untrusted_fields
-    protects = (bool(config.flows) or config.queue_order != "fcfs" or config.agent_window
-                or has_source)
+    protects = bool(config.flows) or config.queue_order != "fcfs" or has_source
     return "ignore" if protects else "honour"
 
 

@@ -14,6 +14,9 @@ CASES = {
     # a prompt larger than max_queued_tokens can never be queued: 400 (vLLM said 503)
     "prompt_over_token_cap": ({"max_queued_tokens": 100}, [(150, 10, None)]),
     "queue_full": ({"max_queued_requests": 1}, [(30, 20, None), (30, 20, None)]),
+    # HAProxy's set-up (retry-on 503): the configured status, in both engines
+    "queue_full_503": ({"max_queued_requests": 1, "overload_status": 503},
+                       [(30, 20, None), (30, 20, None)]),
     "context_length": ({}, [(400, 200, None)]),
     "invalid_field": ({}, [(30, 10, {"ttft_slo_s": "soon"})]),
 }
@@ -55,11 +58,11 @@ def test_same_refusal_same_answer(kvadmit_hooks, model_dir, case):
     s_status, s_reason, s_retry, s_message = sglang_answer(cfg, requests)
     assert (v_status, v_reason, v_retry) == (s_status, s_reason, s_retry), (v_message, s_message)
     assert v_message.startswith(f"kvadmit:{v_reason}: ") and s_message.startswith(f"kvadmit:{s_reason}: ")
-    if v_status == 503:
+    if v_status in (429, 503):
         assert v_retry >= 1 and v_message.endswith(f"(retry after {v_retry} s)")
     else:
         assert v_retry is None and v_message.endswith("(retrying will not help)")
         assert s_message.endswith("(retrying will not help)")
-    expected = {"prompt_over_token_cap": 400, "queue_full": 503, "context_length": 400,
-                "invalid_field": 400}[case]
+    expected = {"prompt_over_token_cap": 400, "queue_full": 429, "queue_full_503": 503,
+                "context_length": 400, "invalid_field": 400}[case]
     assert v_status == expected

@@ -69,9 +69,13 @@ def test_a_refused_stream_is_the_non_streaming_error_with_retry_after(refusal, s
     (streamed, _), (plain, _) = hooked(aborted_stream(refusal)), hooked(non_streaming(refusal))
     for response in (streamed, plain):
         assert response.status_code == status and not isinstance(response, StreamingResponse)
-        assert json.loads(response.body)["message"] == refusal.client_message()
+        body = json.loads(response.body)
+        assert body["message"] == refusal.client_message()
         assert response.headers.get("retry-after") == (
             str(refusal.retry_after) if refusal.retryable else None)
+        # the hint as a number in the body too, for a client behind a router that drops headers
+        assert body.get("retry_after_s") == (refusal.retry_after if refusal.retryable else None)
+        assert response.headers["content-length"] == str(len(response.body))
     assert streamed.body == plain.body
 
 

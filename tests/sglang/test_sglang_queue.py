@@ -32,7 +32,7 @@ def test_queue_full_aborts_with_kvadmit_reason(kvadmit_hooks):
     assert isinstance(abort, AbortReq) and abort.rid == "q2" and req is reqs[2]
     reason = abort.finished_reason
     assert reason["type"] == "abort"
-    assert reason["status_code"] == HTTPStatus.SERVICE_UNAVAILABLE
+    assert reason["status_code"] == HTTPStatus.TOO_MANY_REQUESTS   # the default overload_status
     assert reason["kvadmit_reason"] == "queue_full"
     assert "max_queued_requests=2" in reason["message"] and "retry after" in reason["message"]
     assert isinstance(reason["retry_after"], int) and reason["retry_after"] >= 1
@@ -64,7 +64,7 @@ def test_priority_shedding_aborts_the_lowest(kvadmit_hooks):
     (abort, req), = h.outbox.sent
     assert abort.rid == "low" and req.rid == "low"
     assert abort.finished_reason["kvadmit_reason"] == "shed"
-    assert abort.finished_reason["status_code"] == HTTPStatus.SERVICE_UNAVAILABLE
+    assert abort.finished_reason["status_code"] == HTTPStatus.TOO_MANY_REQUESTS
     # Lower than everything waiting: refused instead.
     assert not h.submit(make_req("lowest", 30, 20, priority=0))
     assert h.outbox.sent[-1][0].rid == "lowest"

@@ -29,7 +29,7 @@ def test_a_sheddable_request_is_dropped_while_another_waits_for_kv(kvadmit_hooks
     assert abort.rid == "batch" and req is batch
     reason = abort.finished_reason
     assert reason["kvadmit_reason"] == "shed"
-    assert reason["status_code"] == HTTPStatus.SERVICE_UNAVAILABLE and reason["retry_after"] > 0
+    assert reason["status_code"] == HTTPStatus.TOO_MANY_REQUESTS and reason["retry_after"] > 0
     assert "sheddable: dropped from the queue while requests that are not sheddable" \
         in reason["message"]
     assert len(batch.output_ids) == 0 and len(chat.output_ids) == 5 and long.finished()

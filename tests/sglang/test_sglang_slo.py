@@ -117,7 +117,7 @@ def test_infeasible_ttft_refused_while_feasible_runs(kvadmit_hooks):
     assert not h.submit(late)
     reason = only_abort(h)
     assert reason["kvadmit_reason"] == "slo_infeasible"
-    assert reason["status_code"] == HTTPStatus.SERVICE_UNAVAILABLE   # overload: retry
+    assert reason["status_code"] == HTTPStatus.TOO_MANY_REQUESTS   # overload: retry (the default 429)
     assert reason["retry_after"] >= 1
     assert f"ttft_slo_s={pred / 2:g}" in reason["message"]
 
@@ -139,7 +139,7 @@ def test_deadline(kvadmit_hooks):
     assert not h.submit(make_req("near", 100, 8, custom_params=kv(deadline_s=h.t + pred / 2)))
     reason = h.outbox.sent[-1][0].finished_reason
     assert reason["kvadmit_reason"] == "slo_infeasible"
-    assert reason["status_code"] == HTTPStatus.SERVICE_UNAVAILABLE
+    assert reason["status_code"] == HTTPStatus.TOO_MANY_REQUESTS
     # ttft_slo_s alone would pass; the deadline is tighter.
     assert not h.submit(make_req("both", 100, 8, custom_params=kv(
         ttft_slo_s=10.0, deadline_s=h.t + pred / 2)))

@@ -134,10 +134,10 @@ def test_kvadmit_bench_serve_small_sweep(model_dir, tmp_path):
         if r["config"] == "vllm-default":
             assert r["failed"] == 0 and r["refused_by_reason"] == {}
         else:
-            # every kvadmit refusal is a failed request, 503 before the stream or an
-            # error inside a 200 stream
+            # every kvadmit refusal is a failed request, 429 (the default
+            # overload_status) before the stream or an error inside a 200 stream
             assert r["refused_by_reason"].get("queue_full", 0) == r["failed"], r
-            assert set(r["failed_by_status"]) <= {"503", "200"}, r
+            assert set(r["failed_by_status"]) <= {"429", "200"}, r
     burst = next(r for r in rows if r["config"] == "kvadmit-cap2" and r["load"] == 2.0)
     assert burst["refused_by_reason"].get("queue_full", 0) > 0, burst   # 24 at once, cap 2
     assert len(sec["summary"]) == 4 and all(s["repeats"] == 1 for s in sec["summary"])

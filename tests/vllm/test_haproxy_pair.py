@@ -1,10 +1,11 @@
-"""Two `vllm serve` instances with kvadmit behind a real HAProxy (bench/haproxy_pair.py):
-round robin, `retry-on 503` + `option redispatch`, weights from kvadmit's KV headroom
-over HAProxy's agent-check. One instance has a queue cap of 1, the other of 12 (the
-whole burst, so it never refuses, however the burst's arrivals interleave with its
-steps): the first refuses part of a burst (503, kvadmit:queue_full) and HAProxy
-retries those on the second, so the client sees no failure; both instances' counters
-add up and every KV block is free at idle."""
+"""Two `vllm serve` instances with kvadmit behind a real HAProxy
+(bench/haproxy_pair.py): round robin, `retry-on 503` + `option redispatch`, weights from
+kvadmit's KV headroom over HAProxy's agent-check; the instances set `"overload_status":
+503` (HAProxy's `retry-on` cannot name 429, kvadmit's default). One instance has a queue
+cap of 1, the other of 12 (the whole burst, so it never refuses, however the burst's
+arrivals interleave with its steps): the first refuses part of a burst (503,
+kvadmit:queue_full) and HAProxy retries those on the second, so the client sees no
+failure; both instances' counters add up and every KV block is free at idle."""
 import pathlib
 import shutil
 import sys

@@ -595,7 +595,7 @@ def test_parallel_samples_are_admitted_or_refused_as_one_request(model_dir):
     assert {eng.log.stop_reasons[r] for r in refused} == {"kvadmit:queue_full"}
     refusal = Refusal.from_output(eng.log.stop_reasons[refused[0]],
                                   eng.log.kv_transfer_params[refused[0]])
-    assert refusal.retryable and refusal.status == 503
+    assert refusal.retryable and refusal.status == 429       # the config's default
     assert all(len(eng.log.outputs[r]) == 20 for r in [first, *fits])
     st = s.kvadmit.port.core.stats()
     # Counted once: one refusal, one arrival for it (the samples taken back uncounted).

@@ -1,7 +1,7 @@
 """`vllm serve` with `--scheduler-cls kvadmit.vllm.Scheduler`, started by kvadmit's
 launcher (`python -m kvadmit.vllm.serve`, which also starts vLLM's CPU build), driven
 by the `openai` client over loopback: normal requests succeed, an overload burst beyond
-kvadmit's queue cap gets HTTP 503 naming the reason, and `/metrics` (Prometheus
+kvadmit's queue cap gets HTTP 429 (the default `overload_status`) naming the reason, and `/metrics` (Prometheus
 multiprocess mode) shows kvadmit's counters."""
 import json
 import subprocess
@@ -60,13 +60,13 @@ def test_normal_request_succeeds(server):
     assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens == 40
 
 
-def test_overload_burst_gets_503_naming_the_reason(server):
+def test_overload_burst_gets_429_naming_the_reason(server):
     base, model, log = server
     ok, refused = burst(base, model, 16, 120)
     assert ok and all(n == 120 for _, n, _ in ok)
     assert refused, ok
     for status, msg, retry_after in refused:
-        assert status == 503 and "kvadmit:queue_full" in msg, (status, msg)
+        assert status == 429 and "kvadmit:queue_full" in msg, (status, msg)
         # the core's hint, from the drain rate, as a header (patches/vllm_retry_after.py)
         assert retry_after is not None and int(retry_after) >= 1, (msg, retry_after)
         assert f"(retry after {retry_after} s)" in msg
@@ -120,14 +120,14 @@ def test_orca_load_report_carries_kvadmits_signals(server, fmt):
 
 def test_request_fields_through_vllm_xargs(server):
     """kvadmit's per-request fields ride on vllm_xargs as flat kvadmit_* keys: a
-    feasible target runs, an infeasible one is 503 slo_infeasible, a malformed one
+    feasible target runs, an infeasible one is 429 slo_infeasible, a malformed one
     400 naming the field."""
     base, model, _ = server
     r = complete(base, model, 40, 4, 1, {"kvadmit_ttft_slo_s": 60, "kvadmit_session": "agent-1"})
     assert r.usage.completion_tokens == 4
     with pytest.raises(openai.APIStatusError) as e:
         complete(base, model, 40, 4, 2, {"kvadmit_ttft_slo_s": 1e-6})
-    assert e.value.status_code == 503 and "kvadmit:slo_infeasible" in str(e.value)
+    assert e.value.status_code == 429 and "kvadmit:slo_infeasible" in str(e.value)
     with pytest.raises(openai.APIStatusError) as e:
         complete(base, model, 40, 4, 3, {"kvadmit_ttft_slo_s": "soon"})
     assert e.value.status_code == 400 and "kvadmit_ttft_slo_s" in str(e.value), str(e.value)
@@ -136,7 +136,7 @@ def test_request_fields_through_vllm_xargs(server):
 def test_gie_slo_headers_become_kvadmits_fields(server):
     """x-slo-ttft-ms / x-slo-tpot-ms (the Gateway API Inference Extension's headers)
     reach kvadmit as the request's SLO fields (patches/vllm_slo_headers.py): an
-    infeasible TTFT target is 503 slo_infeasible, a feasible one runs, the body's own
+    infeasible TTFT target is 429 slo_infeasible, a feasible one runs, the body's own
     field wins over the header, and a malformed header is a 400 naming the field."""
     base, model, _ = server
     client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
@@ -148,7 +148,7 @@ def test_gie_slo_headers_become_kvadmits_fields(server):
 
     with pytest.raises(openai.APIStatusError) as e:
         ask({"x-slo-ttft-ms": "0.001"})
-    assert e.value.status_code == 503 and "kvadmit:slo_infeasible" in str(e.value)
+    assert e.value.status_code == 429 and "kvadmit:slo_infeasible" in str(e.value)
     assert ask({"x-slo-ttft-ms": "60000", "x-slo-tpot-ms": "5000"}).usage.completion_tokens == 4
     assert ask({"x-slo-ttft-ms": "0.001"}, {"kvadmit_ttft_slo_s": 60}).usage.completion_tokens == 4
     with pytest.raises(openai.APIStatusError) as e:
@@ -345,7 +345,7 @@ def sample(base, model, n, seed, max_tokens=8):
 
 def test_parallel_sampling_is_one_request(server):
     """n > 1 (issue 13 item 2): all samples run, or the request is refused as a whole
-    (503 + Retry-After under load, 400 when n exceeds the queue cap), counted once."""
+    (429 + Retry-After under load, 400 when n exceeds the queue cap), counted once."""
     base, model, _ = server
     wait_idle(base)
     r = sample(base, model, 3, 1)
@@ -359,14 +359,14 @@ def test_parallel_sampling_is_one_request(server):
         time.sleep(0.1)
     with pytest.raises(openai.APIStatusError) as e:
         sample(base, model, 3, 2)                   # 1 or 2 waiting + 3 > 3
-    assert e.value.status_code == 503 and "kvadmit:queue_full" in str(e.value), str(e.value)
+    assert e.value.status_code == 429 and "kvadmit:queue_full" in str(e.value), str(e.value)
     assert int(e.value.response.headers["retry-after"]) >= 1
     with pytest.raises(openai.APIStatusError) as e:
         sample(base, model, 4, 3)
     assert e.value.status_code == 400, str(e.value)
     assert "n=4 samples exceed max_queued_requests=3" in str(e.value)
     assert "retry-after" not in e.value.response.headers
-    load_refused = sum(f.result() == 503 for f in futures)
+    load_refused = sum(f.result() == 429 for f in futures)
     pool.shutdown()
     after = wait_idle(base)
     # Each n>1 request refused once, not per sample.
@@ -446,13 +446,13 @@ def test_overload_soak_leaves_nothing_behind(server):
                 time.sleep(0.5)
         results = [f.result() for f in futures]
     outcomes = {r[0] for r in results}
-    assert outcomes <= {"ok", "cancelled", "refused", 503}, results
-    assert {"ok", "cancelled"} <= outcomes and ({"refused", 503} & outcomes), results
+    assert outcomes <= {"ok", "cancelled", "refused", 429}, results
+    assert {"ok", "cancelled"} <= outcomes and ({"refused", 429} & outcomes), results
     after = wait_idle(base)
     assert after.get("vllm:kv_cache_usage_perc", 1) == 0, after
     assert after.get("kvadmit_waiting_requests", 1) == 0
     assert_counters_add_up(after)
-    n_refused = sum(r[0] in ("refused", 503) for r in results)
+    n_refused = sum(r[0] in ("refused", 429) for r in results)
     assert rejected(after) - rejected(before) >= n_refused
     ok_sequences = sum(2 if k is pair else 1 for (o, _), k in zip(results, kinds) if o == "ok")
     assert after["kvadmit_finished_total"] - before.get("kvadmit_finished_total", 0) >= ok_sequences
@@ -522,7 +522,7 @@ def test_stale_and_abandoned_requests_never_reach_prefill(server):
 def test_sheddable_requests_are_refused_while_another_waits_for_kv(server):
     """Issue 22 item 3 over HTTP: while a long request holds the pool and another
     waits behind it, a request marked `x-kvadmit-sheddable: true` is refused at once
-    with 503, Retry-After and kvadmit:shed, as a plain response and as a stream, and
+    with 429, Retry-After and kvadmit:shed, as a plain response and as a stream, and
     never prefilled; the waiting request runs when the long one ends."""
     import httpx
     base, model, _ = server
@@ -538,11 +538,11 @@ def test_sheddable_requests_are_refused_while_another_waits_for_kv(server):
     body = {"model": model, "prompt": [(i * 3) % 997 + 3 for i in range(40)], "max_tokens": 8}
     headers = {"x-kvadmit-sheddable": "true"}
     r = httpx.post(base + "/v1/completions", json=body, headers=headers, timeout=60)
-    assert r.status_code == 503 and "kvadmit:shed" in r.text and "sheddable" in r.text, r.text
+    assert r.status_code == 429 and "kvadmit:shed" in r.text and "sheddable" in r.text, r.text
     assert float(r.headers["retry-after"]) >= 1
     with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True},
                       headers=headers, timeout=60) as s:
-        assert s.status_code == 503 and "retry-after" in s.headers
+        assert s.status_code == 429 and "retry-after" in s.headers
         assert "kvadmit:shed" in s.read().decode()
     assert not long.done()
     assert long.result().usage.completion_tokens == 460

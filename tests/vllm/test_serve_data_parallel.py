@@ -1,7 +1,7 @@
 """`vllm serve --data-parallel-size 2` on vLLM's CPU build with kvadmit: each data
 parallel rank's engine core runs its own kvadmit scheduler over its own KV pool
 (vLLM's front end balances requests between them); a burst beyond the ranks' queue
-caps is refused with 503 + Retry-After, the rest is served, and the counters add up.
+caps is refused with 429 (the default `overload_status`) + Retry-After, the rest is served, and the counters add up.
 (Offline `LLM(data_parallel_size=2)` is not supported by vLLM in one process.)"""
 import urllib.request
 
@@ -31,7 +31,7 @@ def test_two_data_parallel_ranks_each_run_kvadmit(model_dir, tmp_path):
         assert served and all(n == 64 for _, n, _ in served), served
         assert refused, served      # 20 at once: more than 2 x (4 running + 2 queued)
         for status, msg, retry_after in refused:
-            assert status == 503 and "kvadmit:queue_full" in msg and retry_after, (status, msg)
+            assert status == 429 and "kvadmit:queue_full" in msg and retry_after, (status, msg)
         # Two engine cores, each with kvadmit: both ranks report vLLM's series, and
         # kvadmit's counters (summed over the ranks' processes) add up to the burst.
         m = metrics(base)

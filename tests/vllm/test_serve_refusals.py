@@ -104,8 +104,11 @@ def test_a_refused_stream_is_the_same_http_error_as_without_streaming(server, n,
         if status == 429:
             assert int(headers["retry-after"]) >= 1
             assert f"(retry after {headers['retry-after']} s)" in err["message"]
+            # the same hint as a number in the body, for a router that drops headers
+            assert err["retry_after_s"] == int(headers["retry-after"]), err
         else:
             assert "retry-after" not in headers and "(retrying will not help)" in err["message"]
+            assert "retry_after_s" not in err, err
     if status == 400:   # the same words (a retryable one's numbers move with time)
         assert error_of(plain[2]) == error_of(streamed[2])
     assert error_of(plain[2])["type"] == error_of(streamed[2])["type"]
@@ -121,6 +124,8 @@ def test_the_openai_streaming_client_sees_the_status(server):
                                   extra_body={"vllm_xargs": {"kvadmit_ttft_slo_s": 1e-6}})
     assert e.value.status_code == 429 and "kvadmit:slo_infeasible" in str(e.value)
     assert int(e.value.response.headers["retry-after"]) >= 1
+    # the SDK's error body (the "error" object) has the hint as a number
+    assert e.value.body["retry_after_s"] == int(e.value.response.headers["retry-after"])
 
 
 def test_an_admitted_stream_is_unchanged(server):

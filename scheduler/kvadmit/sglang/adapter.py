@@ -139,7 +139,7 @@ class SGLangAdmission:
         # imported here, on first use, so this module imports without it)
         from kvadmit.sglang.prefill import KvadmitPrefillAdder
         self.adder_class = type("KvadmitPrefillAdder", (KvadmitPrefillAdder,), {"kvadmit": self})
-        self.internal_errors = 0               # kvadmit's own errors in SGLang (fail_open)
+        self.internal_errors = 0               # kvadmit's own errors in SGLang (fail)
         self.exporter = None
         _ADAPTERS.add(self)
 
@@ -149,13 +149,29 @@ class SGLangAdmission:
     def failed(self) -> bool:
         return self.internal_errors > 0
 
-    def fail_open(self, where: str) -> None:
+    @property
+    def failed_closed(self) -> bool:
+        """Failed under on_internal_error: closed: the hooks refuse every waiting request
+        that never started and every new one (kvadmit.sglang.plugin.close_waiting)."""
+        return self.failed and self.config.on_internal_error == "closed"
+
+    def fail(self, where: str) -> None:
         """kvadmit's own code raised inside SGLang's scheduler (call it from the except
         block): logged once with its traceback, counted, and from now on every hook
         takes its stock branch (SGLang's waiting queue is its own list: nothing to hand
-        back), so the scheduler process and its requests live on."""
+        back), so the scheduler process and its requests live on. Failed closed
+        (on_internal_error: closed), the hooks also refuse what has not started
+        (503 kvadmit:failed_closed) until restart; running requests finish."""
         self.internal_errors += 1
-        if self.internal_errors == 1:
+        if self.internal_errors > 1:
+            return
+        if self.failed_closed:
+            logger.exception("kvadmit: internal error %s; failing closed (on_internal_error: "
+                             "closed): every waiting request that has not started and every "
+                             "new one is refused (503 kvadmit:failed_closed) until the server "
+                             "is restarted; running requests finish under SGLang's own "
+                             "scheduling", where)
+        else:
             logger.exception("kvadmit: internal error %s; failing open: SGLang's own "
                              "scheduling from now on", where)
 

@@ -8,7 +8,8 @@ only a ValueError raised there becomes a status). This hook, AROUND
 `OpenAIServingBase.handle_request` (every OpenAI route: completions and chat),
 makes both the same answer: a kvadmit refusal in a stream's first event becomes
 the error response the non-streaming path gives (same status, type and message),
-and every kvadmit error response with a retry hint gets `Retry-After`. Everything
+and every kvadmit error response with a retry hint gets `Retry-After` (and the
+same number as `retry_after_s` beside the message in its body). Everything
 else passes through, the first event of an admitted stream is put back in front.
 
 It runs in SGLang's HTTP server process, installed with the command-line hooks in
@@ -23,7 +24,7 @@ import re
 from http import HTTPStatus
 from typing import Optional
 
-from kvadmit.protocol import OVERLOAD_STATUSES, PREFIX, RETRY_HINT_RE
+from kvadmit.protocol import OVERLOAD_STATUSES, PREFIX, RETRY_HINT_RE, body_with_retry_after
 
 SERVING_MODULE = "sglang.srt.entrypoints.openai.serving_base"
 T_HANDLE_REQUEST = SERVING_MODULE + ".OpenAIServingBase.handle_request"
@@ -57,11 +58,16 @@ def error_response(serving, status: int, message: str):
 
 
 def with_retry_after(response):
-    """Adds Retry-After to a kvadmit refusal with a hint (503 or 429)."""
+    """Adds Retry-After to a kvadmit refusal with a hint (429 or 503), and the hint
+    as the number `retry_after_s` beside the message in its JSON body."""
     if getattr(response, "status_code", None) in _RETRYABLE:
         match = RETRY_HINT_RE.search(getattr(response, "body", b"") or b"")
         if match and "retry-after" not in response.headers:
             response.headers["retry-after"] = match.group(1).decode()
+        body = match and body_with_retry_after(response.body, int(match.group(1)))
+        if body:
+            response.body = body
+            response.headers["content-length"] = str(len(body))
     return response
 
 

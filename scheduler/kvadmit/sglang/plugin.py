@@ -27,6 +27,7 @@ import pkgutil
 from typing import Callable, Optional
 
 from kvadmit import ConfigError, __version__ as KVADMIT_VERSION
+from kvadmit.protocol import failed_closed
 from kvadmit.sglang import adapter as _adapter
 from kvadmit.sglang import http as _http
 from kvadmit.sglang import request as _request
@@ -149,8 +150,8 @@ def around_get_prefill_adder_class(original, self, *args, **kwargs):
         return original(self, *args, **kwargs)
     try:
         adapter.order_waiting(self.waiting_queue)
-    except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
-        adapter.fail_open("ordering the waiting queue")
+    except Exception:   # noqa: BLE001 - kvadmit's own error: fail open or closed
+        adapter.fail("ordering the waiting queue")
         return original(self, *args, **kwargs)
     return adapter.adder_class
 
@@ -161,13 +162,21 @@ def around_abort_on_queued_limit(original, self, recv_req, *args, **kwargs):
     SLO feasibility and priority shedding first, then SGLang's own
     --max-queued-requests. Returns True when the incoming request is aborted,
     as the original does."""
+    if _closed(self) and not recv_req.output_ids:   # new: refused (a retracted one goes on)
+        send_rejection(self, recv_req, failed_closed())
+        return True
     adapter = _live(self)
     if adapter is None:
         return original(self, recv_req, *args, **kwargs)
     try:
         outcome = adapter.on_enqueue(recv_req)
-    except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
-        adapter.fail_open("on a request's arrival")
+    except Exception:   # noqa: BLE001 - kvadmit's own error: fail open or closed
+        adapter.fail("on a request's arrival")
+        if adapter.failed_closed:
+            close_waiting(self)
+            if not recv_req.output_ids:
+                send_rejection(self, recv_req, failed_closed())
+                return True
         return original(self, recv_req, *args, **kwargs)
     drop_waiting(self, outcome.shed)
     if outcome.rejection is not None:
@@ -194,6 +203,23 @@ def drop_waiting(scheduler, dropped) -> None:
         send_rejection(scheduler, victim, rejection)
 
 
+def _closed(scheduler) -> bool:
+    adapter = getattr(scheduler, "_kvadmit", None)
+    return adapter is not None and adapter.failed_closed
+
+
+def close_waiting(scheduler) -> None:
+    """kvadmit failed closed: every request in SGLang's waiting queue that never started
+    (no output yet; a retracted one has started and stays) leaves it refused with
+    kvadmit:failed_closed (503). Called outside SGLang's admission loop."""
+    held = [r for r in scheduler.waiting_queue if not r.output_ids and not r.finished()]
+    if held:
+        refusal = failed_closed()
+        drop_waiting(scheduler, [(r, refusal) for r in held])
+        logger.warning("kvadmit failed closed: refused %d waiting request(s) (503 "
+                       "kvadmit:%s)", len(held), refusal.reason)
+
+
 def send_rejection(scheduler, req, rejection) -> None:
     """SGLang's usual abort output for ``req``, carrying kvadmit's reason."""
     from sglang.srt.managers.scheduler import _make_abort_req
@@ -211,6 +237,8 @@ def around_get_next_batch_to_run(original, self, *args, **kwargs):
     the KV pool in use) goes to the port; after SGLang has chosen the batch (and
     its retractions) the port notes what it runs and steps the core, at the
     step's time."""
+    if _closed(self):
+        close_waiting(self)
     adapter = _live(self)
     if adapter is None:
         return original(self, *args, **kwargs)
@@ -221,16 +249,20 @@ def around_get_next_batch_to_run(original, self, *args, **kwargs):
                            getattr(self, "chunked_req", None), self.waiting_queue, now=now)
         step_plan = adapter.step(self.token_to_kv_pool_allocator.available_size()
                                  + self.tree_cache.evictable_size(), now)
-    except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
-        adapter.fail_open("before a step")
+    except Exception:   # noqa: BLE001 - kvadmit's own error: fail open or closed
+        adapter.fail("before a step")
+        if adapter.failed_closed:
+            close_waiting(self)
         return original(self, *args, **kwargs)
     drop_waiting(self, step_plan.dropped)          # stale work: before SGLang admits
     plan = original(self, *args, **kwargs)
     if not adapter.failed:                         # it may fail inside SGLang's step
         try:
             adapter.end_step(now, batch=getattr(plan, "batch_to_run", None))
-        except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
-            adapter.fail_open("after a step")
+        except Exception:   # noqa: BLE001 - kvadmit's own error: fail open or closed
+            adapter.fail("after a step")
+    if adapter.failed_closed:                      # failed in this step: refused in it
+        close_waiting(self)
     return plan
 
 
@@ -271,8 +303,8 @@ def around_retraction_order(original, reqs, *args, **kwargs):
         return original(reqs, *args, **kwargs)
     try:
         return adapter.retraction_order(list(reqs))
-    except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
-        adapter.fail_open("ordering retraction victims")
+    except Exception:   # noqa: BLE001 - kvadmit's own error: fail open or closed
+        adapter.fail("ordering retraction victims")
         return original(reqs, *args, **kwargs)
 
 
@@ -282,7 +314,8 @@ def after_get_internal_state(result, self, *args, **kwargs):
     adapter = getattr(self, "_kvadmit", None)
     state = getattr(result, "internal_state", None)
     if adapter is not None and isinstance(state, dict):
-        state["kvadmit"] = ({"failed_open": True, "internal_errors": adapter.internal_errors}
+        failed = "failed_closed" if adapter.failed_closed else "failed_open"
+        state["kvadmit"] = ({failed: True, "internal_errors": adapter.internal_errors}
                             if adapter.failed else adapter.stats())
     return result
 

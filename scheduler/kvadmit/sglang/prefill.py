@@ -107,13 +107,17 @@ class KvadmitPrefillAdder(PrefillAdder):
 
     def add_one_req(self, req, has_chunked_req, truncation_align_size):
         adapter = self.kvadmit
+        if adapter.failed_closed and not req.output_ids:
+            return AddReqResult.OTHER   # failed closed: nothing new starts (the step refuses it)
         slot = None if adapter.failed else adapter.slot_for(req)
         if slot is None:  # not tracked (cannot happen via SGLang's queue), or failed open
             return super().add_one_req(req, has_chunked_req, truncation_align_size)
         try:
             verdict = self._verdict(req, slot)
-        except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
-            adapter.fail_open("choosing a waiting request")
+        except Exception:   # noqa: BLE001 - kvadmit's own error: fail open or closed
+            adapter.fail("choosing a waiting request")
+            if adapter.failed_closed and not req.output_ids:
+                return AddReqResult.OTHER
             return super().add_one_req(req, has_chunked_req, truncation_align_size)
         if verdict is not None:
             return verdict
@@ -125,8 +129,8 @@ class KvadmitPrefillAdder(PrefillAdder):
         if len(self.can_run_list) > before and self.can_run_list[-1] is req:
             try:
                 adapter.on_admitted(slot, req, prefix)
-            except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
-                adapter.fail_open("starting a waiting request")
+            except Exception:   # noqa: BLE001 - kvadmit's own error: fail open or closed
+                adapter.fail("starting a waiting request")
             if self.new_chunked_req is req:
                 self.memory_budget.hold_for_chunked(req)
         return res
@@ -172,6 +176,8 @@ class KvadmitPrefillAdder(PrefillAdder):
         requests for it if the core lets it displace them (`displace_for`, which
         takes at least one here, for the slot)."""
         if self.kvadmit.failed:
+            if self.kvadmit.failed_closed and not req.output_ids:
+                return False            # failed closed: it will not start
             return super().preempt_to_schedule(req)
         try:
             slot = self.kvadmit.slot_for(req)
@@ -179,8 +185,8 @@ class KvadmitPrefillAdder(PrefillAdder):
                 return False
             self.kvadmit.prepare_decision(slot, req)
             return self.displace_for(req, slot, need_row=True)
-        except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
-            self.kvadmit.fail_open("displacing running requests for a waiting one")
+        except Exception:   # noqa: BLE001 - kvadmit's own error: fail open or closed
+            self.kvadmit.fail("displacing running requests for a waiting one")
             return False
 
     def displace_for(self, req, slot: int, need_row: bool) -> bool:

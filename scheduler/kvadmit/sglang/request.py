@@ -27,16 +27,22 @@ UNSET_PRIORITY = -sys.maxsize - 1
 # Per-request settings: SamplingParams.custom_params["kvadmit"] (the /generate
 # body's sampling_params.custom_params, or the OpenAI body's custom_params).
 PARAMS_KEY = request_fields.KEY
+# A retryable refusal's status when nothing says otherwise: AdmissionConfig's default.
+DEFAULT_OVERLOAD_STATUS = AdmissionConfig().overload_status
 
 
-def rejection_finish_reason(refusal) -> dict:
+def rejection_finish_reason(refusal, overload_status: int | None = None) -> dict:
     """SGLang's abort finish-reason dict for a kvadmit refusal (a `Refusal`, or the
     core's `Rejection`): status and message as `kvadmit.protocol` defines them for
-    both engines (503 when retrying can help, like SGLang's own full-queue abort,
-    else 400); ``retry_after`` (whole seconds) rides along for streaming clients,
-    who read the finish reason itself."""
+    both engines (the config's ``overload_status``, 429 by default or 503, when
+    retrying can help, else 400); ``retry_after`` (whole seconds) rides along for
+    streaming clients, who read the finish reason itself. A `Refusal` (what the
+    adapter sends, built by `kvadmit.port.CorePort` with the config's status) keeps
+    its own status; a bare `Rejection` gets ``overload_status``, the config default
+    when not given."""
     if not isinstance(refusal, Refusal):
-        refusal = Refusal.of(refusal)
+        refusal = Refusal.of(refusal, DEFAULT_OVERLOAD_STATUS if overload_status is None
+                             else overload_status)
     reason = {
         "type": "abort",
         "status_code": refusal.status,

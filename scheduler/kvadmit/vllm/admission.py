@@ -32,15 +32,10 @@ from kvadmit.arrival import ArrivalRecord, prompt_hash
 from kvadmit.config import AdmissionConfig
 from kvadmit.port import CorePort, StepReport
 from kvadmit.protocol import Refusal, sample_group
-from kvadmit.request_fields import (
-    check_int,
-    check_prompt_tokens,
-    from_extra_args,
-    record_columns,
-    session_int,
-    ttft_target,
-)
-from kvadmit.vllm import compat
+from kvadmit.request_fields import (check_int, check_prompt_tokens, from_extra_args,
+                                    record_columns, session_int, ttft_target)
+from kvadmit.trust import UNTRUSTED_KEY
+from kvadmit.vllm import compat, failure
 from kvadmit.vllm.metrics import process_metrics
 from kvadmit.vllm.settings import VllmSettings
 
@@ -142,7 +137,7 @@ class VllmAdmission:
         self._displaced_for: int | None = None
         # True while _displace preempts: the Scheduler tells the core so
         self.displacing = False
-        # kvadmit's own errors inside vLLM's engine (fail_open): none yet.
+        # kvadmit's own errors inside vLLM's engine (fail): none yet.
         self.internal_errors = 0
 
     @property
@@ -216,22 +211,20 @@ class VllmAdmission:
         """The waiting slots in the core's order."""
         return self.port.waiting()
 
-    # -- failing open -----------------------------------------------------------
+    # -- failing open or closed (kvadmit.vllm.failure) ---------------------------
     @property
     def failed(self) -> bool:
         return self.internal_errors > 0
 
-    def fail_open(self, where: str) -> None:
-        """kvadmit's own code raised inside vLLM's engine (call it from the except
-        block): logged once with its traceback, counted, and from now on vLLM schedules
-        alone (the scheduler and its queue pass everything through), refusing nothing,
-        so the engine process and its requests live on."""
-        self.internal_errors += 1
-        if self.metrics is not None:
-            self.metrics.internal_errors.inc()
-        if self.internal_errors == 1:
-            logger.exception("kvadmit: internal error %s; failing open: vLLM's own scheduling "
-                             "from now on, every request kvadmit held handed to it", where)
+    @property
+    def failed_closed(self) -> bool:
+        """Failed under on_internal_error: closed: held and new requests are refused."""
+        return self.internal_errors > 0 and self.config.on_internal_error == "closed"
+
+    def fail(self, where: str) -> None:
+        """kvadmit's own code raised inside vLLM's engine (call it from the except block):
+        it fails open or closed as the config says (kvadmit.vllm.failure)."""
+        failure.record(self, where)
 
     # -- arrivals ---------------------------------------------------------------
     def arrive(self, request) -> list:
@@ -250,12 +243,14 @@ class VllmAdmission:
             members.append(request)
             if len(members) < n:
                 return []
-            del self.samples_awaiting_siblings[parent]
         # arrive_group asks for each member's numbers in turn (its own id and
-        # arrival_time: its place in vLLM's priority order).
+        # arrival_time: its place in vLLM's priority order). The samples wait for their
+        # siblings until it answered (if it raises, failing hands them all back).
         order = iter(members)
         arrival = self.port.arrive_group(
             [(r.request_id, r) for r in members], lambda: self.numbers(next(order)), self.clock())
+        if group is not None:
+            del self.samples_awaiting_siblings[group[0]]
         self.shed(arrival.shed)
         if not arrival.accepted:
             for r in members:
@@ -272,10 +267,12 @@ class VllmAdmission:
         # A deadline (UNIX time) is read once, here, as a delay from this arrival: the
         # core takes it as a TTFT target on the adapter's own clock.
         now_unix = time.time()
-        fields = from_extra_args(sp.extra_args if sp is not None else None, now_unix)
+        extra = sp.extra_args if sp is not None else None
+        fields = from_extra_args(extra, now_unix)
         columns = record_columns(fields, ttft_target(fields, self.config.default_ttft_slo_s,
                                                      now_unix))
-        if columns["session"] < 0 and request.session_id:   # vLLM's session_id (X-Session-ID)
+        # vLLM's session_id (X-Session-ID), unless the client is untrusted (kvadmit.trust)
+        if columns["session"] < 0 and request.session_id and not (extra or {}).get(UNTRUSTED_KEY):
             columns["session"] = session_int(request.session_id, "session_id")
         arrival_time = arrival_tie = 0.0
         if self.request_id_ties is not None:   # vLLM's priority order: its arrival_time, then id

@@ -41,7 +41,8 @@ PATCHES = (
                          "(and carry no Retry-After)"),
     ("vllm_retry_after", "refusals carry no Retry-After header"),
     ("vllm_slo_headers", "the SLO, TTL, fairness and sheddable request headers are ignored"),
-    ("vllm_get_load", "there is no GET /get_load for routers"),
+    ("vllm_get_load", "there is no GET /get_load or /v1/loads for routers, and /health "
+                      "does not say when kvadmit failed"),
     ("vllm_orca", "the ORCA load report lacks kvadmit's signals"),
 )
 

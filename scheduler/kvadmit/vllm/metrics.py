@@ -73,7 +73,12 @@ class KvadmitMetrics:
                                  multiprocess_mode="livemax")
         self.internal_errors = Counter(
             "kvadmit_internal_errors", "kvadmit's own errors inside the engine; from the "
-            "first, the engine schedules as vLLM alone (kvadmit fails open)")
+            "first, the engine schedules as vLLM alone and kvadmit fails open, or closed "
+            "(on_internal_error: closed; see kvadmit_failed_closed)")
+        self.failed_closed = Gauge(
+            "kvadmit_failed_closed", "1 once kvadmit failed inside the engine under "
+            "on_internal_error: closed: it refuses every request (503 kvadmit:failed_closed) "
+            "until the engine is restarted; else 0", multiprocess_mode="livemax")
         self.last: dict = {}
 
     def update(self, stats: dict) -> None:

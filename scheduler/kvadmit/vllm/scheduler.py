@@ -37,13 +37,13 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 
 from kvadmit._native import BlockObjectQueue
-from kvadmit.config import AdmissionConfig, ConfigError, json_object, section_from
+from kvadmit.config import AdmissionConfig, ConfigError
 # STOP_REASON_PREFIX: re-exported (the refusals' stop_reason prefix, kvadmit.protocol).
 from kvadmit.protocol import PREFIX as STOP_REASON_PREFIX  # noqa: F401
-from kvadmit.vllm import compat
+from kvadmit.vllm import compat, failure
 from kvadmit.vllm.admission import RequestIdTies, VllmAdmission  # noqa: F401 - RequestIdTies re-exported
 from kvadmit.vllm.fit import fit_to_vllm
-from kvadmit.vllm.settings import VllmSettings
+from kvadmit.vllm.settings import VllmSettings, configs_of
 
 # vLLM's (private) names, imported through compat: a moved one fails naming itself.
 _v = compat.import_names(compat.SCHEDULER_IMPORTS)
@@ -62,12 +62,11 @@ def config_from_vllm(vllm_config) -> tuple[AdmissionConfig, VllmSettings]:
     """The `"kvadmit"` object of vLLM's `--additional-config` (a dict or JSON text):
     the core's settings and the vLLM-only ones (kvadmit.vllm.settings). A misspelt or
     null `"kvadmit"` is a ConfigError (kvadmit.config.section_from)."""
-    raw = section_from(vllm_config.additional_config, "--additional-config")
-    vllm_settings, core_keys = VllmSettings.split(json_object(raw) if isinstance(raw, str) else raw)
+    config, vllm_settings = configs_of(vllm_config.additional_config)
     knobs = compat.unsupported_knobs(vllm_config)
     if knobs:
         raise ConfigError("kvadmit cannot run beside " + "; ".join(knobs))
-    return AdmissionConfig.from_dict(core_keys), vllm_settings
+    return config, vllm_settings
 
 
 class GatedWaitingQueue(RequestQueue):
@@ -91,6 +90,8 @@ class GatedWaitingQueue(RequestQueue):
 
     # -- the gate ---------------------------------------------------------
     def _choose(self) -> Request | None:
+        if self._admission.failed_closed:
+            return None    # nothing starts: the scheduler refuses the held ones after the step
         if self._untracked:
             return self._untracked[0]
         # One look per change: vLLM asks bool()/peek several times a step, and with
@@ -99,9 +100,11 @@ class GatedWaitingQueue(RequestQueue):
             try:
                 self._candidate = self._by_slot.get(self._admission.choose())
                 self._looked = True
-            except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
-                self._admission.fail_open("choosing a waiting request")
+            except Exception:   # noqa: BLE001 - kvadmit's own error: fail open or closed
+                self._admission.fail("choosing a waiting request")
         if self._admission.failed:
+            if self._admission.failed_closed:
+                return None
             self._release()
             return self._untracked[0] if self._untracked else None
         return self._candidate
@@ -132,8 +135,8 @@ class GatedWaitingQueue(RequestQueue):
         self._looked = False
         try:
             del self._by_slot[self._admission.commit(req)]
-        except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
-            self._admission.fail_open("starting a waiting request")
+        except Exception:   # noqa: BLE001 - kvadmit's own error: fail open or closed
+            self._admission.fail("starting a waiting request")
             self._by_slot = {s: r for s, r in self._by_slot.items() if r is not req}
         return req
 
@@ -270,16 +273,19 @@ class _KvadmitMixin:
 
     # -- arrivals -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests or self.kvadmit.failed:
+        if request.request_id in self.requests:
             return super().add_request(request)   # streaming input for a live request
+        if self.kvadmit.failed:
+            return self._kvadmit_after_failure(request)
         try:
             if not self.requests:
                 self.kvadmit.port.engine_idle()
             admitted = self.kvadmit.arrive(request)
-        except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
-            self.kvadmit.fail_open("on a request's arrival")
-            self._kvadmit_hand_back()
-            return super().add_request(request)
+        except Exception:   # noqa: BLE001 - kvadmit's own error: fail open or closed
+            self.kvadmit.fail("on a request's arrival")
+            if request in self._kvadmit_hand_back():
+                return None                       # a sample, handed back with its siblings
+            return self._kvadmit_after_failure(request)
         for r in admitted:
             super().add_request(r)
             if not self.waiting.holds(r):
@@ -288,23 +294,39 @@ class _KvadmitMixin:
                 # request served normally enters kv_holding_waiting only after kvadmit's
                 # queue let it start). It takes KV without the gate, so the core counts
                 # it started: a candidate it could never hand out would stall the gate.
-                self.kvadmit.commit(r)
+                try:
+                    self.kvadmit.commit(r)
+                except Exception:   # noqa: BLE001 - kvadmit's own error: fail open or closed
+                    self.kvadmit.fail("starting a request vLLM queued apart")
         return None
 
-    def _kvadmit_hand_back(self) -> None:
+    def _kvadmit_after_failure(self, request: Request) -> None:
+        """An arrival once kvadmit failed: vLLM's (open), or refused (closed)."""
+        if self.kvadmit.failed_closed:
+            return failure.refuse(self.kvadmit, request)
+        return super().add_request(request)
+
+    def _kvadmit_hand_back(self) -> list:
         """After kvadmit failed (outside vLLM's schedule()): vLLM's own waiting queue
-        with every request kvadmit held, and the samples that waited for siblings."""
+        with every request kvadmit held, and the samples that waited for siblings;
+        failed closed, those that never started are refused instead
+        (kvadmit.vllm.failure.refuse_held). Returns the samples."""
         if not isinstance(self.waiting, GatedWaitingQueue):
-            return
+            return []
+        held = list(self.waiting)           # a failed gate lists them in arrival order
         queue = create_request_queue(self.policy)
-        for r in self.waiting:              # a failed gate lists them in arrival order
+        for r in held:
             queue.add_request(r)
         self.waiting = queue
         waiting_samples = [r for members in self.kvadmit.samples_awaiting_siblings.values()
                            for r in members]
         self.kvadmit.samples_awaiting_siblings.clear()
+        if self.kvadmit.failed_closed:
+            failure.refuse_held(self, held, waiting_samples)
+            return waiting_samples
         for r in waiting_samples:
             super().add_request(r)
+        return waiting_samples
 
     def finish_requests(self, request_ids, finished_status):
         if self.kvadmit.samples_awaiting_siblings and request_ids is None:   # finish everything
@@ -326,8 +348,8 @@ class _KvadmitMixin:
         if not self.kvadmit.failed:
             try:
                 self.kvadmit.publish()
-            except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
-                self.kvadmit.fail_open("publishing its metrics")
+            except Exception:   # noqa: BLE001 - kvadmit's own error: fail open or closed
+                self.kvadmit.fail("publishing its metrics")
 
     # -- every step ------------------------------------------------------------
     def schedule(self, *args, **kwargs):
@@ -338,8 +360,8 @@ class _KvadmitMixin:
                 self.waiting.invalidate()
                 self.kvadmit.before_step(kwargs.get("throttle_prefills",
                                                     args[0] if args else False))
-            except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
-                self.kvadmit.fail_open("before a step")
+            except Exception:   # noqa: BLE001 - kvadmit's own error: fail open or closed
+                self.kvadmit.fail("before a step")
         if self.kvadmit.failed:
             self._kvadmit_hand_back()
             return super().schedule(*args, **kwargs)
@@ -347,8 +369,8 @@ class _KvadmitMixin:
         if not self.kvadmit.failed:
             try:
                 self.kvadmit.after_step(out)
-            except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
-                self.kvadmit.fail_open("after a step")
+            except Exception:   # noqa: BLE001 - kvadmit's own error: fail open or closed
+                self.kvadmit.fail("after a step")
         return out
 
     def _preempt_request(self, request: Request, timestamp: float, *args, **kwargs) -> None:
@@ -357,8 +379,8 @@ class _KvadmitMixin:
             try:
                 self.kvadmit.port.preempt(slot, self.kvadmit.clock(),
                                           displaced=self.kvadmit.displacing)
-            except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
-                self.kvadmit.fail_open("preempting a request")
+            except Exception:   # noqa: BLE001 - kvadmit's own error: fail open or closed
+                self.kvadmit.fail("preempting a request")
         return super()._preempt_request(request, timestamp, *args, **kwargs)
 
     def _free_request(self, request: Request, *args, **kwargs):
@@ -373,13 +395,15 @@ class _KvadmitMixin:
 
             try:
                 self.kvadmit.leave(request.request_id, self.kvadmit.clock(), natural, progress)
-            except Exception:   # noqa: BLE001 - kvadmit's own error: fail open
-                self.kvadmit.fail_open("as a request left")
+            except Exception:   # noqa: BLE001 - kvadmit's own error: fail open or closed
+                self.kvadmit.fail("as a request left")
         return super()._free_request(request, *args, **kwargs)
 
     # -- outputs ---------------------------------------------------------------
     def update_from_output(self, *args, **kwargs) -> dict[int, EngineCoreOutputs]:
         outputs = super().update_from_output(*args, **kwargs)
+        if self.kvadmit.failed:
+            self._kvadmit_hand_back()     # failed closed: its refusals go out in this step
         pending = self.kvadmit.pending_refusals
         if pending:
             by_client: dict[int, list[EngineCoreOutput]] = defaultdict(list)
@@ -392,8 +416,6 @@ class _KvadmitMixin:
                     outputs[client] = eco = EngineCoreOutputs()
                 eco.outputs = list(eco.outputs) + outs
         self._kvadmit_publish()
-        if self.kvadmit.failed:
-            self._kvadmit_hand_back()
         return outputs
 
     def has_finished_requests(self) -> bool:

@@ -26,7 +26,7 @@ Per point: goodput (the share of requests meeting both --ttft-ms and --tpot-ms, 
 `vllm bench serve --goodput`), TTFT and TPOT p50/p99, output tokens/s, preemptions
 (the server's `vllm:num_preemptions_total`, before and after), refusals per kvadmit
 reason (the server's `kvadmit_rejected_total`) and per HTTP status (the client's
-errors: 503/400 before a stream starts; 200 when the refusal came inside the stream).
+errors: 429 (or 503, per `overload_status`)/400 before a stream starts; 200 when the refusal came inside the stream).
 
     kvadmit bench serve --requests 200 --load 0.25 0.5 1 1.5 2 --repeats 2
     kvadmit bench serve client [vllm bench serve flags]   # vLLM's client, CPU build

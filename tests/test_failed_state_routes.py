@@ -1,0 +1,97 @@
+"""What a router sees of kvadmit's failed states (patches/vllm_get_load.py), without
+vLLM: an engine process writes kvadmit's series into a real Prometheus multiprocess
+directory, and the middleware answers `GET /health` and `GET /get_load` from them
+(docs/trust-and-failure.md, "What a router sees")."""
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvadmit_patches.vllm_get_load import FAILED_CLOSED_LOAD, GetLoadMiddleware, kvadmit_signals
+
+ENGINE = """
+import sys
+from prometheus_client import Counter, Gauge
+Gauge("kvadmit_predicted_queue_delay_seconds", "d", multiprocess_mode="livemax").set(0.5)
+Gauge("kvadmit_admission_pressure", "p", multiprocess_mode="livemax").set(0.25)
+Gauge("kvadmit_waiting_requests", "w", multiprocess_mode="livesum").set(2)
+closed = Gauge("kvadmit_failed_closed", "c", multiprocess_mode="livemax")
+if sys.argv[1] != "ok":
+    Counter("kvadmit_internal_errors", "e").inc()
+if sys.argv[1] == "closed":
+    closed.set(1)
+sys.stdin.read()      # alive until the test has read the files (live* modes)
+"""
+
+
+def call(path, method="GET"):
+    """The middleware's answer in front of an app that answers 200 "app": (status,
+    headers, body)."""
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"app"})
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(GetLoadMiddleware(app)({"type": "http", "path": path, "method": method},
+                                       None, send))
+    return (sent[0]["status"], dict(sent[0]["headers"]),
+            b"".join(m.get("body", b"") for m in sent[1:]))
+
+
+@pytest.fixture
+def engine(monkeypatch, tmp_path):
+    """Starts an engine process in `state` (ok, open, closed); stopped at the end."""
+    procs = []
+
+    def start(state):
+        env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+        procs.append(subprocess.Popen([sys.executable, "-c", ENGINE, state], env=env,
+                                      stdin=subprocess.PIPE, text=True))
+        monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+        for _ in range(200):
+            signals = kvadmit_signals(str(tmp_path))
+            if signals and "kvadmit_failed_closed" in signals and (
+                    state == "ok" or "kvadmit_internal_errors" in signals):
+                return signals
+            asyncio.run(asyncio.sleep(0.05))
+        raise AssertionError("the engine process wrote no series")
+
+    yield start
+    for p in procs:
+        p.communicate("")
+
+
+def test_without_kvadmits_series_health_is_vllms_alone(monkeypatch, tmp_path):
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))   # no engine wrote
+    status, headers, body = call("/health")
+    assert (status, body) == (200, b"app") and b"x-kvadmit-state" not in headers
+
+
+@pytest.mark.parametrize("state, header", [("ok", b"ok"), ("open", b"failed-open")])
+def test_health_is_vllms_answer_with_kvadmits_state(engine, state, header):
+    engine(state)
+    status, headers, body = call("/health")
+    assert (status, body) == (200, b"app") and headers[b"x-kvadmit-state"] == header
+    assert call("/health", "POST")[0] == 200      # only GET is looked at
+
+
+def test_failed_closed_health_is_503_and_the_load_keeps_routers_away(engine):
+    engine("closed")
+    status, headers, body = call("/health")
+    assert status == 503 and headers[b"x-kvadmit-state"] == b"failed-closed"
+    answer = json.loads(body)
+    assert answer["kvadmit"] == "failed-closed" and "restarted" in answer["message"]
+    status, _, body = call("/get_load")
+    assert status == 200
+    assert json.loads(body) == {"load": FAILED_CLOSED_LOAD, "source": "kvadmit",
+                                "kvadmit": "failed-closed"}
+    assert FAILED_CLOSED_LOAD > 10**12 + 999     # above any load kvadmit reports otherwise
+    assert call("/v1/completions", "POST")[2] == b"app"    # the rest passes through
