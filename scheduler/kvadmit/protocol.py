@@ -114,12 +114,19 @@ REASONS: dict[str, ReasonInfo] = {reason: _INFO[reason] for reason in REJECT_REA
 # (whatever overload_status says: the instance is out of service, not rate-limiting this
 # client; 503 is what takes it out of a router's rotation) and no Retry-After: this
 # instance will not serve before a restart, of which nobody knows the time.
+# untrusted_field: a field that would raise the request's claim, from a client that
+# is not a trusted source, under untrusted_fields: refuse (kvadmit.trust): 400.
 FAILED_CLOSED = "failed_closed"
+UNTRUSTED_FIELD = "untrusted_field"
 ADAPTER_REASONS: dict[str, ReasonInfo] = {
     FAILED_CLOSED: ReasonInfo(
         False, "kvadmit failed inside this engine and, configured with on_internal_error: "
                "closed, admits no request until the engine is restarted",
         status=HTTPStatus.SERVICE_UNAVAILABLE, tail="(retry on another instance)"),
+    UNTRUSTED_FIELD: ReasonInfo(
+        False, "a field would raise this request's claim on capacity, and it does not come "
+               "from a trusted source", status=HTTPStatus.BAD_REQUEST,
+        tail="(retrying will not help)"),
 }
 if set(ADAPTER_REASONS) & set(REASONS):
     raise ImportError("kvadmit.protocol: an adapter's reason is also the core's")

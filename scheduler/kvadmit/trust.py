@@ -30,6 +30,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
 
+from kvadmit.protocol import UNTRUSTED_FIELD, Refusal
 from kvadmit.request_fields import SCHEMA, FieldError
 
 SECRET_ENV = "KVADMIT_GATEWAY_SECRET"
@@ -38,7 +39,6 @@ PRIORITY = "priority"            # the engine's own field, screened beside the s
 # vllm_xargs mark of a screened request: kvadmit does not take vLLM's own session id
 # (X-Session-ID) as its session. Setting it can only lower a client's own claim.
 UNTRUSTED_KEY = "kvadmit_untrusted"
-REFUSAL_REASON = "untrusted_field"
 _BY_NAME = {f.name: f for f in SCHEMA}
 
 
@@ -117,11 +117,12 @@ class Trust:
 
 
 def refusal_message(names: list[str]) -> str:
-    """The 400 message of a request refused for untrusted raises (mode refuse)."""
-    return (f"kvadmit:{REFUSAL_REASON}: {', '.join(names)} would raise this request's claim "
-            f"on capacity, and it does not come from a trusted source (a gateway with "
-            f"{SECRET_HEADER.decode()}, or an address in trusted_proxies; see "
-            f"docs/trust-and-failure.md) (retrying will not help)")
+    """The 400 message of a request refused for untrusted raises (mode refuse):
+    kvadmit.protocol's untrusted_field refusal, naming the fields."""
+    return Refusal(UNTRUSTED_FIELD, (
+        f"{', '.join(names)} would raise this request's claim on capacity, and it does not "
+        f"come from a trusted source (a gateway with {SECRET_HEADER.decode()}, or an address "
+        f"in trusted_proxies; see docs/trust-and-failure.md)")).client_message()
 
 
 _COUNTERS: dict[str, Any] = {}
