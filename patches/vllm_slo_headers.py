@@ -112,7 +112,7 @@ def screen(doc: dict, trust, now_unix: float, headers=()) -> list[str]:
     (kvadmit_<field> in vllm_xargs, priority): their values removed from `doc` (the
     server's defaults apply). A value that does not parse is left for kvadmit to
     refuse as invalid."""
-    xargs = doc.setdefault("vllm_xargs", {})
+    xargs = doc.get("vllm_xargs") if isinstance(doc.get("vllm_xargs"), dict) else {}
     values = {k[len(FLAT_PREFIX):]: v for k, v in xargs.items() if k.startswith(FLAT_PREFIX)}
     names = [FLAT_PREFIX + f for f in trust.raised(values, now_unix)]
     for key in names:
@@ -126,12 +126,12 @@ def screen(doc: dict, trust, now_unix: float, headers=()) -> list[str]:
     if isinstance(priority, int) and not isinstance(priority, bool) and priority < 0:
         doc.pop("priority")
         names.append("priority")
-    # vLLM's own session id (body, X-Session-ID, vllm_xargs) stays vLLM's; kvadmit
+    # vLLM's own session id (body, X-Session-ID, vllm_xargs) stays vLLM's; marked, kvadmit
     # does not take it as the request's session (kvadmit.vllm.admission): counted,
     # never refused (it is vLLM's field).
-    xargs[UNTRUSTED_KEY] = True
     if doc.get("session_id") or xargs.get("session_id") or any(
             k.lower() == VLLM_SESSION_HEADER for k, _ in headers):
+        doc["vllm_xargs"] = {**xargs, UNTRUSTED_KEY: True}
         count(["session_id"])
     return names
 

@@ -130,7 +130,7 @@ def test_an_untrusted_client_loses_its_raises_and_keeps_what_lowers_its_claim():
                                    (b"x-kvadmit-sheddable", b"true")])
     assert "priority" not in seen["doc"]
     assert seen["doc"]["vllm_xargs"] == {"kvadmit_ttft_slo_s": 5.0, "kvadmit_ttl_s": 10, "other": 1,
-                                         "kvadmit_sheddable": "true", UNTRUSTED_KEY: True}
+                                         "kvadmit_sheddable": "true"}
     assert untrusted_fields_total("kvadmit_flow") == before + 1
     assert untrusted_fields_total("kvadmit_session") >= 1 and untrusted_fields_total("priority") >= 1
     # vLLM's own session id stays, marked so that kvadmit does not take it; counted
@@ -187,14 +187,13 @@ def test_refuse_mode_answers_400_naming_the_fields_and_the_engine_never_sees_it(
     assert body["error"]["param"] == "kvadmit_flow"
     # nothing to screen: it passes
     seen, status, _ = call(trust, {"prompt": [5], "vllm_xargs": {"kvadmit_sheddable": True}})
-    assert status is None and seen["doc"]["vllm_xargs"] == {"kvadmit_sheddable": True,
-                                                            UNTRUSTED_KEY: True}
+    assert status is None and seen["doc"]["vllm_xargs"] == {"kvadmit_sheddable": True}
 
 
 def test_every_json_post_is_screened_not_only_completions():
     trust = Trust.of(CONFIG, {})
     seen, _, _ = call(trust, {"input": "x", "priority": -1}, path="/v1/embeddings")
-    assert "priority" not in seen["doc"]
+    assert seen["doc"] == {"input": "x"}          # nothing added where nothing was asked
 
 
 def test_honour_passes_every_field_as_before():
