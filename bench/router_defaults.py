@@ -98,8 +98,10 @@ class Pair:
         stop(self.procs)
 
 
-class SmgFront:
+class SmgFront(Front):
     """SMG (`smg launch`) with the worker list and nothing else; a context manager."""
+    label = "smg"
+    settle_s = 3.0          # its worker registration and first load poll
 
     def __init__(self, exe: str, bases: list[str], workdir: str):
         self.port, self.metrics_port = free_port(), free_port()
@@ -109,18 +111,6 @@ class SmgFront:
         self.proc = subprocess.Popen(cmd, stdout=open(os.path.join(workdir, "smg.log"), "w"),
                                      stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self):
-        try:
-            wait_http(self.url + "/health", self.proc, "smg", 60)
-            time.sleep(3.0)         # its worker registration and first load poll
-        except BaseException:
-            stop([self.proc])
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        stop([self.proc])
 
 
 def scrape(url: str | None, *prefixes: str) -> dict[str, float]:

@@ -168,6 +168,8 @@ def stop(procs) -> None:
 
 class Front:
     """vllm-router or HAProxy in front of `bases`; a context manager."""
+    label = "the front"
+    settle_s = 2.0          # vllm-router: its first /get_load poll and health checks
 
     def __init__(self, setup: Setup, bases: list[str], workdir: str):
         self.port = free_port()
@@ -192,8 +194,8 @@ class Front:
 
     def __enter__(self):
         try:
-            wait_http(self.url + "/health", self.proc, "the front", 60)
-            time.sleep(2.0)     # vllm-router: its first /get_load poll and health checks
+            wait_http(self.url + "/health", self.proc, self.label, 60)
+            time.sleep(self.settle_s)
         except BaseException:
             stop([self.proc])
             raise

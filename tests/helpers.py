@@ -1,4 +1,7 @@
-"""Builders for core states used by the decision-table tests."""
+"""Builders for core states used by the decision-table tests, and an ASGI middleware's
+answer for the HTTP patches' tests."""
+import asyncio
+
 from kvadmit import AdmissionConfig, AdmissionCore
 from kvadmit.arrival import ArrivalRecord
 
@@ -35,3 +38,22 @@ def fail_on_call(monkeypatch, owner, name: str, n: int) -> list:
         return original(self, *args, **kwargs)
     monkeypatch.setattr(owner, name, failing)
     return calls
+
+
+def asgi_answer(middleware, path, method="GET", query=b"", app_status=404):
+    """`middleware` in front of an app that answers `app_status` "app" to everything:
+    (status, headers, body) of the answer to `method path?query`."""
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": app_status,
+                    "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"app"})
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "path": path, "method": method, "query_string": query}
+    asyncio.run(middleware(app)(scope, None, send))
+    return (sent[0]["status"], dict(sent[0]["headers"]),
+            b"".join(m.get("body", b"") for m in sent[1:]))

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from helpers import asgi_answer
 from kvadmit_patches.vllm_get_load import FAILED_CLOSED_LOAD, GetLoadMiddleware, kvadmit_signals
 
 ENGINE = """
@@ -30,20 +31,7 @@ sys.stdin.read()      # alive until the test has read the files (live* modes)
 def call(path, method="GET"):
     """The middleware's answer in front of an app that answers 200 "app": (status,
     headers, body)."""
-    async def app(scope, receive, send):
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/plain")]})
-        await send({"type": "http.response.body", "body": b"app"})
-
-    sent = []
-
-    async def send(message):
-        sent.append(message)
-
-    asyncio.run(GetLoadMiddleware(app)({"type": "http", "path": path, "method": method},
-                                       None, send))
-    return (sent[0]["status"], dict(sent[0]["headers"]),
-            b"".join(m.get("body", b"") for m in sent[1:]))
+    return asgi_answer(GetLoadMiddleware, path, method, app_status=200)
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from helpers import asgi_answer
 from kvadmit_patches.vllm_get_load import GetLoadMiddleware, kvadmit_signals, load_report
 
 
@@ -61,19 +62,9 @@ def test_signals_come_from_the_engine_processes_series(tmp_path):
     assert kvadmit_signals(str(tmp_path / "none")) is None     # no engine wrote: no signals
 
 
-def call(path, method="GET"):
-    async def app(scope, receive, send):
-        await send({"type": "http.response.start", "status": 404, "headers": []})
-        await send({"type": "http.response.body", "body": b"app"})
-
-    sent = []
-
-    async def send(message):
-        sent.append(message)
-
-    asyncio.run(GetLoadMiddleware(app)({"type": "http", "path": path, "method": method},
-                                       None, send))
-    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+def call(path, method="GET", query=b""):
+    status, _, body = asgi_answer(GetLoadMiddleware, path, method, query)
+    return status, body
 
 
 def test_the_middleware_answers_get_load_and_passes_the_rest(monkeypatch, tmp_path):
@@ -239,21 +230,6 @@ def test_generation_rate_from_vllms_counter():
     assert rate.update(1300.0, 16.0) == 500.0
 
 
-def call_query(path, query, method="GET"):
-    async def app(scope, receive, send):
-        await send({"type": "http.response.start", "status": 404, "headers": []})
-        await send({"type": "http.response.body", "body": b"app"})
-
-    sent = []
-
-    async def send(message):
-        sent.append(message)
-
-    scope = {"type": "http", "path": path, "method": method, "query_string": query}
-    asyncio.run(GetLoadMiddleware(app)(scope, None, send))
-    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
-
-
 def test_the_middleware_answers_v1_loads_with_its_query(monkeypatch, tmp_path):
     """SMG's exact probe through the ASGI middleware, from a real multiprocess
     directory an engine process wrote kvadmit's gauges into."""
@@ -266,7 +242,7 @@ def test_the_middleware_answers_v1_loads_with_its_query(monkeypatch, tmp_path):
             if (kvadmit_signals(str(tmp_path)) or {}).get("kvadmit_waiting_requests") == 4:
                 break
             asyncio.run(asyncio.sleep(0.05))
-        status, body = call_query("/v1/loads", b"include=core,disagg,queues,memory")
+        status, body = call("/v1/loads", query=b"include=core,disagg,queues,memory")
         assert status == 200
         report = json.loads(body)
         assert_smg_schema(report)
@@ -275,10 +251,10 @@ def test_the_middleware_answers_v1_loads_with_its_query(monkeypatch, tmp_path):
         assert rank["token_usage"] == 0.5
         assert report["kvadmit"]["predicted_queue_delay_s"] == 0.75
         assert smg_expected_wait(report) == pytest.approx(0.75 + 0.15, abs=1e-3)
-        status, body = call_query("/v1/loads", b"")
+        status, body = call("/v1/loads")
         assert status == 200 and "queues" not in json.loads(body)["loads"][0]
-        assert call_query("/v1/loads", b"", "POST") == (404, b"app")
-        assert call_query("/v1/loadsx", b"") == (404, b"app")
+        assert call("/v1/loads", "POST") == (404, b"app")
+        assert call("/v1/loadsx") == (404, b"app")
     finally:
         proc.communicate("")
 

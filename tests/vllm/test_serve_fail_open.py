@@ -1,8 +1,8 @@
 """kvadmit failing inside `vllm serve`'s engine core, under load, open (the default) or
 closed (docs/trust-and-failure.md, "When kvadmit itself fails"). The fault is injected by
-test-only code written here, on the server's PYTHONPATH (open: a scheduler module named by
---scheduler-cls; closed: a vLLM plugin, FAULT_PLUGIN), that makes kvadmit's step raise at
-the step KVADMIT_TEST_FAULT_AT_STEP names: an environment variable only that code reads.
+test-only code written here, on the server's PYTHONPATH (a vLLM plug-in, FAULT_PLUGIN),
+that makes kvadmit's step raise at the step KVADMIT_TEST_FAULT_AT_STEP names: an
+environment variable only that code reads.
 
 Open: every request, streaming or not, then completes with its whole output and status
 200; no KV block stays in use at idle; /get_load says failed-open and /metrics counts
@@ -20,10 +20,15 @@ import time
 import httpx
 from serving import free_port, metrics, running_server, serve_command
 
-FAULTY = '''
+# The fault, injected only by test code: a test-only vLLM general plug-in (an entry
+# point of a distribution written on the server's PYTHONPATH, loaded by every vLLM
+# process, the engine core before it builds its scheduler) makes kvadmit's step raise at
+# the step KVADMIT_TEST_FAULT_AT_STEP names, beside kvadmit's own scheduler (a
+# --scheduler-cls other than kvadmit's is refused where the kvadmit section is set:
+# kvadmit.vllm.plugin.check_vllm_config).
+FAULT_PLUGIN = '''
 import os
 from kvadmit.vllm.admission import VllmAdmission
-from kvadmit.vllm.scheduler import Scheduler
 
 AT = int(os.environ["KVADMIT_TEST_FAULT_AT_STEP"])
 _before_step, _calls = VllmAdmission.before_step, [0]
@@ -36,55 +41,10 @@ def before_step(self, *args, **kwargs):
     return _before_step(self, *args, **kwargs)
 
 
-VllmAdmission.before_step = before_step
-
-
-class FaultyScheduler(Scheduler):
-    """kvadmit's scheduler, with the fault above."""
-'''
-
-
-def test_a_fault_under_load_fails_open_and_nothing_is_lost(model_dir, tmp_path):
-    (tmp_path / "faulty_scheduler.py").write_text(FAULTY)
-    model = model_dir            # the served model's name is its path
-    cmd = serve_command(model, free_port(), {}, scheduler_cls="faulty_scheduler.FaultyScheduler",
-                        blocks=17, max_model_len=512)
-    env = {"PYTHONPATH": str(tmp_path), "KVADMIT_TEST_FAULT_AT_STEP": "20"}
-    with running_server(cmd, tmp_path / "serve.log", env=env) as base:
-        with concurrent.futures.ThreadPoolExecutor(12) as pool:   # 12 at once, 4 run at a time
-            futures = [pool.submit(_post, base, model, i) for i in range(12)]
-            results = [f.result() for f in futures]
-        assert all(status == 200 for status, _, _ in results), results
-        assert all(got == want for _, got, want in results), results
-        log = (tmp_path / "serve.log").read_text()
-        assert log.count("failing open") == 1, log[-3000:]
-        for _ in range(30):
-            m = metrics(base)
-            if m.get("vllm:kv_cache_usage_perc", 1) == 0 and m.get("vllm:num_requests_running") == 0:
-                break
-            time.sleep(1)
-        assert m.get("vllm:kv_cache_usage_perc") == 0, m
-        assert m.get("kvadmit_internal_errors_total") == 1, sorted(k for k in m if "kvadmit" in k)
-        load = httpx.get(base + "/get_load", timeout=30).json()
-        assert load["kvadmit"] == "failed-open" and load["source"] == "vllm", load
-        with concurrent.futures.ThreadPoolExecutor(6) as pool:   # it serves on
-            again = [f.result() for f in [pool.submit(_post, base, model, 100 + i)
-                                          for i in range(6)]]
-        assert all(status == 200 and got == want for status, got, want in again), again
-
-
-# With a "kvadmit" object in --additional-config the scheduler must be kvadmit's own
-# (kvadmit.vllm.plugin.check_vllm_config), so the closed test injects the same fault
-# through a test-only vLLM general plugin: an entry point of a distribution written on
-# the server's PYTHONPATH, loaded by every vLLM process (the engine core before it
-# builds its scheduler).
-FAULT_PLUGIN = FAULTY.split("\n\nclass FaultyScheduler")[0].replace(
-    "VllmAdmission.before_step = before_step", """
-
 def install():
     if not getattr(VllmAdmission, "_test_fault", False):
-        VllmAdmission.before_step, VllmAdmission._test_fault = before_step, True""").replace(
-    "from kvadmit.vllm.scheduler import Scheduler\n", "")
+        VllmAdmission.before_step, VllmAdmission._test_fault = before_step, True
+'''
 
 
 def write_fault_plugin(path):
@@ -94,6 +54,42 @@ def write_fault_plugin(path):
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvadmit-test-fault\nVersion: 0\n")
     (info / "entry_points.txt").write_text(
         "[vllm.general_plugins]\nkvadmit_test_fault = kvadmit_test_fault:install\n")
+
+
+def idle_metrics(base, wait_s=30):
+    """The server's /metrics once nothing runs and no KV block is in use (or after
+    `wait_s` seconds)."""
+    for _ in range(wait_s):
+        m = metrics(base)
+        if m.get("vllm:kv_cache_usage_perc", 1) == 0 and m.get("vllm:num_requests_running") == 0:
+            break
+        time.sleep(1)
+    return m
+
+
+def test_a_fault_under_load_fails_open_and_nothing_is_lost(model_dir, tmp_path):
+    write_fault_plugin(tmp_path)
+    model = model_dir            # the served model's name is its path
+    cmd = serve_command(model, free_port(), {}, blocks=17, max_model_len=512)
+    env = {"PYTHONPATH": str(tmp_path), "KVADMIT_TEST_FAULT_AT_STEP": "20"}
+    with running_server(cmd, tmp_path / "serve.log", env=env) as base:
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:   # 12 at once, 4 run at a time
+            futures = [pool.submit(_post, base, model, i) for i in range(12)]
+            results = [f.result() for f in futures]
+        assert all(status == 200 for status, _, _ in results), results
+        assert all(got == want for _, got, want in results), results
+        log = (tmp_path / "serve.log").read_text()
+        assert log.count("failing open") == 1, log[-3000:]
+        m = idle_metrics(base)
+        assert m.get("vllm:kv_cache_usage_perc") == 0, m
+        assert m.get("kvadmit_internal_errors_total") == 1, sorted(k for k in m if "kvadmit" in k)
+        load = httpx.get(base + "/get_load", timeout=30).json()
+        assert load["kvadmit"] == "failed-open" and load["source"] == "vllm", load
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:   # it serves on
+            again = [f.result() for f in [pool.submit(_post, base, model, 100 + i)
+                                          for i in range(6)]]
+        assert all(status == 200 and got == want for status, got, want in again), again
+
 
 
 def test_a_fault_under_load_fails_closed_refusing_the_held_and_finishing_the_running(
@@ -119,11 +115,7 @@ def test_a_fault_under_load_fails_closed_refusing_the_held_and_finishing_the_run
         assert any(i % 2 == 1 for i, r in enumerate(results) if r[0] == 503), results
         log = (tmp_path / "serve.log").read_text()
         assert log.count("failing closed") == 1, log[-3000:]
-        for _ in range(30):
-            m = metrics(base)
-            if m.get("vllm:kv_cache_usage_perc", 1) == 0 and m.get("vllm:num_requests_running") == 0:
-                break
-            time.sleep(1)
+        m = idle_metrics(base)
         assert m.get("vllm:kv_cache_usage_perc") == 0, m
         assert m.get("kvadmit_internal_errors_total") == 1, sorted(k for k in m if "kvadmit" in k)
         assert m.get("kvadmit_failed_closed") == 1, sorted(k for k in m if "kvadmit" in k)
