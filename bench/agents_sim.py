@@ -43,12 +43,15 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from _common import save  # noqa: E402
 
+from kvadmit.bench.agents import AgentEngine, AgentWorkload, ideal_prefill  # noqa: E402
 from kvadmit.config import AdmissionConfig  # noqa: E402
 from kvadmit.simulate.engine import EngineShape, run_native  # noqa: E402
 from kvadmit.simulate.steptime import CPU_TINY  # noqa: E402
 from kvadmit.simulate.workload import Workload  # noqa: E402
 
-BLOCK = 32
+# The real-engine bench's workload and engine (kvadmit bench agents), one definition
+WORKLOAD, ENGINE = AgentWorkload(), AgentEngine()
+BLOCK = ENGINE.block_size
 
 
 def agent_workload(sessions: int, turns: int, prefix: int, task: int, gen: int, tool: int,
@@ -69,8 +72,7 @@ def agent_workload(sessions: int, turns: int, prefix: int, task: int, gen: int, 
             new = task if k == 0 else tool
             prompt = context + new
             total = prompt + gen
-            cached = prefix if k == 0 else (context // BLOCK) * BLOCK
-            ideal += prompt - cached
+            ideal += ideal_prefill(prompt, prefix if k == 0 else context, BLOCK)
             while len(ids) < total // BLOCK:
                 ids.append(next_id)
                 next_id += 1
@@ -157,15 +159,17 @@ def count_window_reorders() -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sessions", type=int, default=96)
-    ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--prefix", type=int, default=256)
-    ap.add_argument("--task", type=int, default=64)
-    ap.add_argument("--gen", type=int, default=32)
-    ap.add_argument("--tool", type=int, default=48)
-    ap.add_argument("--tool-wait", type=float, default=1.0)
-    ap.add_argument("--blocks", type=int, default=64, help="usable KV blocks (vLLM gets one more)")
-    ap.add_argument("--seed", type=int, default=0)
+    wl = WORKLOAD
+    ap.add_argument("--sessions", type=int, default=wl.sessions)
+    ap.add_argument("--turns", type=int, default=wl.turns)
+    ap.add_argument("--prefix", type=int, default=wl.system_tokens)
+    ap.add_argument("--task", type=int, default=wl.task_tokens)
+    ap.add_argument("--gen", type=int, default=wl.output_tokens)
+    ap.add_argument("--tool", type=int, default=wl.tool_tokens)
+    ap.add_argument("--tool-wait", type=float, default=wl.tool_wait_s)
+    ap.add_argument("--blocks", type=int, default=ENGINE.num_blocks - 1,
+                    help="usable KV blocks (vLLM gets one more)")
+    ap.add_argument("--seed", type=int, default=wl.seed)
     ap.add_argument("--window", type=int, nargs="*", default=[16, 128],
                     help="cache_aware_admission_window values, one vLLM 0.34 row each")
     ap.add_argument("--threshold", type=float, default=None,
@@ -186,8 +190,9 @@ def main() -> None:
     model = str(build_tiny_llama(args.model_dir or DEFAULT_DIR))
     w, ideal = agent_workload(args.sessions, args.turns, args.prefix, args.task, args.gen,
                               args.tool, args.tool_wait, args.seed)
-    shape = EngineShape(num_blocks=args.blocks, block_size=BLOCK, max_model_len=1024,
-                        max_num_seqs=128, max_num_batched_tokens=2048, prefix_caching=True)
+    shape = EngineShape(num_blocks=args.blocks, block_size=BLOCK,
+                        max_model_len=ENGINE.max_model_len, max_num_seqs=ENGINE.max_num_seqs,
+                        max_num_batched_tokens=ENGINE.max_num_batched_tokens, prefix_caching=True)
     import dataclasses
 
     from vllm.config import SchedulerConfig
