@@ -129,8 +129,14 @@ def test_kvadmit_bench_serve_small_sweep(model_dir, tmp_path):
         assert r["wrong_length"] == 0, r          # every served request stopped at its length
         assert sum(r["failed_by_status"].values()) == r["failed"]
         assert r["preemptions"] >= 0
+        # recompute, from the server's counters: vLLM's prompt counter takes each prompt
+        # once, so the prefill less the bench scheduler's recomputed tokens is what was sent
+        assert r["prefill_tokens"] > 0 and r["recomputed_tokens"] >= 0
+        assert r["recompute_share"] == r["recomputed_tokens"] / r["prefill_tokens"]
         if r["failed"] == 0:
             assert r["output_tokens"] == sec["real_output_tokens"]
+            assert r["prefill_tokens"] - r["recomputed_tokens"] == r["input_tokens"], r
+            assert (r["recomputed_tokens"] > 0) == (r["preemptions"] > 0), r
         if r["config"] == "vllm-default":
             assert r["failed"] == 0 and r["refused_by_reason"] == {}
         else:
@@ -141,4 +147,10 @@ def test_kvadmit_bench_serve_small_sweep(model_dir, tmp_path):
     burst = next(r for r in rows if r["config"] == "kvadmit-cap2" and r["load"] == 2.0)
     assert burst["refused_by_reason"].get("queue_full", 0) > 0, burst   # 24 at once, cap 2
     assert len(sec["summary"]) == 4 and all(s["repeats"] == 1 for s in sec["summary"])
+    for s in sec["summary"]:
+        (r,) = [r for r in rows if (r["config"], r["load"]) == (s["config"], s["load"])]
+        assert s["recompute_share"] == r["recompute_share"]
+        goal = sec["goals"]["recompute_share"][s["config"]][f"{s['load']:g}"]
+        assert goal == r["recompute_share"]
+    assert "recompute %" in p.stdout, p.stdout
     assert (tmp_path / "serve.png").stat().st_size > 10_000

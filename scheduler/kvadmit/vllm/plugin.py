@@ -14,13 +14,16 @@ logger = logging.getLogger("kvadmit.vllm")
 
 
 SCHEDULER = "kvadmit.vllm.Scheduler"
+# vLLM's own scheduler under a bench's counting subclass (kvadmit.bench.serve.recompute):
+# vLLM's, not kvadmit's, so its servers get none of kvadmit's checks and middleware.
+VLLM_OWN_PREFIX = "kvadmit.bench.serve.recompute.Vllm"
 
 
 def _names_kvadmit(scheduler_cls) -> bool:
     """Whether vLLM's scheduler_cls (a dotted name or a class) is one of kvadmit's."""
     name = scheduler_cls if isinstance(scheduler_cls, str) else (
         f"{scheduler_cls.__module__}.{scheduler_cls.__qualname__}" if scheduler_cls else "")
-    return name.startswith("kvadmit.")
+    return name.startswith("kvadmit.") and not name.startswith(VLLM_OWN_PREFIX)
 
 
 def check_vllm_config(vllm_config) -> None:

@@ -24,7 +24,10 @@ max_tokens honest) on vLLM's default and kvadmit's default.
 
 Per point: goodput (the share of requests meeting both --ttft-ms and --tpot-ms, by
 `vllm bench serve --goodput`), TTFT and TPOT p50/p99, output tokens/s, preemptions
-(the server's `vllm:num_preemptions_total`, before and after), refusals per kvadmit
+(the server's `vllm:num_preemptions_total`, before and after), the prefill tokens
+recomputed after preemptions and their share of all prefill computed (RFC #54644's
+measure; vLLM counts no recompute, so each server's scheduler is the config's own
+counting it: `recompute`, `points.recompute_counts`), refusals per kvadmit
 reason (the server's `kvadmit_rejected_total`) and per HTTP status (the client's
 errors: 429 (or 503, per `overload_status`)/400 before a stream starts; 200 when the refusal came inside the stream).
 
@@ -37,6 +40,7 @@ One module per job:
 - `loadgen`: vLLM's load generator (`vllm bench serve`, in this process) and the trace
   rows it sends;
 - `server`: one `vllm serve` per config (kvadmit.vllm.serve's launcher), its /metrics;
+- `recompute`: the servers' schedulers, counting the prefill they recompute;
 - `points`: one `vllm bench serve` run against a server, and the sweep of them;
 - `report`: the medians, the goal figures, the table and the chart;
 - `cli`: the command line, and the run's sections and JSON.

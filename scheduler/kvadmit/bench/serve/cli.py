@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 
-from kvadmit.bench.serve.configs import (DEFAULT_CONFIGS, FIXED_CONFIGS, ServeConfig,
+from kvadmit.bench.serve.configs import (DEFAULT_CONFIGS, FIXED_CONFIGS, ServeConfig, counting,
                                          documented_queue_cap, parse_config, queue_delay_for)
 from kvadmit.bench.serve.loadgen import client_main, trace_rows
 from kvadmit.bench.serve.points import run_point, sweep
@@ -159,8 +159,9 @@ class ServeBench:
         print(f"{what} ({time.perf_counter() - self.t0:.0f} s)", file=sys.stderr, flush=True)
 
     def _server(self, label: str, config: ServeConfig, wait: bool) -> Server:
+        """The server of a config, started once; its scheduler counts what it recomputes."""
         if label not in self.by_label:
-            self.by_label[label] = Server(config, self.model, self.engine, self.log,
+            self.by_label[label] = Server(counting(config), self.model, self.engine, self.log,
                                           engine_cpus=tuple(self.args.engine_cpus))
             self.servers.append(self.by_label[label])
             self.by_label[label].start()

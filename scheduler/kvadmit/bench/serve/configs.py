@@ -10,6 +10,9 @@ KVADMIT_SCHEDULER = "kvadmit.vllm.Scheduler"
 DEFAULT_CONFIGS = ("vllm-default", "vllm-queued", "vllm-watermark=0.01", "vllm-watermark=0.05",
                    "vllm-watermark=0.1", "kvadmit-default", "kvadmit-delay")
 FIXED_CONFIGS = ("vllm-default", "kvadmit-default")
+# The same schedulers, counting the prefill they recompute (kvadmit.bench.serve.recompute)
+COUNTING = {VLLM_SCHEDULER: "kvadmit.bench.serve.recompute.VllmScheduler",
+            KVADMIT_SCHEDULER: "kvadmit.bench.serve.recompute.KvadmitScheduler"}
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,15 @@ def parse_config(text: str, queued_reqs: int, delay_s: float) -> ServeConfig:
         return ServeConfig(name, _kvadmit_flags(settings), f"kvadmit, {value}", "kvadmit")
     raise ValueError(f"config {text!r}: not one of vllm-default, vllm-queued[=N], "
                      "vllm-watermark=F, kvadmit-default, kvadmit-delay[=S], NAME=JSON")
+
+
+def counting(config: ServeConfig) -> ServeConfig:
+    """`config` with its scheduler swapped for the same one counting its recomputed
+    prefill (COUNTING; vLLM has no such counter): what `kvadmit bench serve` runs."""
+    flags = list(config.flags)
+    i = flags.index("--scheduler-cls") + 1
+    flags[i] = COUNTING[flags[i]]
+    return ServeConfig(config.label, tuple(flags), config.doc, config.kind)
 
 
 def _kvadmit_flags(settings: dict) -> tuple[str, ...]:

@@ -40,6 +40,37 @@ def refusal_counts(before: dict, after: dict) -> dict[str, int]:
     return out
 
 
+RECOMPUTED = "kvadmit_bench_recomputed_tokens_total"     # kvadmit.bench.serve.recompute
+
+
+def recompute_counts(before: dict, after: dict) -> dict:
+    """A point's prefill, from the server's counters after - before (RFC #54644's
+    measure: recompute as a share of all the prefill computed):
+
+        fresh      = vllm:prompt_tokens_total - vllm:prompt_tokens_cached_total
+                     (vLLM's: each request's prompt once, at its first scheduling,
+                     less its prefix-cache hits; never a prefill after a preemption)
+        recomputed = kvadmit_bench_recomputed_tokens_total (the bench's scheduler:
+                     positions computed again below what a request had computed when
+                     preempted; vLLM counts none, kvadmit.bench.serve.recompute)
+        prefill    = fresh + recomputed
+        share      = recomputed / prefill (None for no prefill)
+
+    A request cancelled before its first token has its partial prefill in no count.
+    Without the bench's counter (a server not started by `kvadmit bench serve`) all
+    three are None."""
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    if RECOMPUTED not in after:
+        return {"prefill_tokens": None, "recomputed_tokens": None, "recompute_share": None}
+    recomputed = int(round(delta(RECOMPUTED)))
+    fresh = int(round(delta("vllm:prompt_tokens_total") - delta("vllm:prompt_tokens_cached_total")))
+    prefill = fresh + recomputed
+    return {"prefill_tokens": prefill, "recomputed_tokens": recomputed,
+            "recompute_share": recomputed / prefill if prefill > 0 else None}
+
+
 def wait_idle(server: Server, timeout: float = 300) -> dict:
     deadline = time.time() + timeout
     while True:
@@ -88,6 +119,7 @@ def run_point(server: Server, dataset: list[str], rate: float, burstiness: float
         "goodput": good / n, "goodput_rps": res.get("request_goodput") or 0.0,
         "preemptions": int(round(after.get("vllm:num_preemptions_total", 0.0)
                                  - before.get("vllm:num_preemptions_total", 0.0))),
+        **recompute_counts(before, after), "input_tokens": res.get("total_input_tokens"),
         "refused_by_reason": refusal_counts(before, after), "failed_by_status": statuses,
         "output_tokens": res["total_output_tokens"], "output_tok_per_s": res["output_throughput"],
         "request_throughput": res["request_throughput"], "duration_s": res["duration"],
@@ -132,7 +164,12 @@ def sweep(servers: list[Server], dataset: list[str], n: int, capacity: float,
                 rows.append(row)
                 print(f"{tag} [{k}/{total}] {server.config.label} x{load:g} "
                       f"({row['rate_rps']:.2f} req/s, repeat {rep + 1}/{repeats}): goodput "
-                      f"{row['goodput']:.2f}, {row['preemptions']} preemptions, "
+                      f"{row['goodput']:.2f}, {row['preemptions']} preemptions "
+                      f"(recompute {_share(row['recompute_share'])} of prefill), "
                       f"{row['failed']} failed; {time.perf_counter() - t0:.0f} s elapsed",
                       file=sys.stderr, flush=True)
     return rows
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"

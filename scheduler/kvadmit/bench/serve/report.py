@@ -9,7 +9,8 @@ import statistics
 
 
 SUMMARY_KEYS = ("goodput", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
-                "output_tok_per_s", "preemptions", "failed")
+                "output_tok_per_s", "preemptions", "recomputed_tokens", "recompute_share",
+                "failed")
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -22,7 +23,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     for (config, load), rs in groups.items():
         s = {"config": config, "load": load, "rate_rps": rs[0]["rate_rps"], "repeats": len(rs)}
         for key in SUMMARY_KEYS:
-            xs = [r[key] for r in rs if r[key] is not None]
+            xs = [r[key] for r in rs if r.get(key) is not None]
             if xs:
                 s[key] = statistics.median(xs)
                 s[key + "_min"], s[key + "_max"] = min(xs), max(xs)
@@ -40,7 +41,8 @@ def goal_figures(summary: list[dict]) -> dict:
     """Issue 20's goals as ratios of medians, per load: kvadmit-delay's goodput over
     the best vLLM knob's (the vllm-queued / vllm-watermark row with the highest mean
     goodput at loads >= 1.5), kvadmit-default's goodput and tokens/s over
-    vllm-default's, and the preemptions of each. Absent rows give no figure."""
+    vllm-default's, and the preemptions and recompute share (recomputed over all
+    prefill computed, points.recompute_counts) of each. Absent rows give no figure."""
     by = {(s["config"], s["load"]): s for s in summary}
     loads = sorted({s["load"] for s in summary})
     configs = {s["config"] for s in summary}
@@ -62,7 +64,9 @@ def goal_figures(summary: list[dict]) -> dict:
            "kvadmit-default/vllm-default tok/s": ratio("kvadmit-default", "vllm-default",
                                                         "output_tok_per_s"),
            "preemptions": {c: {f"{x:g}": by[(c, x)]["preemptions"] for x in loads}
-                           for c in sorted(configs)}}
+                           for c in sorted(configs)},
+           "recompute_share": {c: {f"{x:g}": by[(c, x)].get("recompute_share") for x in loads}
+                               for c in sorted(configs)}}
     if best and delay:
         out[f"{delay}/{best} goodput"] = ratio(delay, best, "goodput")
         out[f"{delay}/vllm-default goodput"] = ratio(delay, "vllm-default", "goodput")
@@ -73,7 +77,8 @@ def goal_figures(summary: list[dict]) -> dict:
 def print_table(summary: list[dict], title: str, configs: list[str]) -> None:
     print(f"\n{title}")
     width = max([8] + [len(c) + 1 for c in configs])
-    print(f"{'config':{width}} {'load':>5} {'req/s':>6} | {'preempt':>9} {'refused (reason)':>24} "
+    print(f"{'config':{width}} {'load':>5} {'req/s':>6} | {'preempt':>9} {'recompute %':>16} "
+          f"{'refused (reason)':>24} "
           f"{'failed (status)':>16} | {'goodput':>13} {'TTFT p50/p99 ms':>16} "
           f"{'TPOT p50/p99 ms':>16} {'tok/s':>7}")
     by_load = sorted(summary, key=lambda s: (s["load"], configs.index(s["config"])))
@@ -82,12 +87,22 @@ def print_table(summary: list[dict], title: str, configs: list[str]) -> None:
         status = ",".join(f"{k}:{v}" for k, v in sorted(s["failed_by_status"].items())) or "-"
         print(f"{s['config']:{width}} {s['load']:5g} {s['rate_rps']:6.2f} | "
               f"{s['preemptions']:4.0f} {s['preemptions_min']:.0f}-{s['preemptions_max']:<3.0f}"
-              f"{refused:>24} {status:>16} | "
+              f"{_recompute(s):>17}{refused:>24} {status:>16} | "
               f"{s['goodput']:.2f} {s['goodput_min']:.2f}-{s['goodput_max']:.2f} "
               f"{_ms(s, 'ttft_p50_ms'):>7}/{_ms(s, 'ttft_p99_ms'):<8} "
               f"{_ms(s, 'tpot_p50_ms'):>7}/{_ms(s, 'tpot_p99_ms'):<8} "
               f"{s['output_tok_per_s']:7.1f}")
-    print("medians over the repeats (min-max after each); refused/failed: sums over the repeats")
+    print("medians over the repeats (min-max after each); recompute %: the recomputed "
+          "prefill tokens' share of all prefill computed; refused/failed: sums over the "
+          "repeats")
+
+
+def _recompute(s: dict) -> str:
+    """The median share of prefill recomputed, in percent, and its min-max."""
+    if s.get("recompute_share") is None:
+        return "-"
+    return (f"{s['recompute_share'] * 100:.1f} {s['recompute_share_min'] * 100:.1f}-"
+            f"{s['recompute_share_max'] * 100:.1f}")
 
 
 def _ms(s: dict, key: str) -> str:
