@@ -21,7 +21,7 @@ def test_aimd_rule(w, usage, hits, want):
 
 
 def agent_core(**cfg):
-    settings = dict(agent_window=True, agent_window_init=4, agent_interval_steps=1,
+    settings = dict(agent_window=True, agent_window_init=4, agent_interval_s=0.0,
                     agent_cooldown_intervals=1, agent_idle_s=60.0)
     settings.update(cfg)
     return make_core("overcommit", num_blocks=100, **settings)
@@ -39,16 +39,18 @@ def test_exact_window_sequence_with_cooldown():
 
 
 def test_signals_are_averaged_over_the_interval():
-    core = agent_core(agent_interval_steps=2)
+    """One update per agent_interval_s of engine time, however many steps it holds."""
+    core = agent_core(agent_interval_s=1.0)
     core.observe_cache(10, 0, 0, 0.0)
-    core.observe_cache(50, 0, 0, 0.0)          # mean usage 0.3: hold
-    core.observe_cache(5, 0, 0, 0.0)
-    core.observe_cache(15, 0, 0, 0.0)          # mean 0.1: grow
+    core.observe_cache(50, 0, 0, 1.0)          # a second on: mean usage 0.3, hold
+    core.observe_cache(5, 0, 0, 1.5)
+    core.observe_cache(15, 0, 0, 1.9)          # not yet a second since the update
+    core.observe_cache(0, 0, 0, 2.0)           # mean 0.067: grow
     assert core.window_history() == [4, 6]
 
 
 def test_session_outside_the_window_waits_without_blocking_others():
-    core = agent_core(agent_window_init=1, agent_window_max=1)
+    core = agent_core(agent_window_init=1, agent_window_max=1, agent_max_wait_s=0.0)
     a1 = core.arrive(ArrivalRecord(10, 5, session=7), now=0.0).slot
     assert core.next_admissible(100) == a1
     core.admit(a1, 0.0)
@@ -68,6 +70,120 @@ def test_session_outside_the_window_waits_without_blocking_others():
     core.observe_cache(0, 0, 0, now=64.0)                     # idle 60 s: it leaves
     assert not core.session_active(7)
     assert core.next_admissible(100) == b1
+
+
+def test_a_held_session_waits_at_most_agent_max_wait_s():
+    """A session held agent_max_wait_s enters over a full window, and W grows to take
+    it (no other session is pushed out for it); counted as overdue."""
+    core = agent_core(agent_window_init=2, agent_window_max=8, agent_max_wait_s=10.0)
+    a = core.arrive(ArrivalRecord(10, 5, session=1), now=0.0).slot
+    b = core.arrive(ArrivalRecord(10, 5, session=2), now=0.0).slot
+    core.admit(a, 0.0)
+    core.admit(b, 0.0)
+    core.finish(b, 5.0)                                       # session 2: in a tool call
+    c = core.arrive(ArrivalRecord(10, 5, session=3), now=6.0).slot
+    core.observe_cache(90, 0, 0, now=15.9)
+    assert core.decide(c, 100) == "hold_agent"                # waited 9.9 s
+    core.observe_cache(90, 0, 0, now=16.0)
+    assert core.decide(c, 100) == "admit"                     # 10 s: no longer held
+    core.admit(c, 16.0)
+    assert all(core.session_active(x) for x in (1, 2, 3))
+    window = core.stats()["agent_window"]
+    assert (window["overdue"], window["exits"]["paused"], core.agent_window_size) == (1, 0, 3)
+
+
+def test_past_agent_window_max_overdue_sessions_take_turns():
+    """At agent_window_max W does not grow: the overdue session runs its turn, then
+    is paused between generations (the newest activated) and waits again."""
+    core = agent_core(agent_window_init=1, agent_window_max=1, agent_max_wait_s=10.0)
+    a = core.arrive(ArrivalRecord(10, 5, session=1), now=0.0).slot
+    core.admit(a, 0.0)
+    b = core.arrive(ArrivalRecord(10, 5, session=2), now=0.0).slot
+    core.observe_cache(90, 0, 0, now=10.0)
+    assert core.decide(b, 100) == "admit"
+    core.admit(b, 10.0)
+    core.finish(b, 11.0)
+    core.observe_cache(90, 0, 0, now=11.0)                    # 2 active over W = 1
+    assert core.session_active(1) and not core.session_active(2)
+    assert core.stats()["agent_window"]["exits"]["paused"] == 1
+
+
+def test_an_interactive_session_is_held_at_most_half_its_ttft_target():
+    """A session whose request carries its own TTFT target (interactive) is held at
+    most half of it (the rest is for its queue and prefill), however long
+    agent_max_wait_s is."""
+    core = agent_core(agent_window_init=1, agent_window_max=1, agent_max_wait_s=60.0,
+                      agent_interval_s=10.0)
+    a = core.arrive(ArrivalRecord(10, 5, session=1), now=0.0).slot
+    core.admit(a, 0.0)
+    core.observe_cache(90, 0, 0, now=0.0)
+    batch = core.arrive(ArrivalRecord(10, 5, session=2), now=0.0).slot
+    chat = core.arrive(ArrivalRecord(10, 5, session=3, ttft_slo_s=2.0), now=0.0).slot
+    assert core.next_window_change() == pytest.approx(1.0)
+    core.observe_cache(90, 0, 0, now=0.99)
+    assert core.decide(batch, 100) == core.decide(chat, 100) == "hold_agent"
+    core.observe_cache(90, 0, 0, now=1.0)
+    assert core.decide(batch, 100) == "hold_agent" and core.decide(chat, 100) == "admit"
+    assert core.stats()["agent_window"]["interactive_sessions"] == 1
+
+
+def test_an_idle_engine_wakes_when_the_window_can_change():
+    """With only held sessions waiting, the next change is the sooner of a held
+    session's bound and the next update; at it the pool is empty, so the held
+    session enters and W grows by one for it."""
+    core = agent_core(agent_window_init=1, agent_window_max=4, agent_interval_s=0.5,
+                      agent_max_wait_s=10.0)
+    a = core.arrive(ArrivalRecord(10, 5, session=1), now=0.0).slot
+    core.admit(a, 0.0)
+    core.observe_cache(30, 0, 0, now=0.0)                     # usage 0.3: the interval starts
+    core.finish(a, 0.1)
+    b = core.arrive(ArrivalRecord(10, 5, session=2), now=0.2).slot
+    assert core.decide(b, 100) == "hold_agent"
+    assert core.next_window_change() == pytest.approx(0.5)
+    core.expire_sessions(0.5)                                 # nothing ran: the pool is empty
+    assert core.agent_window_size == 1                        # the interval's mean 0.3: hold
+    assert core.decide(b, 100) == "admit"
+    core.admit(b, 0.5)
+    assert core.agent_window_size == 2 and core.active_sessions == 2
+
+
+def test_a_nearly_empty_pool_holds_no_session():
+    """Below agent_usage_low at the latest step, a session enters a full window and W
+    grows by one (up to agent_window_max), between updates; above it the window holds."""
+    core = agent_core(agent_window_init=1, agent_window_max=2, agent_interval_s=10.0)
+    a = core.arrive(ArrivalRecord(10, 5, session=1), now=0.0).slot
+    core.admit(a, 0.0)
+    core.observe_cache(50, 0, 100, now=0.0)        # usage 0.5; no update for 10 s
+    b = core.arrive(ArrivalRecord(10, 5, session=2), now=0.0).slot
+    assert core.decide(b, 100) == "hold_agent"
+    core.observe_cache(10, 0, 100, now=0.1)        # usage 0.1
+    assert core.decide(b, 100) == "admit"
+    core.admit(b, 0.1)
+    assert core.agent_window_size == 2 and core.window_history() == []   # not an update
+    c = core.arrive(ArrivalRecord(10, 5, session=3), now=0.2).slot
+    assert core.decide(c, 100) == "hold_agent"                # at agent_window_max
+
+
+def test_while_a_session_is_held_a_finished_one_leaves_after_four_return_gaps():
+    """Sessions come back from their tools 1 s after a turn (8 such gaps seen): while
+    another session is held, one idle for 4 s is taken as finished and leaves, instead
+    of keeping its place for agent_idle_s (60 s)."""
+    core = agent_core(agent_window_init=1, agent_window_max=1, agent_max_wait_s=0.0)
+    t = 0.0
+    for turn in range(9):                      # one session, 9 turns, 1 s tool waits
+        s = core.arrive(ArrivalRecord(10, 5, session=1), now=t).slot
+        core.admit(s, t)
+        core.finish(s, t + 0.5)
+        t += 1.5
+    window = core.stats()["agent_window"]
+    assert window["return_gaps"] == 8 and window["return_gap_mean_s"] == pytest.approx(1.0)
+    held = core.arrive(ArrivalRecord(10, 5, session=2), now=t).slot     # session 1 is done
+    assert core.next_window_change() == pytest.approx(t - 1.0 + 4.0)   # idle since t - 1
+    core.observe_cache(90, 0, 0, now=t - 1.0 + 3.9)
+    assert core.decide(held, 100) == "hold_agent"
+    core.observe_cache(90, 0, 0, now=t - 1.0 + 4.0)
+    assert not core.session_active(1) and core.decide(held, 100) == "admit"
+    assert core.stats()["agent_window"]["exits"]["expired"] == 1
 
 
 def test_shrinking_window_pauses_latest_sessions_between_generations():

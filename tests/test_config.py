@@ -37,6 +37,7 @@ def test_defaults_and_round_trip():
     ({"polcy": "peak"}, "unknown key 'polcy'; did you mean 'policy'?"),
     ({"max_queue_requests": 8}, "unknown key 'max_queue_requests'; did you mean 'max_queued_requests'?"),
     ({"zzz": 1}, "unknown key 'zzz'; see `kvadmit config` for the keys"),
+    ({"agent_interval_steps": 50}, "'agent_interval_steps' was replaced: use agent_interval_s"),
     ({"kvadmit": {"policy": "peak"}}, "without the 'kvadmit' wrapper"),
     # vLLM-only (kvadmit.vllm.settings): the core's config, SGLang and the simulator refuse it
     ({"native_allocator": True}, "'native_allocator' is a vLLM-only setting"),

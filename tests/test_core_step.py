@@ -97,7 +97,7 @@ def test_a_refused_step_changes_nothing():
 
 def test_the_window_sees_the_prefix_hits_noted_since_the_previous_start():
     core = make_core("peak", num_blocks=100, agent_window=True, agent_window_init=3,
-                     agent_cooldown_intervals=0, agent_interval_steps=1)
+                     agent_cooldown_intervals=0, agent_interval_s=0.0)
     slots = [core.arrive(ArrivalRecord(10, 5, session=s), now=0.0).slot for s in (1, 2, 3)]
     for s in slots:
         core.admit(s, 0.0)

@@ -92,6 +92,7 @@ cdef class AdmissionCore(CoreView):
         if now > self._now:
             self._now = now
         self.gate.c_note_time(self._now)
+        self.agent_window.c_note_time(self._now)
 
     # ------------------------------------------------------------------
     # What the parts hear when a request joins or leaves the queue or the running set
@@ -99,7 +100,7 @@ cdef class AdmissionCore(CoreView):
         """The ledger enqueued s: it takes its place in the queue."""
         self.queue.c_add(s)
         self.gate.c_queue_changed(True)
-        self.agent_window.c_queued(self.ledger.session(s))
+        self.agent_window.c_queued(self.ledger.session(s), self._now)
 
     cdef void _dequeue(self, int32_t s) noexcept nogil:
         self.queue.c_remove(s)
@@ -162,7 +163,7 @@ cdef class AdmissionCore(CoreView):
             r, self.slo_guard.c_ttft_target(r.ttft_slo_s),
             self.slo_guard.c_tpot_target(r.tpot_slo_s), now,
             r.session if self.agent_window.enabled else -1, now + ttl if ttl > 0 else INFINITY, f)
-        self.agent_window.c_track(self.ledger.session(s), now)
+        self.agent_window.c_track(self.ledger.session(s), now, r.ttft_slo_s)
         cdef list shed = []
         self._judging(s)
         refused = self.decision.c_refusal(s)
@@ -634,7 +635,7 @@ cdef class AdmissionCore(CoreView):
     def observe_cache(self, int64_t used_blocks, int64_t hit_tokens, int64_t query_tokens,
                       double now):
         """Once per engine step: KV blocks in use and the step's prefix-cache hit and
-        query tokens. Every agent_interval_steps the agent window follows AIMD."""
+        query tokens. Every agent_interval_s the agent window follows AIMD."""
         check_now(now)
         self.c_observe_cache(used_blocks, hit_tokens, query_tokens, now)
 
@@ -667,11 +668,12 @@ cdef class AdmissionCore(CoreView):
         self.policy.c_set_shared(s, shared_tokens)
 
     def expire_sessions(self, double now):
-        """Lets idle sessions leave the window as of `now` (engines call it when idle;
-        observe_cache does it every step while the window is full)."""
+        """The engine had nothing to run until `now` (it calls this when idle; steps do
+        it themselves): idle sessions leave the agent window, and W follows a due
+        update while sessions are held outside it."""
         check_now(now)
         self._tick(now)
-        self.agent_window.c_expire_idle(self._now)
+        self.agent_window.c_on_time(self._now)
 
     # ------------------------------------------------------------------
     # Victims (their order: CoreView.victim_order)

@@ -118,10 +118,12 @@ cdef class CoreView:
                                              self.ledger.running_context())
 
     # --- the agent window -------------------------------------------------
-    def next_session_expiry(self):
-        """When the first active idle session leaves the agent window (inf: none).
-        An engine with only window-held requests waiting can sleep until then."""
-        return self.agent_window.c_next_expiry()
+    def next_window_change(self):
+        """When the agent window next changes with nothing run (inf: never): an idle
+        session leaves, a held one becomes overdue, or W follows an update while
+        sessions are held. An engine with only window-held requests waiting sleeps
+        until then and calls `expire_sessions`."""
+        return self.agent_window.c_next_change()
 
     def take_paused_sessions(self):
         """Sessions paused or expired since the last call (an engine can demote

@@ -424,19 +424,17 @@ cdef class NativeEngine(EngineState):
                     progress(self._n_done + self._n_rejected, <int64_t>self._arr.size())
                 continue
             # Only requests of sessions outside a full agent window wait: sleep until
-            # an idle session leaves it (or the next arrival, if sooner).
+            # the window changes (or the next arrival, if sooner), then step again.
             if self._running.empty() and self.core.c_num_waiting() > 0:
-                t = self.core.agent_window.c_next_expiry()
-                if t < INFINITY and t <= self._next_arrival():
+                t = self.core.agent_window.c_next_change()
+                if t < INFINITY and t <= self._next_arrival() and t > self._clock:
                     if t >= until:
                         self._clock = max(self._clock, until)
                         return False
-                    self._clock = max(self._clock, t)
-                    before = self.core.agent_window.c_active()
+                    self._clock = t
                     self.core.expire_sessions(self._clock)
                     self._demote_paused()
-                    if self.core.agent_window.c_active() < before:
-                        continue
+                    continue
             if self._next_arrival() < INFINITY:
                 if self._next_arrival() >= until:
                     self._clock = max(self._clock, until)

@@ -179,12 +179,18 @@ class AdmissionConfig:
     agent_usage_high: float = field(default=0.5, metadata=float_rule(0.0, 1.0, "agent window: U_high"))
     agent_hit_threshold: float = field(default=0.2, metadata=float_rule(
         0.0, 1.0, "agent window: H_thresh (prefix hit rate)"))
-    agent_interval_steps: int = field(default=50, metadata=int_rule(
-        1, 1_000_000, "agent window: engine steps per AIMD update (signals are averaged over it)"))
+    agent_interval_s: float = field(default=0.5, metadata=float_rule(
+        0.0, 3600.0, "agent window: engine seconds per AIMD update (signals are averaged over its "
+        "steps; 0: every step)"))
     agent_cooldown_intervals: int = field(default=2, metadata=int_rule(
         0, 1_000_000, "agent window: intervals after a decrease during which W does not grow"))
     agent_idle_s: float = field(default=60.0, metadata=float_rule(
-        0.0, 86400.0, "agent window: a session with nothing queued or running this long leaves it"))
+        0.0, 86400.0, "agent window: a session with nothing queued or running this long leaves it "
+        "(while another is held: at most 4 mean return gaps, once 8 are seen)"))
+    agent_max_wait_s: float = field(default=10.0, metadata=float_rule(
+        0.0, 86400.0, "agent window: a session held outside it this long enters over a full window "
+        "and W grows to take it, up to agent_window_max (0: no bound); a session with its own TTFT "
+        "target is held at most half of it"))
     on_internal_error: str = field(default="open", metadata=choice_rule(
         FAILURE_MODES, "when kvadmit's own code raises inside the engine: open (hand every held "
         "request to the engine's own scheduling and pass everything through from then on) or "
@@ -236,6 +242,8 @@ class AdmissionConfig:
             key = unknown[0]
             if key in _ADAPTER_KEYS:       # an engine adapter's own key (register_adapter_keys)
                 raise ConfigError(f"kvadmit config: {key!r} {_ADAPTER_KEYS[key]}")
+            if key in _REPLACED_KEYS:
+                raise ConfigError(f"kvadmit config: {key!r} was replaced: {_REPLACED_KEYS[key]}")
             if key == SECTION:
                 hint = (f"this is already kvadmit's object: give its keys without the "
                         f"{SECTION!r} wrapper")
@@ -335,6 +343,8 @@ SECTION = "kvadmit"    # kvadmit's key in an engine's shared plug-in settings
 # the vLLM adapter's settings module), each with why the core's config refuses it. The adapters
 # register them (register_adapter_keys); this module knows none of them. The package's
 # __init__ imports every adapter's settings module, so each engine names them.
+_REPLACED_KEYS = {  # keys of earlier releases, with what took their place
+    "agent_interval_steps": "use agent_interval_s, seconds of engine time per update (0: every step)"}
 _ADAPTER_KEYS: dict[str, str] = {}
 
 

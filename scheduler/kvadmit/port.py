@@ -352,5 +352,5 @@ class CorePort:
     def router_signals(self) -> dict:
         return self._core.router_signals()
 
-    def next_session_expiry(self) -> float:
-        return self._core.next_session_expiry()
+    def next_window_change(self) -> float:
+        return self._core.next_window_change()

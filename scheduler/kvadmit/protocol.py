@@ -63,6 +63,14 @@ HELD_HELP = ("Steps a waiting request spent at the head of the queue unable to s
              "by reason: a request held for k engine steps counts k, however often the "
              "engine looked within a step")
 
+# The agent window's counts (AgentWindow.stats()), in both engines: sessions taken out
+# of the window, by why, and sessions let in over a full one after agent_max_wait_s.
+AGENT_EXITS_HELP = ("Agent sessions taken out of the agent window, by why: paused (over W, "
+                    "between generations), expired (idle agent_idle_s, or 4 mean return "
+                    "gaps while another waits)")
+AGENT_OVERDUE_HELP = ("Agent sessions let into a full agent window after waiting "
+                      "agent_max_wait_s or their own TTFT target")
+
 RETRYABLE_STATUS = HTTPStatus.SERVICE_UNAVAILABLE
 # The statuses a retryable refusal may have (AdmissionConfig.overload_status).
 OVERLOAD_STATUSES = (HTTPStatus.SERVICE_UNAVAILABLE, HTTPStatus.TOO_MANY_REQUESTS)

@@ -80,7 +80,7 @@ def test_slo_and_agent_series(kvadmit_hooks):
     labels = {"model_name": "m", "engine_type": "unified"}
     h = Harness(AdmissionConfig.from_dict({
         "slo_guard": True, "agent_window": True, "agent_window_init": 1, "agent_window_max": 1,
-        "agent_interval_steps": 1, "agent_idle_s": 0.0}), step_model=(0.01, 1e-4, 1e-6))
+        "agent_interval_s": 0.0, "agent_idle_s": 0.0}), step_model=(0.01, 1e-4, 1e-6))
     h.adapter.exporter = PrometheusExport(labels, registry=registry)
     h.step()
     get = registry.get_sample_value
@@ -105,3 +105,7 @@ def test_slo_and_agent_series(kvadmit_hooks):
     assert get("kvadmit:step_time_observations", labels) == fit["observations"] > 0
     assert get("kvadmit:agent_window_size", labels) == 1.0
     assert get("kvadmit:agent_active_sessions", labels) == stats["agent_window"]["active_sessions"]
+    # B waited outside the window until A, idle, expired out of it: counted by why
+    assert get("kvadmit:agent_window_exits_total", {**labels, "why": "expired"}) == \
+        stats["agent_window"]["exits"]["expired"] >= 1
+    assert get("kvadmit:agent_window_exits_total", {**labels, "why": "paused"}) == 0

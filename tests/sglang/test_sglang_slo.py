@@ -198,7 +198,7 @@ def test_agent_window_holds_other_sessions_until_idle(kvadmit_hooks):
     from sglang_harness import make_req
 
     h = harness(agent_window=True, agent_window_init=1, agent_window_max=1,
-                agent_interval_steps=1, agent_idle_s=0.0)
+                agent_interval_s=0.0, agent_idle_s=0.0)
     core = h.adapter.port.core
     a1 = make_req("a1", 50, 3, custom_params=kv(session="A"))
     b1 = make_req("b1", 50, 3, custom_params=kv(session="B"))
@@ -229,7 +229,7 @@ def test_agent_window_grows_on_an_idle_pool(kvadmit_hooks):
     """observe_cache gets the pool's usage each step: a nearly empty pool grows W."""
     from sglang_harness import make_req
 
-    h = harness(agent_window=True, agent_window_init=1, agent_interval_steps=2, agent_alpha=1.0)
+    h = harness(agent_window=True, agent_window_init=1, agent_interval_s=0.0, agent_alpha=1.0)
     for i in range(3):
         assert h.submit(make_req(f"s{i}", 20, 6, custom_params=kv(session=i)))
     h.run()

@@ -1,6 +1,6 @@
 """A small `kvadmit bench agents` (issue 43, item 1): two configs (vLLM's default and
-kvadmit's default), a handful of sessions and turns, short tool waits, checked
-through its JSON. Run under the engine lock."""
+kvadmit's agent window, small enough to hold sessions out), a handful of sessions and
+turns, short tool waits, checked through its JSON. Run under the engine lock."""
 import json
 import os
 import subprocess
@@ -11,6 +11,9 @@ import pytest
 from kvadmit.bench.agents import ideal_prefill, parse_agent_config
 
 SESSIONS, TURNS, OUTPUT = 6, 3, 32
+# W starts at 2 and never grows: sessions wait outside it, at most 1 s each
+WINDOW = ('kvadmit-window={"agent_window": true, "agent_window_init": 2, '
+          '"agent_window_max": 2, "agent_max_wait_s": 1}')
 FIRST_CPU = min(os.sched_getaffinity(0))
 
 
@@ -35,7 +38,7 @@ def result(model_dir, tmp_path_factory):
     out, png = tmp / "agents.json", tmp / "agents.png"
     cmd = [sys.executable, "-m", "kvadmit.cli", "bench", "agents", "--sessions", str(SESSIONS),
            "--turns", str(TURNS), "--tool-wait", "0.2", "--sample-s", "0.2",
-           "--configs", "vllm-default", "kvadmit-default", "--model-dir", model_dir,
+           "--configs", "vllm-default", WINDOW, "--model-dir", model_dir,
            "--engine-cpus", str(FIRST_CPU), "--json", str(out), "--plot", str(png)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -44,7 +47,7 @@ def result(model_dir, tmp_path_factory):
 
 def test_every_turn_is_done_and_the_counts_add_up(result):
     out, stdout, png = result
-    assert [c["config"] for c in out["configs"]] == ["vllm-default", "kvadmit-default"]
+    assert [c["config"] for c in out["configs"]] == ["vllm-default", "kvadmit-window"]
     assert out["workload"]["sessions"] == SESSIONS and png.stat().st_size > 0
     for c in out["configs"]:
         s = c["summary"]
@@ -63,4 +66,10 @@ def test_every_turn_is_done_and_the_counts_add_up(result):
         assert c["series"] and all(0 <= p["kv_usage"] <= 1 for p in c["series"])
         assert c["series"][-1]["turns_done"] == SESSIONS * TURNS
         assert f"| {c['config']} |" in stdout
-    assert "speedup_vs_vllm_default" in out["goals"]["kvadmit-default"]
+    assert "speedup_vs_vllm_default" in out["goals"]["kvadmit-window"]
+    window = out["configs"][1]["summary"]
+    # W stayed 2 with 6 sessions (finished ones keep their place for agent_idle_s):
+    # held sessions were let in over it after their 1 s, finished ones leaving for
+    # them, and the server's counters say so
+    assert window["agent_window_min"] == window["agent_window_max"] == 2
+    assert window["window_overdue"] >= 1 and window["window_exits"] >= 1

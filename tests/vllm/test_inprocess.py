@@ -517,7 +517,7 @@ def test_agent_window_holds_other_sessions_without_blocking_the_queue(model_dir)
     from kvadmit.request_fields import session_int
     from prometheus_client import REGISTRY
     eng = engine(model_dir, {"agent_window": True, "agent_window_init": 1, "agent_window_max": 1,
-                             "agent_interval_steps": 1, "agent_idle_s": 0})
+                             "agent_interval_s": 0.0, "agent_idle_s": 0})
     s = eng.scheduler
     core = s.kvadmit.port.core
     a1 = eng.add([3] * 40, 6, extra_args={"kvadmit": {"session": "A"}})
@@ -539,6 +539,7 @@ def test_agent_window_holds_other_sessions_without_blocking_the_queue(model_dir)
     assert st["agent_window"]["size"] == 1 and st["agent_window"]["active_sessions"] == 1
     assert REGISTRY.get_sample_value("kvadmit_agent_window") == 1
     assert REGISTRY.get_sample_value("kvadmit_held_total", {"reason": "hold_agent"}) is not None
+    assert REGISTRY.get_sample_value("kvadmit_agent_window_exits_total", {"why": "expired"}) >= 1
 
 
 def test_prefix_hits_fed_to_the_agent_window_match_vllms_counters(model_dir):

@@ -60,8 +60,11 @@ DEFAULT_CONFIGS = ("vllm-default", "vllm-seqs=8", "kvadmit-default",
 SERIES = {"kv_usage": "vllm:kv_cache_usage_perc", "queries": "vllm:prefix_cache_queries_total",
           "hits": "vllm:prefix_cache_hits_total", "preemptions": "vllm:num_preemptions_total",
           "running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
-          "agent_window": "kvadmit_agent_window", "active_sessions": "kvadmit_active_sessions"}
-COUNTERS = ("queries", "hits", "preemptions")      # taken relative to the run's start
+          "agent_window": "kvadmit_agent_window", "active_sessions": "kvadmit_active_sessions",
+          "window_exits": "kvadmit_agent_window_exits_total",
+          "window_overdue": "kvadmit_agent_window_overdue_total"}
+# taken relative to the run's start
+COUNTERS = ("queries", "hits", "preemptions", "window_exits", "window_overdue")
 
 
 @dataclass(frozen=True)
@@ -183,9 +186,19 @@ async def _session(http, base: str, model: str, wl: AgentWorkload, i: int, syste
 def _point(m: dict[str, float], base: dict[str, float], t: float) -> dict:
     p = {"t": round(t, 3)}
     for key, name in SERIES.items():
-        if name in m:
-            p[key] = m[name] - base.get(name, 0.0) if key in COUNTERS else m[name]
+        value = _summed(m, name)
+        if value is not None:
+            p[key] = value - (_summed(base, name) or 0.0) if key in COUNTERS else value
     return p
+
+
+def _summed(m: dict[str, float], name: str) -> float | None:
+    """A series by name, summed over its labels (scrape_metrics keeps kvadmit's by
+    full name); None where the server has none."""
+    if name in m:
+        return m[name]
+    labelled = [v for k, v in m.items() if k.startswith(name + "{")]
+    return sum(labelled) if labelled else None
 
 
 async def _sample(base_url: str, t0: float, every: float, base: dict, series: list[dict],

@@ -92,6 +92,9 @@ def summarize(run: dict, wl, block: int) -> dict:
     window = [p["agent_window"] for p in series if "agent_window" in p]
     if window:
         s["agent_window_min"], s["agent_window_max"] = min(window), max(window)
+        # sessions taken out of the window (all whys) and let in after agent_max_wait_s
+        s["window_exits"] = series[-1].get("window_exits", 0.0)
+        s["window_overdue"] = series[-1].get("window_overdue", 0.0)
     return s
 
 

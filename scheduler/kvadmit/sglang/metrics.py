@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from kvadmit.protocol import HELD_HELP
+from kvadmit.protocol import AGENT_EXITS_HELP, AGENT_OVERDUE_HELP, HELD_HELP
 
 # stats() key -> (metric suffix, documentation); counters export the growth.
 COUNTERS = {
@@ -69,6 +69,10 @@ class PrometheusExport:
                                 labelnames=names + ["reason"], registry=registry)
         self.held = Counter("kvadmit:held", HELD_HELP,
                             labelnames=names + ["decision"], registry=registry)
+        self.window_exits = Counter("kvadmit:agent_window_exits", AGENT_EXITS_HELP,
+                                    labelnames=names + ["why"], registry=registry)
+        self.window_overdue = Counter("kvadmit:agent_window_overdue", AGENT_OVERDUE_HELP,
+                                      labelnames=names, registry=registry)
         self.gauges = {
             key: Gauge(f"kvadmit:{key}", doc, labelnames=names, registry=registry,
                        multiprocess_mode="mostrecent")
@@ -95,6 +99,10 @@ class PrometheusExport:
             self._grow(self.rejected, ("rejected", reason), n, reason=reason)
         for decision, n in stats.get("held", {}).items():
             self._grow(self.held, ("held", decision), n, decision=decision)
+        window = stats.get("agent_window", {})
+        for why, n in window.get("exits", {}).items():
+            self._grow(self.window_exits, ("agent_window_exits", why), n, why=why)
+        self._grow(self.window_overdue, "agent_window_overdue", window.get("overdue", 0))
         for key, metric in self.gauges.items():
             metric.labels(**self.labels).set(stats.get(key, 0))
         for (group, key), metric in self.nested_gauges.items():

@@ -355,10 +355,11 @@ class VllmEngine:
         """Nothing ran: moves the clock to what comes next ("moved"; to `until` if that
         comes first: "until"), or says that everything is done ("done") or that
         requests are left with nothing to run ("stalled")."""
-        # Only requests held outside a full agent window wait: sleep until an idle
-        # session leaves it (the adapter expires it at the next schedule()).
+        # Only requests held outside a full agent window wait: sleep until the window
+        # changes (the adapter's next schedule() steps the core at that time).
         state = self.kvadmit_state
-        expiry = state.port.next_session_expiry() if state is not None else math.inf
+        held = state is not None and self.sched.get_request_counts()[1] > 0
+        expiry = state.port.next_window_change() if held else math.inf
         if expiry < math.inf and (not self.heap or expiry <= self.heap[0][0]) and expiry > self.clock:
             nxt = expiry
         elif self.heap:

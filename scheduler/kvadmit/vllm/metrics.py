@@ -13,7 +13,7 @@ code can always read `scheduler.kvadmit.port.stats()`.
 """
 from __future__ import annotations
 
-from kvadmit.protocol import HELD_HELP
+from kvadmit.protocol import AGENT_EXITS_HELP, AGENT_OVERDUE_HELP, HELD_HELP
 
 _METRICS = None
 
@@ -59,6 +59,8 @@ class KvadmitMetrics:
                                   multiprocess_mode="livesum")
         self.active_sessions = Gauge("kvadmit_active_sessions", "Sessions inside the agent window",
                                      multiprocess_mode="livesum")
+        self.window_exits = Counter("kvadmit_agent_window_exits", AGENT_EXITS_HELP, ["why"])
+        self.window_overdue = Counter("kvadmit_agent_window_overdue", AGENT_OVERDUE_HELP)
         # What a router can use (AdmissionCore.router_signals): summed over engine
         # processes for headroom, the largest for pressure and delay.
         self.headroom = Gauge("kvadmit_kv_headroom_blocks",
@@ -117,6 +119,9 @@ class KvadmitMetrics:
         self.pressure.set(stats["admission_pressure"])
         self.queue_delay.set(stats["predicted_queue_delay_s"])
         self.active_sessions.set(window["active_sessions"])
+        for why in window["exits"]:
+            self.window_exits.labels(why).inc(delta("agent_window", "exits", why))
+        self.window_overdue.inc(delta("agent_window", "overdue"))
 
 
 def process_metrics() -> KvadmitMetrics | None:
