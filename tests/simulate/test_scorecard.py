@@ -109,3 +109,12 @@ def test_sglang_conservativeness_is_sglangs_rule_with_its_ratio():
                                       "sglang-conservativeness=2"])["workloads"][0]["cells"]
     assert loose["sglang-conservativeness=0.3"]["steps"] < loose["sglang"]["steps"] < \
         loose["sglang-conservativeness=2"]["steps"]
+
+
+@pytest.mark.parametrize("row, needle", [("default", "policy 'default': not one of"),
+                                         ('x={"polcy": 1}', "unknown key 'polcy'")])
+def test_a_bad_config_row_is_named_before_anything_runs(row, needle, capsys):
+    from kvadmit.simulate.scorecard import main
+    assert main(["--configs", "vllm-default", row, "--json", "", "--plot", ""]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvadmit bench scorecard: --configs: ") and needle in err

@@ -354,6 +354,12 @@ def main(argv: list[str] | None = None) -> int:
     suffix = "" if args.engine == "native" else "_vllm"
     args.json = f"bench/results/scorecard{suffix}.json" if args.json is None else args.json
     args.plot = f"bench/results/scorecard{suffix}.png" if args.plot is None else args.plot
+    for c in args.configs:                  # a bad row is named before any workload runs
+        try:
+            parse_policy(c)
+        except ValueError as e:            # ConfigError is one
+            print(f"kvadmit bench scorecard: --configs: {e}", file=sys.stderr)
+            return 2
     try:
         cases = suite(args.traces, quick=args.quick)
     except FileNotFoundError as e:
