@@ -118,3 +118,11 @@ def test_a_bad_config_row_is_named_before_anything_runs(row, needle, capsys):
     assert main(["--configs", "vllm-default", row, "--json", "", "--plot", ""]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvadmit bench scorecard: --configs: ") and needle in err
+
+
+def test_ratios_to_vllm_default_need_no_watermark_rows():
+    out = score(tiny_suite()[2:3], ["vllm-default", "peak"])
+    e = out["workloads"][0]
+    assert e["vs_vllm_default"]["vllm-default"]["steps"] == 1.0
+    assert e["vs_vllm_default"]["peak"]["steps"] == e["cells"]["peak"]["steps"] / e["cells"]["vllm-default"]["steps"]
+    assert "vs_best_watermark" not in e and "goals" not in e

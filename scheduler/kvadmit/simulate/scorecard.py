@@ -241,10 +241,11 @@ def score(cases: list[Case], configs: list[str], progress=None, model_dir: str |
         entry = {"name": case.name, "about": case.about, "workload": case.workload.description,
                  "requests": len(case.workload), "shape": dataclasses.asdict(case.shape),
                  "step_time": case.step.name, "slo": dataclasses.asdict(case.slo), "cells": cells}
+        if "vllm-default" in cells:
+            entry["vs_vllm_default"] = {n: ratios(c, cells["vllm-default"]) for n, c in cells.items()}
         if "vllm-default" in cells and any(n.startswith("vllm-watermark=") for n in cells):
             wm = best_watermark(cells)
             entry["best_watermark"] = wm
-            entry["vs_vllm_default"] = {n: ratios(c, cells["vllm-default"]) for n, c in cells.items()}
             entry["vs_best_watermark"] = {n: ratios(c, cells[wm]) for n, c in cells.items()}
             if DEFAULT_ROW in cells:
                 entry["goals"] = goals(cells, honest=case.workload.max_tokens == case.workload.output_tokens,
