@@ -186,6 +186,61 @@ def test_while_a_session_is_held_a_finished_one_leaves_after_four_return_gaps():
     assert core.stats()["agent_window"]["exits"]["expired"] == 1
 
 
+def test_an_undone_overdue_entry_counts_once_and_gives_its_place_back():
+    """vLLM may undo an admission step after step (no KV after all): the overdue
+    entry and W's growth for it are taken back each time, counted once in the end."""
+    core = agent_core(agent_window_init=1, agent_window_max=4, agent_max_wait_s=10.0,
+                      agent_interval_s=60.0)
+    a = core.arrive(ArrivalRecord(10, 5, session=1), now=0.0).slot
+    core.admit(a, 0.0)
+    core.observe_cache(90, 0, 0, now=0.0)
+    b = core.arrive(ArrivalRecord(10, 5, session=2), now=0.0).slot
+    for t in (10.0, 10.1, 10.2):
+        core.observe_cache(90, 0, 0, now=t)
+        core.admit(b, t)
+        assert core.agent_window_size == 2 and core.stats()["agent_window"]["overdue"] == 1
+        core.cancel_admit(b, t)
+        assert core.agent_window_size == 1 and core.stats()["agent_window"]["overdue"] == 0
+    core.admit(b, 10.3)
+    assert core.stats()["agent_window"]["overdue"] == 1 and core.active_sessions == 2
+
+
+def test_a_session_paused_with_a_queued_request_is_held_from_its_pause():
+    """A session paused when W shrinks may have a request queued (waiting for KV) for
+    long: its bound counts from the pause, not from when that request queued."""
+    core = agent_core(agent_window_init=2, agent_window_max=2, agent_max_wait_s=10.0,
+                      agent_cooldown_intervals=0, agent_interval_s=60.0)
+    a = core.arrive(ArrivalRecord(10, 5, session=1), now=0.0).slot
+    core.admit(a, 0.0)
+    b = core.arrive(ArrivalRecord(10, 5, session=2), now=0.0).slot
+    core.admit(b, 0.0)
+    core.finish(b, 1.0)
+    b2 = core.arrive(ArrivalRecord(10, 5, session=2), now=1.0).slot    # queued, not admitted
+    core.observe_cache(60, 0, 100, now=1.0)                  # the interval starts
+    core.observe_cache(90, 0, 100, now=61.0)                 # thrashing: W 2 -> 1, 2 paused
+    assert core.agent_window_size == 1 and not core.session_active(2)
+    core.observe_cache(90, 0, 100, now=70.9)
+    assert core.decide(b2, 100) == "hold_agent"              # queued 70 s, held 9.9 s
+    core.observe_cache(90, 0, 100, now=71.0)
+    assert core.decide(b2, 100) == "admit"
+
+
+def test_the_native_engine_wakes_for_a_held_session_at_interval_zero():
+    """With W updated every step (agent_interval_s 0) and nothing running, the engine
+    still wakes when the held session's bound ends (it raised 'stuck' before)."""
+    from kvadmit import AdmissionConfig
+    from kvadmit._native import NativeEngine
+    cfg = AdmissionConfig(agent_window=True, agent_window_init=1, agent_window_max=1,
+                          agent_interval_s=0.0, agent_max_wait_s=2.0)
+    e = NativeEngine(cfg, 1000, 16, 4096, 64, 2048, step_a=0.01, step_b=1e-5)
+    e.add_requests(Requests([0.0, 0.001], [100, 100], [5, 5], [10, 10], session=[1, 2]))
+    e.run()
+    r = e.results()
+    assert r["rejected"] == [None, None]
+    assert 2.001 <= r["first_token_s"][1] < 2.5                 # its bound, not agent_idle_s
+    assert e.totals()["free_blocks_at_end"] == 1000
+
+
 def test_shrinking_window_pauses_latest_sessions_between_generations():
     core = agent_core(agent_window_init=3, agent_cooldown_intervals=0)
     slots = {}

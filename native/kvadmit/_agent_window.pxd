@@ -20,6 +20,8 @@ cdef struct AgentSession:
     double waiting_since   # when its queued requests began to wait (waiting > 0)
     int64_t activated      # activation order (LIFO pause)
     double ttft_target     # the tightest own TTFT target of its requests (INFINITY: none)
+    char entered_over      # its activation came over a full window: 1 overdue, 2 W grew
+    double held_from       # waiting_since at its activation (an undone one restores it)
 
 
 cdef double c_next_agent_window(double window, double usage, double hit_rate, double alpha,

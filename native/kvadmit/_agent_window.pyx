@@ -9,7 +9,7 @@
 # with nothing to run steps at whatever rate its loop spins. Sessions idle for
 # agent_idle_s leave; when W shrinks the most recently activated sessions between
 # generations are paused. No session is held longer than agent_max_wait_s, nor
-# longer than its own TTFT target (an interactive session is never starved): it
+# longer than half its own TTFT target (an interactive session is never starved): it
 # enters over a full window and W grows by one (rotating another out would only
 # trade places, and caches, while demand stays above W). While a session is held, an idle one keeps its
 # place at most IDLE_GAPS mean return gaps (the tool waits seen), not agent_idle_s:
@@ -88,7 +88,7 @@ cdef class AgentWindow:
         cdef AgentSession* a
         cdef double gap
         if self._sessions.count(session) == 0:
-            self._sessions[session] = AgentSession(0, 0, 0, now, now, -1, INFINITY)
+            self._sessions[session] = AgentSession(0, 0, 0, now, now, -1, INFINITY, 0, now)
         else:
             a = &self._sessions[session]
             if a.waiting == 0 and a.running == 0 and a.activated >= 0:
@@ -143,14 +143,18 @@ cdef class AgentWindow:
         a = &self._sessions[session]
         if a.active:
             return False
+        a.entered_over, a.held_from = 0, a.waiting_since
         if self._n_active >= <int64_t>self._size and (self._overdue_at(a, self._now)
                                                       or self._room_now()):
             # over a full window: an overdue session, or room in a nearly empty pool. W
             # grows to take it (up to agent_window_max; past it, overdue sessions take
             # turns between generations): rotating another out for it would only trade
             # places, and caches, while demand stays above W
-            self._overdue += self._overdue_at(a, self._now)
+            if self._overdue_at(a, self._now):
+                a.entered_over = 1
+                self._overdue += 1
             if self._n_active + 1 <= self._size_max:
+                a.entered_over |= 2
                 self._size = self._n_active + 1
                 self._changes += 1
         a.active = 1
@@ -165,6 +169,14 @@ cdef class AgentWindow:
         if a.active and a.running == 0:
             a.active = 0
             self._n_active -= 1
+            # an engine may undo the same admission step after step: count it once,
+            # and the session's wait goes on from where it was (its request re-queued)
+            a.waiting_since = a.held_from
+            self._overdue -= a.entered_over & 1
+            if a.entered_over & 2:
+                self._size -= 1
+                self._changes -= 1
+            a.entered_over = 0
 
     # --- the window --------------------------------------------------------
     cdef void c_observe_cache(self, int64_t used_blocks, int64_t hit_tokens, int64_t query_tokens,
@@ -270,8 +282,9 @@ cdef class AgentWindow:
                 if a.waiting_since + self._wait_bound(a) < t:
                     t = a.waiting_since + self._wait_bound(a)
             inc(it)
-        if held and self._interval_start > -INFINITY and self._interval_start + self._interval_s < t:
-            t = self._interval_start + self._interval_s
+        if held and self._interval_s > 0 and self._interval_start > -INFINITY \
+                and self._interval_start + self._interval_s < t:
+            t = self._interval_start + self._interval_s   # (interval 0: steps update W)
         return t
 
     cdef bint _any_held(self) noexcept nogil:
@@ -302,6 +315,7 @@ cdef class AgentWindow:
             pick.active = 0
             self._n_active -= 1
             self._paused += 1
+            pick.waiting_since = self._now     # held from now, not since it queued
             self._paused_log.push_back(picked)
 
     cdef bint c_is_active(self, int64_t session) noexcept nogil:

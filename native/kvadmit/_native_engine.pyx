@@ -423,9 +423,15 @@ cdef class NativeEngine(EngineState):
                     since = 0
                     progress(self._n_done + self._n_rejected, <int64_t>self._arr.size())
                 continue
-            # Only requests of sessions outside a full agent window wait: sleep until
-            # the window changes (or the next arrival, if sooner), then step again.
+            # Only requests of sessions outside a full agent window wait: let the window
+            # catch up with now (a change due already: step again), else sleep until it
+            # changes (or the next arrival, if sooner), then step again.
             if self._running.empty() and self.core.c_num_waiting() > 0:
+                before = (self.core.agent_window.c_active(), self.core.agent_window.c_size())
+                self.core.expire_sessions(self._clock)
+                self._demote_paused()
+                if (self.core.agent_window.c_active(), self.core.agent_window.c_size()) != before:
+                    continue
                 t = self.core.agent_window.c_next_change()
                 if t < INFINITY and t <= self._next_arrival() and t > self._clock:
                     if t >= until:

@@ -69,7 +69,7 @@ AGENT_EXITS_HELP = ("Agent sessions taken out of the agent window, by why: pause
                     "between generations), expired (idle agent_idle_s, or 4 mean return "
                     "gaps while another waits)")
 AGENT_OVERDUE_HELP = ("Agent sessions let into a full agent window after waiting "
-                      "agent_max_wait_s or their own TTFT target")
+                      "agent_max_wait_s or half their own TTFT target")
 
 RETRYABLE_STATUS = HTTPStatus.SERVICE_UNAVAILABLE
 # The statuses a retryable refusal may have (AdmissionConfig.overload_status).
