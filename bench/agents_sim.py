@@ -47,7 +47,7 @@ from kvadmit.bench.agents import AgentEngine, AgentWorkload, ideal_prefill  # no
 from kvadmit.config import AdmissionConfig  # noqa: E402
 from kvadmit.simulate.engine import EngineShape, run_native  # noqa: E402
 from kvadmit.simulate.steptime import CPU_TINY  # noqa: E402
-from kvadmit.simulate.workload import Workload  # noqa: E402
+from kvadmit.simulate.workload import Workload, append_turn, session_workload  # noqa: E402
 
 # The real-engine bench's workload and engine (kvadmit bench agents), one definition
 WORKLOAD, ENGINE = AgentWorkload(), AgentEngine()
@@ -60,9 +60,7 @@ def agent_workload(sessions: int, turns: int, prefix: int, task: int, gen: int, 
     if prefix % BLOCK:
         raise ValueError(f"prefix={prefix}: must be a multiple of {BLOCK}")
     rng = random.Random(seed)
-    w = Workload(name="agents-issue43", arrival_s=[], prompt_tokens=[], output_tokens=[],
-                 max_tokens=[], hash_block_tokens=BLOCK, hash_offsets=[0], hash_ids=[],
-                 hashed_tokens=[], parent=[], delay_s=[], session=[])
+    w = session_workload("agents-issue43", BLOCK)
     next_id = 1 << 40                       # session content ids; the prefix's are 0..
     ideal = prefix                          # the shared prefix, once
     for s in range(sessions):
@@ -73,22 +71,10 @@ def agent_workload(sessions: int, turns: int, prefix: int, task: int, gen: int, 
             prompt = context + new
             total = prompt + gen
             ideal += ideal_prefill(prompt, prefix if k == 0 else context, BLOCK)
-            while len(ids) < total // BLOCK:
-                ids.append(next_id)
-                next_id += 1
-            w.arrival_s.append(0.0 if prev < 0 else -1.0)
-            w.prompt_tokens.append(prompt)
-            w.output_tokens.append(gen)
-            w.max_tokens.append(gen)
-            w.hash_ids.extend(ids[:total // BLOCK])
-            w.hash_offsets.append(len(w.hash_ids))
-            w.hashed_tokens.append((total // BLOCK) * BLOCK)
-            w.parent.append(prev)
-            w.delay_s.append(0.0 if prev < 0 else rng.expovariate(1.0 / tool_wait_s))
-            w.session.append(s)
+            delay = 0.0 if prev < 0 else rng.expovariate(1.0 / tool_wait_s)
+            next_id = append_turn(w, ids, next_id, 0.0, prompt, gen, gen, prev, delay, s)
             prev = len(w.arrival_s) - 1
             context = total
-            del ids[total // BLOCK:]
     w.description = (f"agents: {sessions} sessions x {turns} turns start together, {prefix}-token "
                      f"shared prefix, {task}-token task, {gen} generated a turn, {tool}-token tool "
                      f"output after an exponential wait of mean {tool_wait_s:g} s, seed {seed}")

@@ -226,6 +226,39 @@ def synthetic(n: int, rate: float, seed: int = 0, burst_cv: float = 1.0,
                     meta={"seed": seed, "rate": rate, "burst_cv": burst_cv})
 
 
+def session_workload(name: str, block_tokens: int) -> Workload:
+    """An empty workload of chained session turns, to fill with `append_turn`."""
+    return Workload(name=name, arrival_s=[], prompt_tokens=[], output_tokens=[], max_tokens=[],
+                    hash_block_tokens=block_tokens, hash_offsets=[0], hash_ids=[], hashed_tokens=[],
+                    parent=[], delay_s=[], session=[])
+
+
+def append_turn(w: Workload, context_ids: list[int], next_id: int, start_s: float, prompt: int,
+                out: int, cap: int, prev: int, delay_s: float, session: int) -> int:
+    """Appends one turn of `session` to `w`: its prompt (the whole context so far plus
+    new tokens) and output, hashed by `context_ids` (the session's block ids so far,
+    extended with new ids from `next_id` for this turn's full blocks past the history;
+    the last partial block is never shared, so it is dropped again after). The first
+    turn (prev < 0) arrives at `start_s`; a later one `delay_s` after turn `prev` ends.
+    Returns the next unused id."""
+    total = prompt + out
+    while len(context_ids) < total // w.hash_block_tokens:
+        context_ids.append(next_id)
+        next_id += 1
+    w.arrival_s.append(start_s if prev < 0 else -1.0)
+    w.prompt_tokens.append(prompt)
+    w.output_tokens.append(out)
+    w.max_tokens.append(cap)
+    w.hash_ids.extend(context_ids[:total // w.hash_block_tokens])
+    w.hash_offsets.append(len(w.hash_ids))
+    w.hashed_tokens.append((total // w.hash_block_tokens) * w.hash_block_tokens)
+    w.parent.append(prev)
+    w.delay_s.append(delay_s)
+    w.session.append(session)
+    del context_ids[total // w.hash_block_tokens:]    # the next turn appends after this output
+    return next_id
+
+
 def agent_sessions(sessions: int, rate: float, seed: int = 0, turns_mean: float = 8.0,
                    system_tokens: int = 2048, first_user_mean: float = 1500.0,
                    user_mean: float = 300.0, output_mean: float = 250.0,
@@ -242,9 +275,7 @@ def agent_sessions(sessions: int, rate: float, seed: int = 0, turns_mean: float 
         raise ValueError(f"system_tokens={system_tokens}: must be a multiple of block_tokens={block_tokens}")
     rng = random.Random(seed)
     starts = _arrivals(rng, sessions, rate, 1.0)
-    w = Workload(name="agents", arrival_s=[], prompt_tokens=[], output_tokens=[], max_tokens=[],
-                 hash_block_tokens=block_tokens, hash_offsets=[0], hash_ids=[], hashed_tokens=[],
-                 parent=[], delay_s=[], session=[])
+    w = session_workload("agents", block_tokens)
     next_id = 1 << 40                                  # session content ids; system ids are small
     for s, t0 in enumerate(starts):
         turns = max(1, int(round(rng.expovariate(1.0 / turns_mean))))
@@ -259,25 +290,10 @@ def agent_sessions(sessions: int, rate: float, seed: int = 0, turns_mean: float 
                 break                                   # the session has filled its context
             out = _lognormal_int(rng, output_mean, 1.0, 1, cap)
             total = prompt + out
-            # ids for every full block of prompt + output; this turn's blocks past
-            # the history are new content (the last partial one is never shared)
-            while len(context_ids) < total // block_tokens:
-                context_ids.append(next_id)
-                next_id += 1
-            w.arrival_s.append(t0 if prev < 0 else -1.0)
-            w.prompt_tokens.append(prompt)
-            w.output_tokens.append(out)
-            w.max_tokens.append(cap)
-            w.hash_ids.extend(context_ids[:total // block_tokens])
-            w.hash_offsets.append(len(w.hash_ids))
-            w.hashed_tokens.append((total // block_tokens) * block_tokens)
-            w.parent.append(prev)
-            w.delay_s.append(0.0 if prev < 0 else rng.expovariate(1.0 / tool_wait_mean_s))
-            w.session.append(s)
+            delay = 0.0 if prev < 0 else rng.expovariate(1.0 / tool_wait_mean_s)
+            next_id = append_turn(w, context_ids, next_id, t0, prompt, out, cap, prev, delay, s)
             prev = len(w.arrival_s) - 1
             context = total
-            # the next turn appends after this output; keep ids aligned to full blocks
-            del context_ids[total // block_tokens:]
     # Open-loop arrivals must not decrease in list order: sessions are generated in start order.
     w.description = (f"agents: {sessions} sessions ({len(w)} turns), Poisson starts at {rate:g}/s, "
                      f"mean {turns_mean:g} turns, {system_tokens}-token shared system prompt, tool wait "
