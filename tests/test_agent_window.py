@@ -27,6 +27,14 @@ def agent_core(**cfg):
     return make_core("overcommit", num_blocks=100, **settings)
 
 
+def one_session_in_a_busy_pool(**cfg):
+    """A core whose window (W = 1) is full: session 1 runs, the pool 90% used."""
+    core = agent_core(agent_window_init=1, **cfg)
+    core.admit(core.arrive(ArrivalRecord(10, 5, session=1), now=0.0).slot, 0.0)
+    core.observe_cache(90, 0, 0, now=0.0)
+    return core
+
+
 def test_exact_window_sequence_with_cooldown():
     core = agent_core()
     # (used blocks of 100, hit tokens, query tokens) per step, one update per step
@@ -112,11 +120,8 @@ def test_an_interactive_session_is_held_at_most_half_its_ttft_target():
     """A session whose request carries its own TTFT target (interactive) is held at
     most half of it (the rest is for its queue and prefill), however long
     agent_max_wait_s is."""
-    core = agent_core(agent_window_init=1, agent_window_max=1, agent_max_wait_s=60.0,
-                      agent_interval_s=10.0)
-    a = core.arrive(ArrivalRecord(10, 5, session=1), now=0.0).slot
-    core.admit(a, 0.0)
-    core.observe_cache(90, 0, 0, now=0.0)
+    core = one_session_in_a_busy_pool(agent_window_max=1, agent_max_wait_s=60.0,
+                                      agent_interval_s=10.0)
     batch = core.arrive(ArrivalRecord(10, 5, session=2), now=0.0).slot
     chat = core.arrive(ArrivalRecord(10, 5, session=3, ttft_slo_s=2.0), now=0.0).slot
     assert core.next_window_change() == pytest.approx(1.0)
@@ -189,11 +194,8 @@ def test_while_a_session_is_held_a_finished_one_leaves_after_four_return_gaps():
 def test_an_undone_overdue_entry_counts_once_and_gives_its_place_back():
     """vLLM may undo an admission step after step (no KV after all): the overdue
     entry and W's growth for it are taken back each time, counted once in the end."""
-    core = agent_core(agent_window_init=1, agent_window_max=4, agent_max_wait_s=10.0,
-                      agent_interval_s=60.0)
-    a = core.arrive(ArrivalRecord(10, 5, session=1), now=0.0).slot
-    core.admit(a, 0.0)
-    core.observe_cache(90, 0, 0, now=0.0)
+    core = one_session_in_a_busy_pool(agent_window_max=4, agent_max_wait_s=10.0,
+                                      agent_interval_s=60.0)
     b = core.arrive(ArrivalRecord(10, 5, session=2), now=0.0).slot
     for t in (10.0, 10.1, 10.2):
         core.observe_cache(90, 0, 0, now=t)
