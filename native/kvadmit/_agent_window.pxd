@@ -101,5 +101,5 @@ cdef class AgentWindow:
     cdef void _update(self, double usage, double hit_rate, double now) noexcept nogil
     cdef void _end_interval(self, double now) noexcept nogil
     cdef void _pause_excess(self) noexcept nogil
-    cdef double _idle_bound(self, bint held) noexcept nogil
+    cdef double _idle_bound(self) noexcept nogil
     cdef bint _any_held(self) noexcept nogil

@@ -239,18 +239,20 @@ cdef class AgentWindow:
         self._history.push_back(w)
         self.c_expire_idle(now)
 
-    cdef double _idle_bound(self, bint held) noexcept nogil:
+    cdef double _idle_bound(self) noexcept nogil:
         """How long an idle session keeps its place: agent_idle_s; while another is held
         outside, at most IDLE_GAPS mean return gaps (once GAP_MEMORY / 8 are seen):
-        idle that long it has most likely finished, and its place is wanted."""
-        if held and self._gaps >= GAP_MEMORY // 8 and IDLE_GAPS * self._gap_mean < self._idle_s:
+        idle that long it has most likely finished, and its place is wanted. (The scan
+        for a held session comes last: this runs every step while the window is full.)"""
+        if self._gaps >= GAP_MEMORY // 8 and IDLE_GAPS * self._gap_mean < self._idle_s \
+                and self._any_held():
             return IDLE_GAPS * self._gap_mean
         return self._idle_s
 
     cdef void c_expire_idle(self, double now) noexcept nogil:
         """Sessions with nothing queued or running for `_idle_bound` as of `now` leave
         the window (and the table)."""
-        cdef double bound = self._idle_bound(self._any_held())
+        cdef double bound = self._idle_bound()
         cdef unordered_map[int64_t, AgentSession].iterator it = self._sessions.begin()
         while it != self._sessions.end():
             # (a relative tolerance: `c_next_change`'s idle_since + bound must expire exactly)
@@ -271,7 +273,7 @@ cdef class AgentWindow:
         (agent_max_wait_s) or W follows its next update."""
         cdef double t = INFINITY
         cdef bint held = self._any_held()
-        cdef double bound = self._idle_bound(held)
+        cdef double bound = self._idle_bound()
         cdef AgentSession* a
         cdef unordered_map[int64_t, AgentSession].iterator it = self._sessions.begin()
         while it != self._sessions.end():
