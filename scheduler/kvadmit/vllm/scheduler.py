@@ -431,12 +431,17 @@ class KvadmitAsyncScheduler(_KvadmitMixin, VllmAsyncScheduler):
     """vLLM's AsyncScheduler with kvadmit admission (async scheduling)."""
 
 
+def by_flavour(sync_cls, async_cls, *args, **kwargs):
+    """The scheduler vLLM constructs with (args, kwargs), of the flavour its
+    `async_scheduling` asks for."""
+    vllm_config = kwargs.get("vllm_config") or args[0]
+    cls = async_cls if vllm_config.scheduler_config.async_scheduling else sync_cls
+    return cls(*args, **kwargs)
+
+
 class Scheduler:
     """What `--scheduler-cls kvadmit.vllm.Scheduler` names: picks the flavour
     matching `async_scheduling`, so the engine keeps its overlap on GPUs."""
 
     def __new__(cls, *args, **kwargs):
-        vllm_config = kwargs.get("vllm_config") or args[0]
-        if vllm_config.scheduler_config.async_scheduling:
-            return KvadmitAsyncScheduler(*args, **kwargs)
-        return KvadmitScheduler(*args, **kwargs)
+        return by_flavour(KvadmitScheduler, KvadmitAsyncScheduler, *args, **kwargs)

@@ -26,7 +26,7 @@ from __future__ import annotations
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as _VllmAsync
 from vllm.v1.core.sched.scheduler import Scheduler as _Vllm
 
-from kvadmit.vllm.scheduler import KvadmitAsyncScheduler, KvadmitScheduler as _Kvadmit
+from kvadmit.vllm.scheduler import KvadmitAsyncScheduler, KvadmitScheduler as _Kvadmit, by_flavour
 
 METRIC = "kvadmit_bench_recomputed_tokens"     # /metrics: kvadmit_bench_recomputed_tokens_total
 _COUNTER = None
@@ -105,21 +105,15 @@ class KvadmitCountingAsyncScheduler(_CountsRecompute, KvadmitAsyncScheduler):
     """kvadmit's async scheduler, counting recomputed prefill."""
 
 
-def _pick(sync, async_, args, kwargs):
-    vllm_config = kwargs.get("vllm_config") or args[0]
-    cls = async_ if vllm_config.scheduler_config.async_scheduling else sync
-    return cls(*args, **kwargs)
-
-
 class VllmScheduler:
     """What `--scheduler-cls kvadmit.bench.serve.recompute.VllmScheduler` names."""
 
     def __new__(cls, *args, **kwargs):
-        return _pick(VllmCountingScheduler, VllmCountingAsyncScheduler, args, kwargs)
+        return by_flavour(VllmCountingScheduler, VllmCountingAsyncScheduler, *args, **kwargs)
 
 
 class KvadmitScheduler:
     """What `--scheduler-cls kvadmit.bench.serve.recompute.KvadmitScheduler` names."""
 
     def __new__(cls, *args, **kwargs):
-        return _pick(KvadmitCountingScheduler, KvadmitCountingAsyncScheduler, args, kwargs)
+        return by_flavour(KvadmitCountingScheduler, KvadmitCountingAsyncScheduler, *args, **kwargs)
