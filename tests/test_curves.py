@@ -4,6 +4,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvadmit import peak_blocks
+from kvadmit._curves import first_over
+
+
+def demand(tokens, steps, B, k):
+    return sum(-(-(t + k) // B) for t, r in zip(tokens, steps) if r > k)
 
 
 def brute_peak(tokens, steps, B):
@@ -49,3 +54,26 @@ def test_errors():
         peak_blocks([1], [0], 16)
     with pytest.raises(ValueError, match="entries"):
         peak_blocks([1, 2], [1], 16)
+
+
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(1, 120)), max_size=25),
+       st.sampled_from([1, 2, 16, 32]), st.integers(0, 60))
+def test_first_over_finds_the_crossing(items, B, limit):
+    """first_over: -1 exactly when the peak fits the limit, else the first step the
+    demand exceeds it."""
+    tokens = [t for t, _ in items]
+    steps = [r for _, r in items]
+    t = first_over(tokens, steps, B, limit)
+    if brute_peak(tokens, steps, B) <= limit:
+        assert t == -1
+        return
+    assert t == next(k for k in range(max(steps)) if demand(tokens, steps, B, k) > limit)
+
+
+def test_first_over_table():
+    # one request of 100 tokens (7 blocks of 16), 50 steps left: 8 blocks from step
+    # 13 (113 tokens), 9 from step 29, 10 at its last (149)
+    assert first_over([100], [50], 16, 8) == 29
+    assert first_over([100], [50], 16, 10) == -1
+    assert first_over([100, 100], [50, 10], 16, 14) == -1   # 7 + 7 until the second ends
+    assert first_over([100, 100], [50, 10], 16, 13) == 0

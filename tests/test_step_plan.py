@@ -102,12 +102,16 @@ def test_the_pause_plan_is_the_cores(queue_order):
         expected = core.plan_shortfall(want, computed, held, free, budget, 2,
                                        prio if queue_order == "priority" else None)
         assert planner.pause(want, computed, held, prio if queue_order == "priority" else None,
-                             free, budget) == expected
+                             free, budget, [-1] * n) == expected
 
 
 def test_pause_names_a_bad_row():
     planner = StepPlanner(make_core("auto"))
     with pytest.raises(ValueError, match="row 1"):
-        planner.pause([1, 1], [4, -4], [1, 1], None, 3, 100)
+        planner.pause([1, 1], [4, -4], [1, 1], None, 3, 100, [-1, -1])
     with pytest.raises(ValueError, match="held: 1 entries"):
-        planner.pause([1, 1], [4, 4], [1], None, 3, 100)
+        planner.pause([1, 1], [4, 4], [1], None, 3, 100, [-1, -1])
+    with pytest.raises(ValueError, match="slots: 1 entries"):
+        planner.pause([1, 1], [4, 4], [1, 1], None, 3, 100, [-1])
+    with pytest.raises(KeyError, match="slot 5"):
+        planner.pause([1], [4], [1], None, 3, 100, [5])     # no such running request

@@ -3,6 +3,7 @@
 # own APIs (ledger, queue, shortfall, policy, gate, slo_guard, agent_window), as
 # the engine adapters drive it through the Python methods.
 from libc.stdint cimport int32_t, int64_t
+from libcpp.vector cimport vector
 
 from kvadmit._arrival cimport ArrivalRecord
 from kvadmit._arrival_gate cimport ArrivalResult, Rejection

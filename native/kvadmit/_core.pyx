@@ -65,12 +65,14 @@ cdef class AdmissionCore(CoreView):
         self.policy = make_policy(config, self.ledger, num_blocks, max_model_len)
         self.gate = ArrivalGate(config)
         self.slo_guard = SloGuard(config)
+        self.policy.step_time = self.slo_guard.step_time
         self.agent_window = AgentWindow(config, num_blocks)
         self.flows = FlowTable(config, self.ledger, num_blocks)
         self.queue = WaitingQueue(config, self.ledger, self.agent_window, self.flows)
         self.shortfall = ShortfallPlanner(config.pause_on_shortfall, block_size,
                                           config.queue_order == "priority",
-                                          config.priority_preemption_threshold)
+                                          config.priority_preemption_threshold,
+                                          config.shortfall == "cost")
         self.decision = Decision(self.ledger, self.policy, self.slo_guard, self.agent_window,
                                  self.queue, self.gate, self.flows, num_blocks,
                                  config.queue_order == "priority")
@@ -314,6 +316,9 @@ cdef class AdmissionCore(CoreView):
         the most important first (equal ones in the engine's order), and one that finds
         too few blocks while running requests of strictly lower priority hold enough is
         not paused: the engine's preemption takes their KV for it, lowest first.
+
+        Under shortfall "cost" an engine's rows carry their slots (`StepPlanner`): a
+        short request is paused only where that loses more than recomputing its victims.
         """
         return self.shortfall.plan(want_tokens, computed_tokens, held_blocks, free_blocks,
                                    token_budget, lookahead_tokens, priorities)
@@ -463,6 +468,8 @@ cdef class AdmissionCore(CoreView):
         self._tick(now)
         if self.flows.on:
             self.flows.c_released(s)
+        if not displaced:
+            self.shortfall.c_note_recompute(s, self.ledger.arrival(s))
         self.ledger.preempt(s)
         self._stopped(s)
         self._enqueue(s)
@@ -471,9 +478,10 @@ cdef class AdmissionCore(CoreView):
             self.flows.c_count(self.ledger.flow_ix(s), FL_PREEMPTED)
         if displaced:
             self._n_displaced += 1
-        else:
-            # A displacement is the core's choice, not a forecast that fell short: the
-            # policy's controllers (auto's quantile, SGLang's ratio) do not hear of it.
+        elif self.shortfall.recompute_now == 0:
+            # A displacement, or a recompute shortfall "cost" chose, is the core's choice,
+            # not a forecast that fell short: the policy's controllers (auto's quantile,
+            # SGLang's ratio) do not hear of it.
             self.policy.c_on_preempt()
 
     def finish(self, int64_t slot, double now):
@@ -490,6 +498,7 @@ cdef class AdmissionCore(CoreView):
         self.ledger.finish(s)
         self._stopped(s)
         self.policy.c_on_finish(s)
+        self.shortfall.c_note_finish()
         self._n_finished += 1
         self.ledger.release(s)
 

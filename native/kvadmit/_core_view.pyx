@@ -182,6 +182,10 @@ cdef class CoreView:
             "preempted": self._n_preempted, "paused": self.paused,
             # of the preempted: for a waiting request the core let take their KV
             "displaced": self._n_displaced,
+            # short requests auto priced cheaper to recompute for than to pause
+            "shortfall_recomputes": self.shortfall.recompute_total,
+            # admissions auto priced worth a later recompute (past the peak)
+            "past_peak": self.policy.past_peak,
             "finished": self._n_finished, "aborted": self._n_aborted,
             "held": self.queue.held(),
             "rejected": self.gate.rejected(),

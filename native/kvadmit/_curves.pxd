@@ -20,3 +20,5 @@ cdef inline bint curve_longer(const Curve& a, const Curve& b) noexcept nogil:
 
 cdef int64_t peak_blocks_sorted(const Curve* curves, int64_t n, const Curve* extra,
                                 int64_t B, int64_t limit, vector[int32_t]& fen) noexcept nogil
+cdef int64_t first_over_sorted(const Curve* curves, int64_t n, const Curve* extra, int64_t B,
+                               int64_t limit, vector[int32_t]& fen) noexcept nogil

@@ -33,6 +33,17 @@ cdef inline int64_t _fen_prefix(vector[int32_t]& fen, int64_t s) noexcept nogil:
         i -= i & (-i)
     return total
 
+cdef inline int64_t _demand_at(vector[int32_t]& fen, int64_t sum_q, int64_t cnt, int64_t cnt_s0,
+                               int64_t k, int64_t B) noexcept nogil:
+    """Blocks the requests in the tree (sum of q, count, count of s == 0) hold at
+    step k, all of them still running."""
+    cdef int64_t a = k // B, b = k % B
+    cdef int64_t total = sum_q + cnt * a + cnt
+    if b == 0:
+        return total - cnt_s0
+    return total + cnt - _fen_prefix(fen, B - b)
+
+
 cdef int64_t peak_blocks_sorted(const Curve* curves, int64_t n, const Curve* extra,
                                 int64_t B, int64_t limit, vector[int32_t]& fen) noexcept nogil:
     """Peak blocks of ``curves`` (sorted by steps, descending) plus ``extra`` (may be NULL).
@@ -41,7 +52,7 @@ cdef int64_t peak_blocks_sorted(const Curve* curves, int64_t n, const Curve* ext
     ``fen`` is scratch of size B + 1, all zero on entry and on return.
     """
     cdef int64_t i = 0, added = 0, sum_q = 0, cnt = 0, cnt_s0 = 0, best = 0
-    cdef int64_t k, a, b, total, s, next_steps
+    cdef int64_t total, s, next_steps
     cdef bint extra_done = extra == NULL
     cdef bint extra_added = False
     cdef Curve cur
@@ -68,14 +79,7 @@ cdef int64_t peak_blocks_sorted(const Curve* curves, int64_t n, const Curve* ext
             next_steps = -1
         if next_steps == cur.steps:
             continue
-        k = cur.steps - 1
-        a = k // B
-        b = k % B
-        total = sum_q + cnt * a + cnt
-        if b == 0:
-            total -= cnt_s0
-        else:
-            total += cnt - _fen_prefix(fen, B - b)
+        total = _demand_at(fen, sum_q, cnt, cnt_s0, cur.steps - 1, B)
         if total > best:
             best = total
             if best > limit:
@@ -89,11 +93,71 @@ cdef int64_t peak_blocks_sorted(const Curve* curves, int64_t n, const Curve* ext
     return best
 
 
-def peak_blocks(tokens, steps, int64_t block_size):
-    """Peak KV blocks of requests holding ``tokens[i]`` now with ``steps[i]`` steps left.
+cdef int64_t first_over_sorted(const Curve* curves, int64_t n, const Curve* extra, int64_t B,
+                               int64_t limit, vector[int32_t]& fen) noexcept nogil:
+    """The first step at which ``curves`` (sorted as for `peak_blocks_sorted`) plus
+    ``extra`` hold more than ``limit`` blocks, or -1 if they never do. Read, as the
+    peak is, at each finish time from the last back; a stretch whose end is over
+    the limit is bisected (its demand only grows), and the earliest such stretch's
+    crossing is the answer."""
+    cdef int64_t i = 0, sum_q = 0, cnt = 0, cnt_s0 = 0, first = -1
+    cdef int64_t k, s, next_steps, lo, hi, mid
+    cdef bint extra_done = extra == NULL
+    cdef bint extra_added = False
+    cdef Curve cur
+    while i < n or not extra_done:
+        if not extra_done and (i >= n or extra.steps >= curves[i].steps):
+            cur = extra[0]
+            extra_done = True
+            extra_added = True
+        else:
+            cur = curves[i]
+            i += 1
+        s = cur.tokens % B
+        sum_q += cur.tokens // B
+        cnt += 1
+        if s == 0:
+            cnt_s0 += 1
+        _fen_add(fen, s, 1)
+        if not extra_done and (i >= n or extra.steps >= curves[i].steps):
+            next_steps = extra.steps
+        elif i < n:
+            next_steps = curves[i].steps
+        else:
+            next_steps = 0
+        if next_steps == cur.steps:
+            continue
+        k = cur.steps - 1
+        if _demand_at(fen, sum_q, cnt, cnt_s0, k, B) > limit:
+            # the same `cnt` requests run over steps [next_steps, k], their demand
+            # growing: the first step over the limit, by bisection
+            lo, hi = next_steps, k
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if _demand_at(fen, sum_q, cnt, cnt_s0, mid, B) > limit:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            first = lo
+    cdef int64_t j
+    for j in range(i):
+        _fen_add(fen, curves[j].tokens % B, -1)
+    if extra_added:
+        _fen_add(fen, extra.tokens % B, -1)
+    return first
 
-    The pure function behind ``peak`` and ``adaptive`` (see the model above).
-    """
+
+def first_over(tokens, steps, int64_t block_size, int64_t limit):
+    """The first step (0: the next) at which requests holding ``tokens[i]`` now with
+    ``steps[i]`` steps left hold more than ``limit`` blocks, or -1 (see
+    `first_over_sorted`)."""
+    cdef vector[Curve] v = _curves(tokens, steps, block_size)
+    cdef vector[int32_t] fen
+    fen.assign(block_size + 1, 0)
+    return first_over_sorted(v.data(), v.size(), NULL, block_size, limit, fen)
+
+
+cdef vector[Curve] _curves(tokens, steps, int64_t block_size) except *:
     if block_size < 1:
         raise ValueError(f"block_size={block_size}: must be >= 1")
     if len(tokens) != len(steps):
@@ -109,6 +173,15 @@ def peak_blocks(tokens, steps, int64_t block_size):
         c.steps = r
         v.push_back(c)
     sort(v.begin(), v.end(), curve_longer)
+    return v
+
+
+def peak_blocks(tokens, steps, int64_t block_size):
+    """Peak KV blocks of requests holding ``tokens[i]`` now with ``steps[i]`` steps left.
+
+    The pure function behind ``peak`` and ``adaptive`` (see the model above).
+    """
+    cdef vector[Curve] v = _curves(tokens, steps, block_size)
     cdef vector[int32_t] fen
     fen.assign(block_size + 1, 0)
     return peak_blocks_sorted(v.data(), v.size(), NULL, block_size, INT64_MAX, fen)

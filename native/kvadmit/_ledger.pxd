@@ -99,6 +99,9 @@ cdef class Ledger:
         return self._rec[s].prompt_hash
     cdef inline int32_t bypassed(self, int32_t s) noexcept nogil:
         return self._bypassed[s]
+    cdef inline int32_t preempts(self, int32_t s) noexcept nogil:
+        """Times s was preempted (its KV recomputed)."""
+        return self._preempts[s]
     cdef inline bint unstarted(self, int32_t s) noexcept nogil:
         """Waiting and never admitted: shedding and its TTL may drop it."""
         return self._unstarted[s]

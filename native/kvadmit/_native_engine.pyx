@@ -167,6 +167,7 @@ cdef class NativeEngine(EngineState):
             rows[nr + i] = self._computed[r]
             rows[2 * nr + i] = self._blocks[r].size()
             rows[3 * nr + i] = self._rec[r].priority
+            rows[4 * nr + i] = self._slot[r]
         if self.planner.c_pause(self.allocator.c_num_free(), self._budget):
             for i in range(nr):
                 if self.planner.paused[i]:

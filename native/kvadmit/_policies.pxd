@@ -7,6 +7,7 @@ from libcpp.unordered_map cimport unordered_map
 from libcpp.vector cimport vector
 
 from kvadmit._curves cimport Curve
+from kvadmit._step_time cimport StepTimeFit
 from kvadmit._ledger cimport Ledger
 from kvadmit._length_model cimport OutputLengthModel
 
@@ -44,6 +45,9 @@ cdef class Policy:
     # The output-length model, fed by every finish; adaptive and auto predict with it.
     cdef readonly OutputLengthModel lengths
     cdef readonly double quantile          # the length quantile (adaptive and auto move it)
+    cdef public StepTimeFit step_time      # the engine's step time (the core's fit; auto prices by it)
+    cdef readonly int64_t past_peak        # admissions auto's price let past the peak
+    cdef int32_t _priced_in                # the last candidate it let in (counted once admitted)
 
     # A scan of the waiting queue (the core's next_admissible) asks c_fits of many
     # requests against one running set: curves refused in it refuse every curve at
@@ -87,6 +91,7 @@ cdef class Policy:
     cdef int64_t c_forecast_blocks(self) noexcept nogil
     cdef int64_t c_peak_blocks(self) noexcept nogil
     cdef int64_t c_expected_output(self, int32_t s) noexcept nogil
+    cdef int64_t c_soonest_finish(self) noexcept nogil
     cdef void c_on_admit(self, int32_t s) noexcept nogil
     cdef void c_after_admit(self) noexcept nogil
     cdef void c_admission_undone(self) noexcept nogil
@@ -134,9 +139,11 @@ cdef class AutoPolicy(AdaptivePolicy):
     cdef int64_t _unowned_blocks      # blocks in use that no running request's own part counts
     cdef int64_t _max_shared_blocks   # the longest prefix a running request shares, in blocks
     cdef bint _pauseless              # the engine cannot pause (shortfall "preempt")
+    cdef bint _priced                 # the engine prices its shortfalls (auto's own: kvadmit._shortfall)
     cdef double _cap_honesty(self, int64_t max_new) noexcept nogil
     cdef int64_t _growth_floor(self, int32_t s, int64_t r) noexcept nogil
     cdef int64_t _overrun(self, int32_t s) noexcept nogil
+    cdef bint _overflow_pays(self, const Curve& c, int64_t room) noexcept nogil
 
 
 cdef Policy make_policy(config, Ledger ledger, int64_t num_blocks, int64_t max_model_len)

@@ -35,7 +35,7 @@ from libcpp.pair cimport pair
 from libcpp.unordered_map cimport unordered_map
 from libcpp.vector cimport vector
 
-from kvadmit._curves cimport Curve, cdiv, curve_longer, peak_blocks_sorted
+from kvadmit._curves cimport Curve, cdiv, curve_longer, first_over_sorted, peak_blocks_sorted
 from kvadmit._ledger cimport Ledger
 from kvadmit._length_model cimport OutputLengthModel, c_next_quantile
 
@@ -94,6 +94,8 @@ cdef class Policy:
         self.ratio = self._init_ratio
         self._preempted_this_step = False
         self.quantile = config.adaptive_quantile
+        self.past_peak = 0
+        self._priced_in = -1
         self.lengths = OutputLengthModel(
             config.adaptive_bucket_tokens,
             max_model_len if max_model_len > 0 else num_blocks * self.block_size,
@@ -170,6 +172,18 @@ cdef class Policy:
     cdef int64_t c_expected_output(self, int32_t s) noexcept nogil:
         """Output tokens s is expected to add (its max_tokens; adaptive predicts)."""
         return self.ledger.max_new(s) - self.ledger.generated(s)
+
+    cdef int64_t c_soonest_finish(self) noexcept nogil:
+        """Steps until the running request expected to finish first does (-1: none runs)."""
+        cdef int64_t w, best = -1
+        cdef size_t k
+        cdef int32_t s
+        for k in range(self.ledger.n_running()):
+            s = self.ledger.running_at(k)
+            w = self.c_expected_output(s) + self.ledger.prefill_extra_steps(s)
+            if best < 0 or w < best:
+                best = w
+        return best
 
     # --- what the core reports -------------------------------------------
     cdef void c_on_admit(self, int32_t s) noexcept nogil:
@@ -417,12 +431,59 @@ cdef class AutoPolicy(AdaptivePolicy):
         # An engine that cannot pause (shortfall "preempt": SGLang) pays for a short
         # prediction with a retraction (the request's KV recomputed), not a step sat out.
         self._pauseless = not config.pause_on_shortfall
+        self._priced = config.pause_on_shortfall and config.shortfall == "cost"
         self._quantile_base = AUTO_PAUSELESS_QUANTILE if self._pauseless else AUTO_QUANTILE
         self._quantile_max = AUTO_MAX_QUANTILE
         self._target_preemption_rate, self._adapt_interval = AUTO_TARGET_PREEMPTION_RATE, AUTO_INTERVAL
         self.quantile = self._quantile_base
         self._n_capped = 0
         self._unowned_blocks = self._max_shared_blocks = 0
+
+    cdef bint c_fits(self, int32_t s, int64_t free_blocks) noexcept nogil:
+        """The peak rule. Where the engine prices its shortfalls (`_priced`), also:
+        a request preempted before starts again once its blocks fit now (as vLLM
+        resumes one: its stream has stalled, and the shortfall's price already chose
+        to recompute it), and a new one starts past the peak where that pays
+        (`_overflow_pays`)."""
+        if self._priced and self.ledger.preempts(s) > 0:
+            return True
+        self._ensure_profile()
+        cdef Curve c = self._curve(s)
+        if self._covers_refused(c):
+            return False
+        cdef int64_t room = self.num_blocks - self._shared_term() - self._margin_term(s)
+        if peak_blocks_sorted(self._profile.data(), self._profile.size(), &c, self.block_size,
+                              room, self._fenwick) <= room:
+            return True
+        if not self._priced or self.step_time is None or not self._overflow_pays(c, room):
+            return self._noted(False, c)
+        self._priced_in = s
+        return True
+
+    cdef bint _overflow_pays(self, const Curve& c, int64_t room) noexcept nogil:
+        """Admitting c's request past the peak. Until the first step t at which the
+        running curves with c would not fit, it runs on pool that would otherwise
+        sit idle: each block-step a pool's share of a step's time (T / num_blocks,
+        T this step's predicted time with it in). At t the engine recomputes it
+        (or someone the shortfall's price finds cheaper): its tokens then, (b + c)
+        seconds each. Pays where the first exceeds the second."""
+        cdef int64_t t = first_over_sorted(self._profile.data(), self._profile.size(), &c,
+                                           self.block_size, room, self._fenwick)
+        if t <= 0:
+            return False
+        cdef double step_s = self.step_time.c_predict(
+            <double>(self.ledger.n_running() + 1),
+            <double>(self.ledger.running_context() + c.tokens))
+        cdef double idle_used = step_s * t * (c.tokens + 0.5 * t) / self.block_size / self.num_blocks
+        cdef double a = self.step_time.c_predict(0.0, 0.0)
+        cdef double per_token = (self.step_time.c_predict(1024.0, 1024.0) - a) / 1024.0
+        return idle_used > per_token * (c.tokens + t)
+
+    cdef void c_on_admit(self, int32_t s) noexcept nogil:
+        if s == self._priced_in:
+            self.past_peak += 1
+        self._priced_in = -1
+        AdaptivePolicy.c_on_admit(self, s)
 
     cdef Curve _curve(self, int32_t s) noexcept nogil:
         cdef Curve c

@@ -13,15 +13,18 @@
 #      frees. c_displace: the fewest victims, first first, that make the need and the
 #      watermark beside it free, or none. The engine preempts `displaced`; the
 #      candidate starts first in this step.
-#   2. pauses (shortfall "pause"). The engine fills one row per running request, in
-#      serving order: the tokens it would compute, its computed tokens, held blocks
-#      and priority. c_pause: the ShortfallPlanner's plan; the engine skips the
-#      `paused` rows this step, their KV kept.
+#   2. pauses (shortfall "pause" or "cost"). The engine fills one row per running request, in
+#      serving order: the tokens it would compute, its computed tokens, held blocks,
+#      priority and slot. c_pause: the ShortfallPlanner's plan; the engine skips the
+#      `paused` rows this step, their KV kept. (Under "cost" a short row the plan
+#      does not pause preempts the engine's victims as usual: it priced that cheaper.)
 
 from libc.stdint cimport int32_t, int64_t
 from libcpp.vector cimport vector
 
 from kvadmit._core cimport AdmissionCore
+from kvadmit._shortfall cimport ShortfallCosts, shortfall_costs
+from kvadmit._ledger cimport ST_RUNNING
 
 
 def prompt_blocks(int64_t tokens, int64_t computed, int64_t hit_blocks, int64_t fresh_hits,
@@ -103,17 +106,34 @@ cdef class StepPlanner:
 
     # -- 2. pauses ------------------------------------------------------------------------
     cdef int64_t* c_rows(self, int64_t n) noexcept nogil:
-        """Room for n running rows: columns want, computed, held, priority at k * n."""
+        """Room for n running rows: columns want, computed, held, priority, slot at k * n."""
         self.n_rows = n
-        self.rows.resize(4 * n)
+        self.rows.resize(5 * n)
         self.paused.assign(n, 0)
         return self.rows.data()
 
     cdef int64_t c_pause(self, int64_t free_blocks, int64_t budget) noexcept nogil:
         """`paused`: the rows that sit this step out (the ShortfallPlanner's plan; it
-        reads the priorities under queue_order "priority"). Returns how many."""
-        cdef int64_t n = self.n_rows
+        reads the priorities under queue_order "priority", the slots under "cost").
+        Returns how many."""
+        cdef int64_t n = self.n_rows, i, s
         cdef int64_t* cols = self.rows.data()
+        cdef ShortfallCosts costs
+        # Under "cost", priced only in a step where a row would pause: the prices read
+        # every running request's forecast.
+        if self.core.shortfall.costed and not self.core.shortfall.by_priority and \
+                self.core.shortfall.c_walk(cols, cols + n, cols + 2 * n, n, free_blocks, budget,
+                                           self.lookahead, self.paused.data(), NULL, NULL,
+                                           NULL) > 0:
+            costs = shortfall_costs(self.core.slo_guard.step_time, self.core.policy.c_soonest_finish())
+            self.again.assign(n, 0)
+            for i in range(n):
+                s = cols[4 * n + i]
+                self.again[i] = s >= 0 and self.core.shortfall.c_recomputed(
+                    <int32_t>s, self.core.ledger.arrival(<int32_t>s))
+            return self.core.shortfall.c_plan(cols, cols + n, cols + 2 * n, n, free_blocks, budget,
+                                              self.lookahead, self.paused.data(), cols + 3 * n,
+                                              &costs, self.again.data())
         return self.core.c_plan_shortfall(cols, cols + n, cols + 2 * n, n, free_blocks, budget,
                                           self.lookahead, self.paused.data(), cols + 3 * n)
 
@@ -146,14 +166,15 @@ cdef class StepPlanner:
         self.c_displace(free_blocks, running)
         return [v for v in self.displaced]
 
-    def pause(self, want, computed, held, priority, int64_t free_blocks, int64_t budget):
+    def pause(self, want, computed, held, priority, int64_t free_blocks, int64_t budget,
+              slots):
         """`c_pause` over the running requests in serving order (the tokens each would
         compute this step, its computed tokens, held blocks; priority: None unless
-        queue_order is "priority"): the positions paused."""
+        queue_order is "priority"; its slot in the core): the positions paused."""
         _check_counts(free_blocks=free_blocks, budget=budget)
         cdef Py_ssize_t n = len(want), i
         for name, col in (("computed", computed), ("held", held),
-                          ("priority", want if priority is None else priority)):
+                          ("priority", want if priority is None else priority), ("slots", slots)):
             if len(col) != n:
                 raise ValueError(f"{name}: {len(col)} entries, expected one per row ({n})")
         cdef int64_t* rows = self.c_rows(n)
@@ -163,6 +184,9 @@ cdef class StepPlanner:
                                  f"held={held[i]}: must be >= 0")
             rows[i], rows[n + i], rows[2 * n + i] = want[i], computed[i], held[i]
             rows[3 * n + i] = 0 if priority is None else priority[i]
+            if slots[i] != -1:
+                self.core.ledger.check_state(slots[i], ST_RUNNING)
+            rows[4 * n + i] = slots[i]
         self.c_pause(free_blocks, budget)
         return [i for i in range(n) if self.paused[i]]
 

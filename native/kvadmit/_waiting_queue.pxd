@@ -82,6 +82,7 @@ cdef class WaitingQueue:
     cdef Ledger ledger
     cdef AgentWindow agent_window
     cdef bint _priority_order, _deadline_order, _bypass
+    cdef bint _resume_first       # shortfall "cost": a preempted request is passed by none
     cdef int64_t _max_bypass, _lookahead
     cdef cmap[QKey, int32_t] _waiting
     cdef cmap[QKey, int32_t] _shed_order   # never-admitted waiting, by (priority, arrival)

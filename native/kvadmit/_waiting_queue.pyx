@@ -41,6 +41,8 @@ cdef class WaitingQueue:
         self._priority_order = config.queue_order == "priority"
         self._deadline_order = config.queue_order == "deadline"
         self._bypass = config.bypass_head_of_line
+        # shortfall "cost" resumes a preempted request once its blocks fit: none passes it
+        self._resume_first = config.shortfall == "cost"
         self._max_bypass = config.max_bypass
         self._lookahead = config.bypass_lookahead
         if config.head_of_line == "auto" and self._bypass:
@@ -265,10 +267,12 @@ cdef class WaitingQueue:
             if d != D_HOLD_AGENT and not self.ledger.sheddable(s):
                 self._saturated = True
             # A request outside the agent window never blocks the queue; any other
-            # held request does, unless bypass lets later ones pass it.
+            # held request does, unless bypass lets later ones pass it (under shortfall
+            # "cost" not one that ran before: preempted, its stream stalled).
             if d != D_HOLD_AGENT:
                 if not self._bypass or self.ledger.bypassed(s) >= self._max_bypass \
-                        or self.ledger.arrive_t(s) <= unpassable_from:
+                        or self.ledger.arrive_t(s) <= unpassable_from \
+                        or (self._resume_first and self.ledger.preempts(s) > 0):
                     return -1
                 if not head:
                     scanned += 1

@@ -17,7 +17,7 @@ from kvadmit._native import POLICIES, VICTIMS
 
 QUEUE_ORDERS = ("fcfs", "priority", "deadline")
 HEAD_OF_LINE = ("auto", "strict", "bypass")
-SHORTFALLS = ("auto", "preempt", "pause")
+SHORTFALLS = ("auto", "preempt", "pause", "cost")
 FAILURE_MODES = ("open", "closed")
 UNTRUSTED_FIELDS = ("auto", "honour", "ignore", "refuse")
 
@@ -66,9 +66,9 @@ class AdmissionConfig:
     victim: str = field(default="lifo", metadata=choice_rule(
         VICTIMS, "which running request is preempted first when memory runs out"))
     shortfall: str = field(default="auto", metadata=choice_rule(
-        SHORTFALLS, "a running request that finds no free KV block for its next step: preempt "
-        "the victim (recompute, as vLLM and SGLang do), or pause it for the step, keeping its KV, "
-        "while another running request can still progress (vLLM, simulator, lockstep model); "
+        SHORTFALLS, "a running request that finds no free KV block for its next step: preempt the "
+        "victim (recompute, as vLLM and SGLang do), or pause it, keeping its KV, while another can "
+        "progress (vLLM, simulator, lockstep model); cost: whichever loses less (the cost model); "
         "auto: pause under policy auto where the engine can, else preempt"))
     queue_order: str = field(default="fcfs", metadata=choice_rule(
         QUEUE_ORDERS, "waiting order: arrival; priority (lower value first) then arrival; or "
@@ -276,15 +276,15 @@ class AdmissionConfig:
     @property
     def pause_on_shortfall(self) -> bool:
         """Whether a running request short of blocks pauses (shortfall, with "auto" resolved)."""
-        return self.shortfall == "pause" or (self.shortfall == "auto" and self.policy == "auto")
+        return self.shortfall in ("pause", "cost") or (self.shortfall == "auto" and self.policy == "auto")
 
     def for_engine(self, cannot_pause: str | None) -> "AdmissionConfig":
         """The configuration on an engine that can pause a running request
         (`cannot_pause` None) or cannot (it says why): there shortfall "auto" is
-        "preempt", and "pause" is a ConfigError. The one place "auto" is resolved."""
+        "preempt", and "pause" or "cost" a ConfigError. The one place "auto" is resolved."""
         if cannot_pause is None or self.shortfall == "preempt":
             return self
-        if self.shortfall == "pause":
+        if self.shortfall in ("pause", "cost"):
             raise ConfigError(f"shortfall={self.shortfall!r}: {cannot_pause}; use shortfall='preempt'")
         return self.replace(shortfall="preempt")
 

@@ -177,7 +177,8 @@ PAUSE = AdmissionConfig(policy="adaptive", shortfall="pause", adaptive_quantile=
     (AdmissionConfig(policy="peak", max_queue_delay_s=2.0), 3.0),
     (PAUSE, 1.0),
     (AdmissionConfig(), 1.0),
-], ids=["vllm-own", "peak-queue-delay", "adaptive-pause", "auto-default"])
+    (AdmissionConfig(shortfall="cost"), 1.0),
+], ids=["vllm-own", "peak-queue-delay", "adaptive-pause", "auto-default", "auto-cost"])
 def test_matches_the_native_engine(model_dir, config, rate, full_input):
     """With vLLM's full-input admission check on (its default) or off
     (`scheduler_reserve_full_isl`, `EngineShape.reserve_full_input`), vLLM's
@@ -193,6 +194,11 @@ def test_matches_the_native_engine(model_dir, config, rate, full_input):
     native = run_native(w, config or AdmissionConfig(policy="overcommit"), shape, CPU_TINY)
     if config is None:
         assert native.totals.preemptions > 0
+    elif config.shortfall == "cost":
+        # Both priced the same shortfalls and admissions past the peak.
+        for k in ("shortfall_recomputes", "past_peak", "paused"):
+            assert ours.extra["core"][k] == native.extra["core"][k], k
+        assert native.extra["core"]["past_peak"] > 0
     elif config is PAUSE or config.policy == "auto":
         # Both engines paused the same requests in the same steps.
         assert native.extra["core"]["paused"] > 0

@@ -54,7 +54,7 @@ def load_config(text: Optional[str]) -> Optional[AdmissionConfig]:
 def engine_config(config: AdmissionConfig) -> AdmissionConfig:
     """The configuration as SGLang runs it: SGLang decodes its whole running batch each
     step, so a request cannot sit one out: shortfall "auto" is "preempt" (retraction),
-    and "pause" is a ConfigError."""
+    and "pause" or "cost" a ConfigError."""
     return config.for_engine("SGLang decodes its whole running batch each step and "
                              "retracts when the pool runs dry: a request cannot sit one out")
 

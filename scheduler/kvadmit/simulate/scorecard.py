@@ -36,13 +36,14 @@ MOONCAKE = "mooncake_conversation_trace.jsonl"
 WATERMARKS = (0.01, 0.05, 0.1)
 # The rows of every workload: vLLM's default and its own knobs, SGLang's rule, and
 # kvadmit's configs (`default` is the empty config, what `--scheduler-cls` alone gives;
-# `default-sglang` is what it resolves to in SGLang, which cannot pause a request).
+# `default-sglang` is what it resolves to in SGLang, which cannot pause a request;
+# `cost` is the opt-in cost model, docs/policies.md#the-cost-model).
 CONFIGS = (["vllm-default"] + [f"vllm-watermark={w:g}" for w in WATERMARKS] +
            ["sglang", "peak", "adaptive",
             'adaptive+pause={"policy": "adaptive", "shortfall": "pause", "adaptive_quantile": 0.4, '
             '"adaptive_max_quantile": 0.4, "adaptive_min_samples": 1, "head_of_line": "bypass", '
             '"max_bypass": 1000, "bypass_lookahead": 256}',
-            'default-sglang={"shortfall": "preempt"}', "default={}"])
+            'default-sglang={"shortfall": "preempt"}', 'cost={"shortfall": "cost"}', "default={}"])
 DEFAULT_ROW = "default"
 # --engine vllm adds the knobs only vLLM's own scheduler runs (vLLM 0.34's cache-aware
 # admission window: on the workloads with prefix caching; the others have no cell).

@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 
-from kvadmit.bench.serve.configs import (DEFAULT_CONFIGS, FIXED_CONFIGS, ServeConfig, counting,
+from kvadmit.bench.serve.configs import (DEFAULT_CONFIGS, ServeConfig, counting,
                                          documented_queue_cap, parse_config, queue_delay_for)
 from kvadmit.bench.serve.loadgen import client_main, trace_rows
 from kvadmit.bench.serve.points import run_point, sweep
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), metavar="CONFIG")
     ap.add_argument("--fixed-length", type=int, default=None, metavar="N",
                     help="also a sweep of vLLM's random dataset with --random-output-len N "
-                         "--ignore-eos on " + " and ".join(FIXED_CONFIGS))
+                         "--ignore-eos, on the same configs")
     ap.add_argument("--fixed-input-len", type=int, default=128,
                     help="--random-input-len of the fixed-length sweep")
     ap.add_argument("--num-blocks", type=int, default=Engine.num_blocks,
@@ -193,7 +193,7 @@ class ServeBench:
         for s in self.servers:
             s.wait_ready(args.startup_timeout)
         self._progress(f"{len(self.servers)} servers up")
-        labels = [c.label for c in configs]
+        self.labels = labels = [c.label for c in configs]
         rows = sweep([self.by_label[x] for x in labels], self.trace_set, args.requests, capacity,
                      args.load, args.repeats, args.burstiness, self.slo, args.seed, self.work,
                      "trace", self.real)
@@ -212,7 +212,8 @@ class ServeBench:
             "rows": rows, "summary": summary, "goals": goals})
 
     def fixed_section(self) -> None:
-        """vLLM's random dataset at a fixed output length (--ignore-eos), default vs default."""
+        """vLLM's random dataset at a fixed output length (--ignore-eos), on the trace
+        sweep's configs (their servers are up)."""
         args = self.args
         fixed = ["--dataset-name", "random", "--random-input-len", str(args.fixed_input_len),
                  "--random-output-len", str(args.fixed_length), "--ignore-eos"]
@@ -220,20 +221,18 @@ class ServeBench:
                          args.requests, self.slo, self.work, "fixed-capacity", args.fixed_length)
         capacity = fcap["request_throughput"]
         print(f"fixed-length capacity: {capacity:.2f} req/s", flush=True)
-        for c in FIXED_CONFIGS:
-            self._server(c, parse_config(c, self.cap_n, queue_delay_for(self.slo[0])), wait=True)
-        rows = sweep([self.by_label[x] for x in FIXED_CONFIGS], fixed, args.requests, capacity,
+        rows = sweep([self.by_label[x] for x in self.labels], fixed, args.requests, capacity,
                      args.load, args.repeats, args.burstiness, self.slo, args.seed, self.work,
                      "fixed", args.fixed_length)
         summary = summarize(rows)
         title = (f"vLLM's random dataset, input {args.fixed_input_len}, output "
                  f"{args.fixed_length} --ignore-eos; capacity {capacity:.2f} req/s")
-        print_table(summary, title, list(FIXED_CONFIGS))
+        print_table(summary, title, self.labels)
         goals = goal_figures(summary)
         print(f"goal figures: {json.dumps(goals)}", flush=True)
         self.out["sections"].append({
             "name": "fixed-length", "title": title, "capacity_rps": capacity,
-            "capacity_run": fcap, "configs": list(FIXED_CONFIGS),
+            "capacity_run": fcap, "configs": self.labels,
             "real_output_tokens": args.fixed_length * args.requests,
             "rows": rows, "summary": summary, "goals": goals})
 

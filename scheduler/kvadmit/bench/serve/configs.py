@@ -9,7 +9,6 @@ VLLM_SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"   # vLLM's own (CPU: n
 KVADMIT_SCHEDULER = "kvadmit.vllm.Scheduler"
 DEFAULT_CONFIGS = ("vllm-default", "vllm-queued", "vllm-watermark=0.01", "vllm-watermark=0.05",
                    "vllm-watermark=0.1", "kvadmit-default", "kvadmit-delay")
-FIXED_CONFIGS = ("vllm-default", "kvadmit-default")
 # The same schedulers, counting the prefill they recompute (kvadmit.bench.serve.recompute)
 COUNTING = {VLLM_SCHEDULER: "kvadmit.bench.serve.recompute.VllmScheduler",
             KVADMIT_SCHEDULER: "kvadmit.bench.serve.recompute.KvadmitScheduler"}
