@@ -113,5 +113,7 @@ def test_pause_names_a_bad_row():
         planner.pause([1, 1], [4, 4], [1], None, 3, 100, [-1, -1])
     with pytest.raises(ValueError, match="slots: 1 entries"):
         planner.pause([1, 1], [4, 4], [1, 1], None, 3, 100, [-1])
+    # slots are read (and checked) under shortfall "cost" only
+    planner = StepPlanner(make_core("auto", shortfall="cost"))
     with pytest.raises(KeyError, match="slot 5"):
         planner.pause([1], [4], [1], None, 3, 100, [5])     # no such running request

@@ -38,6 +38,7 @@ from libcpp.vector cimport vector
 from kvadmit._curves cimport Curve, cdiv, curve_longer, first_over_sorted, peak_blocks_sorted
 from kvadmit._ledger cimport Ledger
 from kvadmit._length_model cimport OutputLengthModel, c_next_quantile
+from kvadmit._shortfall cimport ShortfallCosts, shortfall_costs
 
 POLICIES = ("overcommit", "reserve", "peak", "predict", "adaptive", "auto")
 
@@ -445,6 +446,7 @@ cdef class AutoPolicy(AdaptivePolicy):
         resumes one: its stream has stalled, and the shortfall's price already chose
         to recompute it), and a new one starts past the peak where that pays
         (`_overflow_pays`)."""
+        self._priced_in = -1
         if self._priced and self.ledger.preempts(s) > 0:
             return True
         self._ensure_profile()
@@ -455,8 +457,10 @@ cdef class AutoPolicy(AdaptivePolicy):
         if peak_blocks_sorted(self._profile.data(), self._profile.size(), &c, self.block_size,
                               room, self._fenwick) <= room:
             return True
-        if not self._priced or self.step_time is None or not self._overflow_pays(c, room):
+        if not self._priced or self.step_time is None:
             return self._noted(False, c)
+        if not self._overflow_pays(c, room):
+            return False        # not remembered: the price does not grow with the curve
         self._priced_in = s
         return True
 
@@ -475,9 +479,8 @@ cdef class AutoPolicy(AdaptivePolicy):
             <double>(self.ledger.n_running() + 1),
             <double>(self.ledger.running_context() + c.tokens))
         cdef double idle_used = step_s * t * (c.tokens + 0.5 * t) / self.block_size / self.num_blocks
-        cdef double a = self.step_time.c_predict(0.0, 0.0)
-        cdef double per_token = (self.step_time.c_predict(1024.0, 1024.0) - a) / 1024.0
-        return idle_used > per_token * (c.tokens + t)
+        cdef ShortfallCosts price = shortfall_costs(self.step_time, 1)
+        return idle_used > (price.b + price.c) * (c.tokens + t)
 
     cdef void c_on_admit(self, int32_t s) noexcept nogil:
         if s == self._priced_in:

@@ -233,7 +233,7 @@ cdef class ShortfallPlanner:
         # need feed that growth for `fed` steps before the same stalls begin.
         cdef double wt = costs.wait_steps, live = self._n_live if self._n_live > 0 else 1
         cdef double slot = step_s / live, rate = live / self.block_size
-        cdef double hold = slot * (wt + _stalls(wt, rate, live))
+        cdef double hold = slot * (wt + _stalls(wt - free_blocks / rate, rate, live))
         cdef double fed = (free_blocks + gain - (need if j > i else 0)) / rate
         redo += slot * ((tail - j) * wt + _stalls(wt - fed, rate, live))
         return j if redo < hold else -1

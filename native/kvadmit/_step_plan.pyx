@@ -184,7 +184,7 @@ cdef class StepPlanner:
                                  f"held={held[i]}: must be >= 0")
             rows[i], rows[n + i], rows[2 * n + i] = want[i], computed[i], held[i]
             rows[3 * n + i] = 0 if priority is None else priority[i]
-            if slots[i] != -1:
+            if slots[i] != -1 and self.core.shortfall.costed:   # read only under "cost"
                 self.core.ledger.check_state(slots[i], ST_RUNNING)
             rows[4 * n + i] = slots[i]
         self.c_pause(free_blocks, budget)

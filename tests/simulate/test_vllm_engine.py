@@ -199,6 +199,7 @@ def test_matches_the_native_engine(model_dir, config, rate, full_input):
         for k in ("shortfall_recomputes", "past_peak", "paused"):
             assert ours.extra["core"][k] == native.extra["core"][k], k
         assert native.extra["core"]["past_peak"] > 0
+        assert native.extra["core"]["shortfall_recomputes"] > 0
     elif config is PAUSE or config.policy == "auto":
         # Both engines paused the same requests in the same steps.
         assert native.extra["core"]["paused"] > 0
