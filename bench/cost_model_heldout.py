@@ -7,8 +7,8 @@ left), one with max_tokens 2048 scaled, one with honest caps on 48 blocks, a
 shapes (48 x 150 tokens on 16 blocks, 96 x 100 on 32, 64 x 300 on 40; prompts
 16-128, other seeds). All on the native engine with the CPU engine's step-time fit,
 requests queued at once. Per row: steps and modelled time against vLLM's default,
-preemptions, recomputed tokens against vLLM's, and p99 TPOT against vLLM's (per
-request: (finish - first token) / (output - 1)). Prints the table and the geometric
+preemptions, recomputed tokens against vLLM's, and p99 TPOT against vLLM's (the
+scorecard's: kvadmit.simulate.metrics). Prints the table and the geometric
 means and maxima per config; saves bench/results/cost_model_heldout.json.
 
     python bench/cost_model_heldout.py
@@ -23,6 +23,7 @@ from _common import save
 
 from kvadmit.config import AdmissionConfig
 from kvadmit.simulate import run_native
+from kvadmit.simulate.metrics import percentile, request_latencies
 from kvadmit.simulate.policies import parse_policy
 from kvadmit.simulate.scorecard import azure_burst, equal_burst, suite, tiny_shape
 from kvadmit.simulate.steptime import CPU_TINY
@@ -45,11 +46,7 @@ def held_out():
 
 
 def tpot_p99(run) -> float:
-    p = run.per_request
-    tpots = sorted((p["finish_s"][i] - p["first_token_s"][i]) / (p["output_tokens"][i] - 1)
-                   for i in range(len(p["arrival_s"]))
-                   if not p["rejected"][i] and p["output_tokens"][i] >= 2)
-    return tpots[int(0.99 * (len(tpots) - 1))]
+    return percentile(sorted(request_latencies(run.per_request)[1]), 99)
 
 
 def main() -> int:

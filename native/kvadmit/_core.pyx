@@ -468,7 +468,7 @@ cdef class AdmissionCore(CoreView):
         self._tick(now)
         if self.flows.on:
             self.flows.c_released(s)
-        if not displaced:
+        if not displaced and self.shortfall.costed:
             self.shortfall.c_note_recompute(s, self.ledger.arrival(s))
         self.ledger.preempt(s)
         self._stopped(s)

@@ -44,15 +44,21 @@ cdef inline int64_t _demand_at(vector[int32_t]& fen, int64_t sum_q, int64_t cnt,
     return total + cnt - _fen_prefix(fen, B - b)
 
 
-cdef int64_t peak_blocks_sorted(const Curve* curves, int64_t n, const Curve* extra,
-                                int64_t B, int64_t limit, vector[int32_t]& fen) noexcept nogil:
-    """Peak blocks of ``curves`` (sorted by steps, descending) plus ``extra`` (may be NULL).
+cdef int64_t _sweep(const Curve* curves, int64_t n, const Curve* extra, int64_t B,
+                    int64_t limit, vector[int32_t]& fen, bint first_over) noexcept nogil:
+    """The sweep both readings share: ``curves`` (sorted by steps, descending) and
+    ``extra`` (may be NULL) enter the tree from the most steps left down; after each
+    group of equal steps the demand is read at its last step, with every request
+    entered so far still running.
 
-    Stops as soon as the running maximum exceeds ``limit`` and returns it.
-    ``fen`` is scratch of size B + 1, all zero on entry and on return.
-    """
-    cdef int64_t i = 0, added = 0, sum_q = 0, cnt = 0, cnt_s0 = 0, best = 0
-    cdef int64_t total, s, next_steps
+    Not ``first_over``: the peak, the largest demand read, stopping as soon as it
+    exceeds ``limit``. ``first_over``: the first step the demand exceeds ``limit``
+    (-1: none): the requests entered run over steps [next group's steps, this
+    group's last], their demand growing, so a stretch whose end is over is bisected;
+    the earliest such stretch is read last.
+    ``fen`` is scratch of size B + 1, all zero on entry and on return."""
+    cdef int64_t i = 0, sum_q = 0, cnt = 0, cnt_s0 = 0, result = -1 if first_over else 0
+    cdef int64_t total, s, next_steps, lo, hi, mid
     cdef bint extra_done = extra == NULL
     cdef bint extra_added = False
     cdef Curve cur
@@ -76,13 +82,23 @@ cdef int64_t peak_blocks_sorted(const Curve* curves, int64_t n, const Curve* ext
         elif i < n:
             next_steps = curves[i].steps
         else:
-            next_steps = -1
+            next_steps = 0
         if next_steps == cur.steps:
             continue
         total = _demand_at(fen, sum_q, cnt, cnt_s0, cur.steps - 1, B)
-        if total > best:
-            best = total
-            if best > limit:
+        if first_over:
+            if total > limit:
+                lo, hi = next_steps, cur.steps - 1
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if _demand_at(fen, sum_q, cnt, cnt_s0, mid, B) > limit:
+                        hi = mid
+                    else:
+                        lo = mid + 1
+                result = lo
+        elif total > result:
+            result = total
+            if result > limit:
                 break
     # Restore the scratch tree.
     cdef int64_t j
@@ -90,61 +106,24 @@ cdef int64_t peak_blocks_sorted(const Curve* curves, int64_t n, const Curve* ext
         _fen_add(fen, curves[j].tokens % B, -1)
     if extra_added:
         _fen_add(fen, extra.tokens % B, -1)
-    return best
+    return result
+
+
+cdef int64_t peak_blocks_sorted(const Curve* curves, int64_t n, const Curve* extra,
+                                int64_t B, int64_t limit, vector[int32_t]& fen) noexcept nogil:
+    """Peak blocks of ``curves`` (sorted by steps, descending) plus ``extra`` (may be NULL).
+
+    Stops as soon as the running maximum exceeds ``limit`` and returns it.
+    ``fen`` is scratch of size B + 1, all zero on entry and on return.
+    """
+    return _sweep(curves, n, extra, B, limit, fen, False)
 
 
 cdef int64_t first_over_sorted(const Curve* curves, int64_t n, const Curve* extra, int64_t B,
                                int64_t limit, vector[int32_t]& fen) noexcept nogil:
     """The first step at which ``curves`` (sorted as for `peak_blocks_sorted`) plus
-    ``extra`` hold more than ``limit`` blocks, or -1 if they never do. Read, as the
-    peak is, at each finish time from the last back; a stretch whose end is over
-    the limit is bisected (its demand only grows), and the earliest such stretch's
-    crossing is the answer."""
-    cdef int64_t i = 0, sum_q = 0, cnt = 0, cnt_s0 = 0, first = -1
-    cdef int64_t k, s, next_steps, lo, hi, mid
-    cdef bint extra_done = extra == NULL
-    cdef bint extra_added = False
-    cdef Curve cur
-    while i < n or not extra_done:
-        if not extra_done and (i >= n or extra.steps >= curves[i].steps):
-            cur = extra[0]
-            extra_done = True
-            extra_added = True
-        else:
-            cur = curves[i]
-            i += 1
-        s = cur.tokens % B
-        sum_q += cur.tokens // B
-        cnt += 1
-        if s == 0:
-            cnt_s0 += 1
-        _fen_add(fen, s, 1)
-        if not extra_done and (i >= n or extra.steps >= curves[i].steps):
-            next_steps = extra.steps
-        elif i < n:
-            next_steps = curves[i].steps
-        else:
-            next_steps = 0
-        if next_steps == cur.steps:
-            continue
-        k = cur.steps - 1
-        if _demand_at(fen, sum_q, cnt, cnt_s0, k, B) > limit:
-            # the same `cnt` requests run over steps [next_steps, k], their demand
-            # growing: the first step over the limit, by bisection
-            lo, hi = next_steps, k
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if _demand_at(fen, sum_q, cnt, cnt_s0, mid, B) > limit:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            first = lo
-    cdef int64_t j
-    for j in range(i):
-        _fen_add(fen, curves[j].tokens % B, -1)
-    if extra_added:
-        _fen_add(fen, extra.tokens % B, -1)
-    return first
+    ``extra`` hold more than ``limit`` blocks, or -1 if they never do (`_sweep`)."""
+    return _sweep(curves, n, extra, B, limit, fen, True)
 
 
 def first_over(tokens, steps, int64_t block_size, int64_t limit):

@@ -449,18 +449,13 @@ cdef class AutoPolicy(AdaptivePolicy):
         self._priced_in = -1
         if self._priced and self.ledger.preempts(s) > 0:
             return True
-        self._ensure_profile()
-        cdef Curve c = self._curve(s)
-        if self._covers_refused(c):
-            return False
-        cdef int64_t room = self.num_blocks - self._shared_term() - self._margin_term(s)
-        if peak_blocks_sorted(self._profile.data(), self._profile.size(), &c, self.block_size,
-                              room, self._fenwick) <= room:
+        if PeakPolicy.c_fits(self, s, free_blocks):
             return True
         if not self._priced or self.step_time is None:
-            return self._noted(False, c)
-        if not self._overflow_pays(c, room):
-            return False        # not remembered: the price does not grow with the curve
+            return False
+        cdef Curve c = self._curve(s)
+        if not self._overflow_pays(c, self.num_blocks - self._shared_term() - self._margin_term(s)):
+            return False
         self._priced_in = s
         return True
 

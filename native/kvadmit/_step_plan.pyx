@@ -167,14 +167,16 @@ cdef class StepPlanner:
         return [v for v in self.displaced]
 
     def pause(self, want, computed, held, priority, int64_t free_blocks, int64_t budget,
-              slots):
+              slots=None):
         """`c_pause` over the running requests in serving order (the tokens each would
         compute this step, its computed tokens, held blocks; priority: None unless
-        queue_order is "priority"; its slot in the core): the positions paused."""
+        queue_order is "priority"; slots: each one's slot in the core, read under
+        shortfall "cost" only, None: not known): the positions paused."""
         _check_counts(free_blocks=free_blocks, budget=budget)
         cdef Py_ssize_t n = len(want), i
         for name, col in (("computed", computed), ("held", held),
-                          ("priority", want if priority is None else priority), ("slots", slots)):
+                          ("priority", want if priority is None else priority),
+                          ("slots", want if slots is None else slots)):
             if len(col) != n:
                 raise ValueError(f"{name}: {len(col)} entries, expected one per row ({n})")
         cdef int64_t* rows = self.c_rows(n)
@@ -184,9 +186,9 @@ cdef class StepPlanner:
                                  f"held={held[i]}: must be >= 0")
             rows[i], rows[n + i], rows[2 * n + i] = want[i], computed[i], held[i]
             rows[3 * n + i] = 0 if priority is None else priority[i]
-            if slots[i] != -1 and self.core.shortfall.costed:   # read only under "cost"
-                self.core.ledger.check_state(slots[i], ST_RUNNING)
-            rows[4 * n + i] = slots[i]
+            rows[4 * n + i] = -1 if slots is None else slots[i]
+            if rows[4 * n + i] != -1 and self.core.shortfall.costed:   # read only under "cost"
+                self.core.ledger.check_state(rows[4 * n + i], ST_RUNNING)
         self.c_pause(free_blocks, budget)
         return [i for i in range(n) if self.paused[i]]
 

@@ -453,7 +453,9 @@ class VllmAdmission:
             [len(blocks.get(req.request_id, ())) for req in running],
             [r.priority for r in running] if self.config.queue_order == "priority" else None,
             self._pool.get_num_free_blocks(), sched.max_num_scheduled_tokens,
-            [-1 if (slot := self.port.slot(req.request_id)) is None else slot for req in running])
+            # the slots are read under shortfall "cost" only (its no-thrash rule)
+            [-1 if (slot := self.port.slot(req.request_id)) is None else slot for req in running]
+            if self.config.shortfall == "cost" else None)
         step = sched.current_step + 1          # the step schedule() is about to run
         for i in paused:
             req = running[i]
