@@ -243,6 +243,64 @@ def test_auto_bypasses_a_held_head_more_than_the_explicit_default():
         assert core.state(big) == "waiting"
 
 
+@pytest.mark.parametrize("settings,bounded", [
+    ({}, True),
+    ({"head_of_line": "bypass", "max_bypass": 1000}, False),   # explicit bypass: no bound
+    ({"max_queue_delay_s": 100.0}, False),                     # the user's bound instead
+    ({"shortfall": "preempt"}, False),                         # no pause (SGLang): no bound
+])
+def test_auto_passes_a_held_request_until_it_waited_twice_the_recent_mean(settings, bounded):
+    """head_of_line auto bounds bypass by the queue's own waits: a held request is
+    passed until it has waited more than twice the mean queue wait of the recent
+    first admissions, then it blocks the queue (gets the next free KV)."""
+    core = make_core("auto", num_blocks=40, **settings)
+    assert core.stats()["wait_bound_s"] == (100.0 if "max_queue_delay_s" in settings else None)
+    add_running(core, 80, 60, now=0.0)                # 35 blocks at its peak; waited 0 s
+    for t in (10.0, 20.0):                            # two more that waited 5 s and 15 s
+        s = add_waiting(core, 4, 4, now=t - (5.0 if t == 10.0 else 15.0))
+        core.on_step(t)
+        assert core.next_admissible(40) == s
+        core.admit(s, t)
+        core.finish(s, t)
+    if bounded:
+        assert core.stats()["wait_bound_s"] == pytest.approx(2 * (0 + 5 + 15) / 3)
+    big = add_waiting(core, 60, 40, now=20.0)         # held: 35 + 25 > 40
+    for t in (25.0, 29.0):       # big has waited 5 s <= 13.3 s, then 9 s <= 10 s (the mean falls)
+        core.on_step(t)
+        small = add_waiting(core, 4, 4, now=t)
+        assert core.next_admissible(40) == small
+        core.admit(small, t)                          # waited 0 s
+        core.finish(small, t)
+    bound = core.stats()["wait_bound_s"]
+    if bounded:
+        assert bound == pytest.approx(2 * (0 + 5 + 15 + 0 + 0) / 5)
+    core.on_step(35.0)                                # big has waited 15 s > 8 s: blocks
+    small = add_waiting(core, 4, 4, now=35.0)
+    assert core.next_admissible(40) == (-1 if bounded else small)
+    assert core.state(big) == "waiting"
+
+
+@pytest.mark.parametrize("settings,bounded", [
+    ({}, True),
+    ({"head_of_line": "bypass", "max_bypass": 1000}, False),
+])
+def test_the_wait_bound_lets_a_burst_pass_its_own_held_request(settings, bounded):
+    """Requests that arrived in the same engine step as a held request that has waited
+    out the bound (its burst) still pass it; a later arrival does not."""
+    core = make_core("auto", num_blocks=40, **settings)
+    add_running(core, 80, 60, now=0.0)                # 35 blocks at its peak; waited 0 s
+    add_running(core, 4, 4, now=0.0)                  # waited 0 s: the bound is 0 s
+    core.on_step(1.0)
+    big = add_waiting(core, 60, 40, now=1.0)          # held: 35 + 25 > 40
+    peer = add_waiting(core, 4, 4, now=1.0)           # the same step
+    core.on_step(3.0)                                 # big has waited 2 s > 0 s
+    late = add_waiting(core, 4, 4, now=3.0)
+    assert core.next_admissible(40) == peer
+    core.admit(peer, 3.0)                             # waited 2 s: the bound is 4/3 s
+    assert core.next_admissible(40) == (-1 if bounded else late)
+    assert core.state(big) == "waiting"
+
+
 def honest(w):
     """test_lockstep's random workloads with every max_tokens the request's real length."""
     reqs, num_blocks, B = w

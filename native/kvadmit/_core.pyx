@@ -331,9 +331,10 @@ cdef class AdmissionCore(CoreView):
                                      priority)
 
     def next_admissible(self, int64_t free_blocks, bint check_blocks=True):
-        """The waiting request to admit next, or -1: the head, or under
-        head_of_line='bypass' a later one that fits while the held ones ahead of it
-        have been passed fewer than max_bypass times.
+        """The waiting request to admit next, or -1: the head, or under bypass a
+        later one that fits while the held ones ahead of it have been passed fewer
+        than max_bypass times and have not waited out the wait bound
+        (max_queue_delay_s, or head_of_line auto's learned one).
 
         A look that changes no decision; it counts the hold of the request at the
         head (stats()["held"], by reason) once per request per step (`on_step`),
@@ -342,13 +343,8 @@ cdef class AdmissionCore(CoreView):
 
     cdef int32_t c_next_admissible(self, int64_t free_blocks, bint check_blocks) noexcept nogil:
         self.policy.c_scan_begin()
-        # Under max_queue_delay_s, a request that has waited it (as of the latest
-        # time seen) is passed by no later one.
-        cdef double unpassable_from = -INFINITY
-        if self.gate.max_queue_delay_s > 0:
-            unpassable_from = self._now - self.gate.max_queue_delay_s
         cdef int32_t s = self.queue.c_scan(self.decision, free_blocks, check_blocks,
-                                           self.shortfall.paused_now > 0, unpassable_from)
+                                           self.shortfall.paused_now > 0, self._now)
         self.policy.c_scan_end()
         return s
 
@@ -361,6 +357,7 @@ cdef class AdmissionCore(CoreView):
     cdef void c_admit(self, int32_t s, double now) noexcept nogil:
         self._tick(now)
         self.queue.c_count_passed(s)
+        self.queue.c_note_admitted(s, self._now)
         cdef int64_t session = self.ledger.session(s)
         cdef bint activated = session >= 0 and self.agent_window.c_activate(session)
         cdef int64_t queued = self.ledger.queued_of(s)

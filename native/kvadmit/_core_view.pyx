@@ -188,6 +188,8 @@ cdef class CoreView:
             "past_peak": self.policy.past_peak,
             "finished": self._n_finished, "aborted": self._n_aborted,
             "held": self.queue.held(),
+            # seconds of waiting after which a held request is passed by none
+            "wait_bound_s": self.queue.wait_bound_s,
             "rejected": self.gate.rejected(),
             "waiting": self.queue.c_size(), "running": self.ledger.n_running(),
             "queued_tokens": self.ledger.queued_tokens(),

@@ -32,6 +32,7 @@ cdef class Ledger:
     cdef vector[int64_t] _priority, _arrival, _admit_seq, _admit_step, _blocks, _pred_total
     cdef vector[int64_t] _shared     # prompt tokens in blocks other running requests hold (auto)
     cdef vector[int64_t] _held_step  # the step its last hold was counted in
+    cdef vector[int64_t] _arrive_step   # the engine step it arrived in (its peers: the same)
     cdef vector[int64_t] _session    # its agent session (-1: none)
     cdef vector[int32_t] _bypassed, _preempts
     cdef vector[char] _state, _unstarted
@@ -89,6 +90,8 @@ cdef class Ledger:
         return self._admit_seq[s]
     cdef inline int64_t admit_step(self, int32_t s) noexcept nogil:
         return self._admit_step[s]
+    cdef inline int64_t arrive_step(self, int32_t s) noexcept nogil:
+        return self._arrive_step[s]
     cdef inline int64_t pred_total(self, int32_t s) noexcept nogil:
         return self._pred_total[s]
     cdef inline int64_t shared(self, int32_t s) noexcept nogil:

@@ -48,7 +48,7 @@ cdef class Ledger:
             self._prompt.push_back(0); self._cached.push_back(0); self._computed.push_back(0)
             self._generated.push_back(0); self._max_new.push_back(0); self._priority.push_back(0)
             self._arrival.push_back(0); self._admit_seq.push_back(-1); self._admit_step.push_back(-1)
-            self._held_step.push_back(-1)
+            self._held_step.push_back(-1); self._arrive_step.push_back(-1)
             self._blocks.push_back(0); self._pred_total.push_back(0); self._shared.push_back(0)
             self._bypassed.push_back(0); self._preempts.push_back(0); self._run_pos.push_back(-1)
             self._state.push_back(ST_FREE); self._unstarted.push_back(0); self._sheddable.push_back(0)
@@ -67,6 +67,7 @@ cdef class Ledger:
         self._arrival[s] = self._seq
         self._seq += 1
         self._admit_seq[s] = self._admit_step[s] = self._held_step[s] = -1
+        self._arrive_step[s] = self._step
         self._blocks[s] = self._shared[s] = self._pred_total[s] = 0
         self._bypassed[s] = self._preempts[s] = 0
         self._ttft[s] = ttft

@@ -22,6 +22,7 @@ cdef enum:  # indexes into DECISIONS
 cdef enum:
     AUTO_MAX_BYPASS = 1000   # head_of_line auto: times a held request may be passed
     AUTO_LOOKAHEAD = 256     # head_of_line auto: requests examined behind a held head
+    WAIT_WINDOW = 32         # the wait bound's mean: over about this many first admissions
 
 cdef extern from *:
     """
@@ -84,6 +85,10 @@ cdef class WaitingQueue:
     cdef bint _priority_order, _deadline_order, _bypass
     cdef bint _resume_first       # shortfall "cost": a preempted request is passed by none
     cdef int64_t _max_bypass, _lookahead
+    cdef double _max_wait_s       # max_queue_delay_s: a request that waited it is passed by none
+    cdef bint _learn_wait         # head_of_line auto: the wait bound is learned from waits
+    cdef double _wait_mean        # mean queue wait of recent first admissions (WAIT_WINDOW)
+    cdef int64_t _waits           # first admissions noted
     cdef cmap[QKey, int32_t] _waiting
     cdef cmap[QKey, int32_t] _shed_order   # never-admitted waiting, by (priority, arrival)
     cdef cmap[QKey, int32_t] _expiry       # never-admitted waiting with a TTL, by expiry time
@@ -166,8 +171,11 @@ cdef class WaitingQueue:
     cdef void c_ahead_of(self, QKey key, int64_t* reqs, int64_t* tokens) noexcept nogil
     cdef void c_ahead_of_slot(self, int32_t s, int64_t* reqs, int64_t* tokens) noexcept nogil
     cdef void c_count_passed(self, int32_t s) noexcept nogil
+    cdef void c_note_admitted(self, int32_t s, double now) noexcept nogil
+    cdef double c_wait_bound(self) noexcept nogil
+    cdef bint _waited_out(self, double waited, double bound) noexcept nogil
     cdef int32_t c_scan(self, Judge judge, int64_t free_blocks, bint check_blocks,
-                        bint paused, double unpassable_from) noexcept nogil
+                        bint paused, double now) noexcept nogil
     cdef void _count_hold(self, int32_t s, int d) noexcept nogil
     cdef void c_pick_expired(self, double now, vector[int32_t]* picked) noexcept nogil
     cdef bint c_pick_shed(self, int32_t s, bint sheddable_only, int64_t over_reqs,

@@ -75,7 +75,8 @@ class AdmissionConfig:
         "deadline (arrival + TTFT target, earliest first)"))
     head_of_line: str = field(default="auto", metadata=choice_rule(
         HEAD_OF_LINE, "strict: stop at the first held request; bypass: later ones may pass it "
-        "(not one that has waited max_queue_delay_s); auto: bypass under policy auto, else strict"))
+        "(not one that has waited max_queue_delay_s); auto: bypass under policy auto, not past "
+        "twice the mean queue wait of recent admissions (docs/policies.md), else strict"))
     max_bypass: int = field(default=4, metadata=int_rule(
         0, 1_000_000, "bypass: how often a held request may be passed before it blocks the queue"))
     bypass_lookahead: int = field(default=32, metadata=int_rule(
@@ -86,8 +87,8 @@ class AdmissionConfig:
         0, 10**15, "refuse arrivals beyond this many prompt tokens waiting for prefill (0: no cap)"))
     max_queue_delay_s: float = field(default=0.0, metadata=float_rule(
         0.0, 86400.0, "refuse arrivals whose predicted queueing delay (requests and prompt tokens "
-        "waiting, at the admission rate of the last drain_window_s) exceeds this; a request that "
-        "has waited this long is passed by no later one (0: no cap; for a TTFT target, half of it)"))
+        "waiting, at the admission rate of the last drain_window_s) exceeds this; a request that has "
+        "waited this long is passed by none (instead of auto's learned bound; 0: no cap; TTFT target: half)"))
     max_queue_age_s: float = field(default=0.0, metadata=float_rule(
         0.0, 86400.0, "a waiting request that has not started this long after it arrived is "
         "dropped unserved, before any prefill (reason expired); a request's own ttl_s overrides "
