@@ -356,8 +356,7 @@ cdef class AdmissionCore(CoreView):
 
     cdef void c_admit(self, int32_t s, double now) noexcept nogil:
         self._tick(now)
-        self.queue.c_count_passed(s)
-        self.queue.c_note_admitted(s, self._now)
+        self.queue.c_admitted(s, self._now)
         cdef int64_t session = self.ledger.session(s)
         cdef bint activated = session >= 0 and self.agent_window.c_activate(session)
         cdef int64_t queued = self.ledger.queued_of(s)

@@ -170,8 +170,7 @@ cdef class WaitingQueue:
     cdef void c_remove(self, int32_t s) noexcept nogil
     cdef void c_ahead_of(self, QKey key, int64_t* reqs, int64_t* tokens) noexcept nogil
     cdef void c_ahead_of_slot(self, int32_t s, int64_t* reqs, int64_t* tokens) noexcept nogil
-    cdef void c_count_passed(self, int32_t s) noexcept nogil
-    cdef void c_note_admitted(self, int32_t s, double now) noexcept nogil
+    cdef void c_admitted(self, int32_t s, double now) noexcept nogil
     cdef double c_wait_bound(self) noexcept nogil
     cdef bint _waited_out(self, double waited, double bound) noexcept nogil
     cdef int32_t c_scan(self, Judge judge, int64_t free_blocks, bint check_blocks,

@@ -202,9 +202,15 @@ cdef class WaitingQueue:
                 inc(it)
             inc(g)
 
-    cdef void c_count_passed(self, int32_t s) noexcept nogil:
-        """s is admitted: each request ahead of it (not held outside the agent
-        window) counts a bypass."""
+    cdef void c_admitted(self, int32_t s, double now) noexcept nogil:
+        """s is admitted at `now` (before the ledger starts it): a first admission's
+        queue wait feeds the learned wait bound (an admission the engine undid and
+        made again counts once, by its first wait), and each request ahead of s
+        (not held outside the agent window) counts a bypass."""
+        if self._learn_wait and self.ledger.unstarted(s):
+            self._waits += 1
+            self._wait_mean += (now - self.ledger.arrive_t(s) - self._wait_mean) \
+                / min(self._waits, <int64_t>WAIT_WINDOW)
         cdef cmap[QKey, int32_t].iterator it = self._waiting.begin()
         cdef int32_t passed
         if self._walking():
@@ -220,16 +226,6 @@ cdef class WaitingQueue:
             if not self._agent_held(passed):
                 self.ledger.bypass(passed)
             inc(it)
-
-    cdef void c_note_admitted(self, int32_t s, double now) noexcept nogil:
-        """s is admitted at `now` (before the ledger starts it): a first admission's
-        queue wait feeds the learned wait bound (an admission the engine undid and
-        made again counts once, by its first wait)."""
-        if not self._learn_wait or not self.ledger.unstarted(s):
-            return
-        self._waits += 1
-        self._wait_mean += (now - self.ledger.arrive_t(s) - self._wait_mean) \
-            / min(self._waits, <int64_t>WAIT_WINDOW)
 
     cdef double c_wait_bound(self) noexcept nogil:
         """Seconds of waiting after which a held request is passed by none (INFINITY:
@@ -328,9 +324,10 @@ cdef class WaitingQueue:
                         or (self._resume_first and self.ledger.preempts(s) > 0):
                     return -1
                 if self._waited_out(now - self.ledger.arrive_t(s), bound):
-                    # passed by none that arrived later; under the learned bound
-                    # its peers (arrived in the same step: a burst) still pass it
-                    if not self._learn_wait or (peers_of >= 0 and peers_of != self.ledger.arrive_step(s)):
+                    # passed by none that arrived later; under the learned bound its
+                    # peers (arrived in the same step: a burst) still pass it, and
+                    # only they are reached from here (checked above)
+                    if not self._learn_wait:
                         return -1
                     peers_of = self.ledger.arrive_step(s)
                 if not head:
