@@ -17,11 +17,11 @@ SHORT = (1, 4, 1)          # a decode that needs a new block (blocks of 4 tokens
 VICTIM = (1, 99, 25)       # 99 tokens computed, room left in its last block
 
 
-def plan(rows, free, wait, again=None, budget=100):
+def plan(rows, free, wait, again=None, budget=100, freed=None):
     p = ShortfallPlanner(True, 4, costed=True)
     want, computed, held = ([r[k] for r in rows] for k in range(3))
     paused = p.plan(want, computed, held, free, budget, costs=dict(COSTS, wait_steps=wait),
-                    again=again)
+                    again=again, freed_blocks=freed)
     return paused, p.recompute_now
 
 
@@ -55,6 +55,20 @@ def test_every_victim_the_engine_would_take_is_priced():
     assert plan([need3, (1, 39, 10)], 0, wait=1000, again=[0, 1]) == ([0], 0)
 
 
+def test_a_victims_shared_prefix_blocks_free_nothing():
+    """With prefix caching a victim's blocks that other requests share stay held when
+    it is preempted. The 10-block victim above, 7 of its blocks shared: it frees 3,
+    just the short one's need, as the three 1-block victims did: it pauses. Sharing 2,
+    it frees 8 and is recomputed as before."""
+    need3 = (12, 32, 8)
+    assert plan([need3, (1, 39, 10)], 0, wait=1000, freed=[8, 3]) == ([0], 0)
+    assert plan([need3, (1, 39, 10)], 0, wait=1000, freed=[8, 8]) == ([], 1)
+    with pytest.raises(ValueError, match=r"freed_blocks\[1\]=11: more than its held blocks \(10\)"):
+        plan([need3, (1, 39, 10)], 0, wait=1000, freed=[8, 11])
+    with pytest.raises(ValueError, match="freed_blocks: 1 entries"):
+        plan([need3, (1, 39, 10)], 0, wait=1000, freed=[8])
+
+
 def test_a_free_block_is_taken_before_anything_is_priced():
     assert plan([SHORT, VICTIM], 1, wait=1000) == ([], 0)
 
@@ -78,6 +92,8 @@ def test_the_core_prices_with_its_fit_and_forecast():
     b = add_running(core, 99, 400)
     assert planner.pause([1, 1], [4, 99], [1, 25], None, 0, 100, [a, b]) == []
     assert core.stats()["shortfall_recomputes"] == 1
+    with pytest.raises(ValueError, match=r"row 1: freed=26: must be in \[0, held=25\]"):
+        planner.pause([1, 1], [4, 99], [1, 25], None, 0, 100, [a, b], [1, 26])
     # the core's own plan without slots (an engine that cannot say which): pause, as
     # before (the second runs on its room; the first waits)
     assert core.plan_shortfall([1, 1], [4, 99], [1, 25], 0, 100) == [0]

@@ -70,6 +70,7 @@ cdef class EngineState:
     cdef void _extend_request_state(self, Py_ssize_t base)
     cdef uint64_t _block_hash(self, int32_t r, int64_t j) noexcept nogil
     cdef void _release_blocks(self, int32_t r) noexcept nogil
+    cdef int64_t _freed_blocks(self, int32_t r) noexcept nogil
     cdef bint _grow(self, int32_t r, int64_t upto_tokens) noexcept nogil
     cdef void _demote_paused(self) noexcept nogil
     cdef size_t _running_erase(self, int32_t r) noexcept nogil

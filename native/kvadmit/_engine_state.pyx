@@ -122,6 +122,14 @@ cdef class EngineState:
         self.allocator.c_free(b.data(), n)
         b.clear()
 
+    cdef int64_t _freed_blocks(self, int32_t r) noexcept nogil:
+        """The blocks r's preemption would free: those no other request shares."""
+        cdef int64_t n = 0
+        cdef size_t j
+        for j in range(self._blocks[r].size()):
+            n += self.allocator.c_ref_count(self._blocks[r][j]) == 1
+        return n
+
     cdef bint _grow(self, int32_t r, int64_t upto_tokens) noexcept nogil:
         """Takes the blocks r needs to hold `upto_tokens`; False if too few are free."""
         cdef int64_t need = cdiv(upto_tokens, self._bs) - <int64_t>self._blocks[r].size()

@@ -168,6 +168,9 @@ cdef class NativeEngine(EngineState):
             rows[2 * nr + i] = self._blocks[r].size()
             rows[3 * nr + i] = self._rec[r].priority
             rows[4 * nr + i] = self._slot[r]
+            # under "cost" the plan counts the blocks a victim's preemption frees
+            rows[5 * nr + i] = self._freed_blocks(r) if self._prefix and self.core.shortfall.costed \
+                else rows[2 * nr + i]
         if self.planner.c_pause(self.allocator.c_num_free(), self._budget):
             for i in range(nr):
                 if self.planner.paused[i]:

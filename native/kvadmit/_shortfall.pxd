@@ -43,12 +43,13 @@ cdef class ShortfallPlanner:
     cdef int64_t c_plan(self, const int64_t* want, const int64_t* computed, const int64_t* held,
                         int64_t n, int64_t free_blocks, int64_t budget, int64_t lookahead,
                         char* paused, const int64_t* priority=*,
-                        const ShortfallCosts* costs=*, const char* again=*) noexcept nogil
+                        const ShortfallCosts* costs=*, const char* again=*,
+                        const int64_t* freed=*) noexcept nogil
     cdef int64_t c_walk(self, const int64_t* want, const int64_t* computed, const int64_t* held,
                         int64_t n, int64_t free_blocks, int64_t budget, int64_t lookahead,
                         char* paused, const int64_t* priority, const ShortfallCosts* costs,
-                        const char* again) noexcept nogil
+                        const char* again, const int64_t* freed) noexcept nogil
     cdef int64_t _recompute_wins(self, int64_t i, int64_t tail, int64_t need, int64_t free_blocks,
-                                 const int64_t* computed, const int64_t* held, const char* again,
+                                 const int64_t* computed, const int64_t* freed, const char* again,
                                  const ShortfallCosts* costs, double step_s,
                                  int64_t budget) noexcept nogil

@@ -65,10 +65,12 @@ cdef class ShortfallPlanner:
 
     def plan(self, want_tokens, computed_tokens, held_blocks, int64_t free_blocks,
              int64_t token_budget, int64_t lookahead_tokens=0, priorities=None, costs=None,
-             again=None):
+             again=None, freed_blocks=None):
         """`c_plan` over Python sequences, checked: the positions paused. ``costs``:
         a dict of ShortfallCosts' fields (a, b, c, wait_steps) to price a pause against
-        a recompute (with ``again``: per row, recomputed in this shortfall already)."""
+        a recompute (with ``again``: per row, recomputed in this shortfall already;
+        ``freed_blocks``: per row, the blocks its preemption frees, at most its held
+        ones; None: all it holds)."""
         cdef Py_ssize_t n = len(want_tokens)
         if len(computed_tokens) != n or len(held_blocks) != n:
             raise ValueError(f"want_tokens, computed_tokens and held_blocks must have one entry "
@@ -101,25 +103,39 @@ cdef class ShortfallPlanner:
             for i in range(n):
                 if again[i]:
                     rep[i] = 1
+        cdef vector[int64_t] freed
+        if freed_blocks is not None:
+            freed = _counts("freed_blocks", freed_blocks)
+            if <Py_ssize_t>freed.size() != n:
+                raise ValueError(f"freed_blocks: {freed.size()} entries, expected one per "
+                                 f"running request ({n})")
+            for i in range(n):
+                if freed[i] > held[i]:
+                    raise ValueError(f"freed_blocks[{i}]={freed[i]}: more than its held "
+                                     f"blocks ({held[i]})")
         cdef vector[char] paused
         paused.assign(n, 0)
         self.c_plan(want.data(), computed.data(), held.data(), n, free_blocks,
                     token_budget, lookahead_tokens, paused.data(),
                     prio.data() if priorities is not None else NULL,
-                    &c if costs is not None else NULL, rep.data())
+                    &c if costs is not None else NULL, rep.data(),
+                    freed.data() if freed_blocks is not None else NULL)
         return [i for i in range(n) if paused[i]]
 
     cdef int64_t c_plan(self, const int64_t* want, const int64_t* computed, const int64_t* held,
                         int64_t n, int64_t free_blocks, int64_t budget, int64_t lookahead,
                         char* paused, const int64_t* priority=NULL,
-                        const ShortfallCosts* costs=NULL, const char* again=NULL) noexcept nogil:
+                        const ShortfallCosts* costs=NULL, const char* again=NULL,
+                        const int64_t* freed=NULL) noexcept nogil:
         """`c_walk`, counted (paused_now and _total, recompute_now and _total). Returns
-        how many are paused."""
+        how many are paused. `freed` (NULL: `held`): per entry, the blocks its
+        preemption frees (not those another request shares: prefix caching)."""
         self.paused_now = self.recompute_now = 0
         if not self.enabled:
             return 0
         cdef int64_t count = self.c_walk(want, computed, held, n, free_blocks, budget, lookahead,
-                                         paused, priority, costs if self.costed else NULL, again)
+                                         paused, priority, costs if self.costed else NULL, again,
+                                         freed if freed != NULL else held)
         self.paused_now = count
         self.paused_total += count
         self.recompute_total += self.recompute_now
@@ -128,7 +144,7 @@ cdef class ShortfallPlanner:
     cdef int64_t c_walk(self, const int64_t* want, const int64_t* computed, const int64_t* held,
                         int64_t n, int64_t free_blocks, int64_t budget, int64_t lookahead,
                         char* paused, const int64_t* priority, const ShortfallCosts* costs,
-                        const char* again) noexcept nogil:
+                        const char* again, const int64_t* freed) noexcept nogil:
         """In the engine's serving order each running request takes min(want, budget
         left) tokens and the blocks they need (plus `lookahead`) while blocks last;
         one that finds too few is paused (paused[i] = 1). Returns how many.
@@ -140,7 +156,7 @@ cdef class ShortfallPlanner:
         With `costs` (and no priority order): one short of blocks is not paused where
         recomputing the entries the engine would preempt for it, from the end, costs
         less (`_recompute_wins`); those are then gone from this step (recompute_now
-        counts such requests)."""
+        counts such requests), and their `freed` blocks with them (NULL: `held`)."""
         cdef int64_t i, j, k, w, need, lower, taken = 0, count = 0, served = 0, first = -1
         cdef int64_t tail = n        # entries [tail, n) go to the engine's preemption
         cdef int64_t step_budget = budget
@@ -184,13 +200,14 @@ cdef class ShortfallPlanner:
                     served += 1
                     continue
             elif costs != NULL:
-                j = self._recompute_wins(i, tail, need, free_blocks, computed, held, again,
+                j = self._recompute_wins(i, tail, need, free_blocks, computed,
+                                         freed if freed != NULL else held, again,
                                          costs, step_s, step_budget)
                 if j >= 0:
                     self.recompute_now += 1
                     while tail > j:
                         tail -= 1
-                        free_blocks += held[tail]
+                        free_blocks += freed[tail] if freed != NULL else held[tail]
                     if j > i:
                         free_blocks -= need
                         budget -= w
@@ -209,11 +226,12 @@ cdef class ShortfallPlanner:
         return count
 
     cdef int64_t _recompute_wins(self, int64_t i, int64_t tail, int64_t need, int64_t free_blocks,
-                                 const int64_t* computed, const int64_t* held, const char* again,
+                                 const int64_t* computed, const int64_t* freed, const char* again,
                                  const ShortfallCosts* costs, double step_s,
                                  int64_t budget) noexcept nogil:
         """Entry i is short by `need` blocks. The engine would preempt entries from the
-        end ([j, tail)) until i fits, i itself last (j = i: all of [i, tail) go). Returns
+        end ([j, tail)) until their `freed` blocks make i fit, i itself last (j = i: all
+        of [i, tail) go). Returns
         j where recomputing them loses less than pausing i, else -1 (also where one
         of them was recomputed in this shortfall already)."""
         cdef int64_t j = tail, gain = 0
@@ -222,7 +240,7 @@ cdef class ShortfallPlanner:
             j -= 1
             if again != NULL and again[j]:
                 return -1
-            gain += held[j]
+            gain += freed[j]
             redo += _recompute_seconds(computed[j], costs, budget)
             if j == i:
                 break               # i itself goes: it needs no block then

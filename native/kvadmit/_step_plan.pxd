@@ -43,7 +43,7 @@ cdef class StepPlanner:
     cdef vector[int64_t] kept              # per victim: of those, the candidate's prefix hits
     cdef vector[int32_t] displaced         # the plan: the victims to preempt (slots)
     # 2. pauses: the running requests in serving order; the plan
-    cdef vector[int64_t] rows              # want, computed, held, priority, slot: 5 columns of n_rows
+    cdef vector[int64_t] rows              # want, computed, held, priority, slot, freed: 6 columns of n_rows
     cdef vector[char] again                # scratch: per row, recomputed in this shortfall ("cost")
     cdef int64_t n_rows
     cdef vector[char] paused               # per row: sits this step out

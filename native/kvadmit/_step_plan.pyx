@@ -15,7 +15,8 @@
 #      candidate starts first in this step.
 #   2. pauses (shortfall "pause" or "cost"). The engine fills one row per running request, in
 #      serving order: the tokens it would compute, its computed tokens, held blocks,
-#      priority and slot. c_pause: the ShortfallPlanner's plan; the engine skips the
+#      priority, slot and the blocks its preemption frees (under "cost": those no other
+#      request shares). c_pause: the ShortfallPlanner's plan; the engine skips the
 #      `paused` rows this step, their KV kept. (Under "cost" a short row the plan
 #      does not pause preempts the engine's victims as usual: it priced that cheaper.)
 
@@ -106,16 +107,17 @@ cdef class StepPlanner:
 
     # -- 2. pauses ------------------------------------------------------------------------
     cdef int64_t* c_rows(self, int64_t n) noexcept nogil:
-        """Room for n running rows: columns want, computed, held, priority, slot at k * n."""
+        """Room for n running rows: columns want, computed, held, priority, slot, freed
+        at k * n."""
         self.n_rows = n
-        self.rows.resize(5 * n)
+        self.rows.resize(6 * n)
         self.paused.assign(n, 0)
         return self.rows.data()
 
     cdef int64_t c_pause(self, int64_t free_blocks, int64_t budget) noexcept nogil:
         """`paused`: the rows that sit this step out (the ShortfallPlanner's plan; it
-        reads the priorities under queue_order "priority", the slots under "cost").
-        Returns how many."""
+        reads the priorities under queue_order "priority", the slots and freed blocks
+        under "cost"). Returns how many."""
         cdef int64_t n = self.n_rows, i, s
         cdef int64_t* cols = self.rows.data()
         cdef ShortfallCosts costs
@@ -124,7 +126,7 @@ cdef class StepPlanner:
         if self.core.shortfall.costed and not self.core.shortfall.by_priority and \
                 self.core.shortfall.c_walk(cols, cols + n, cols + 2 * n, n, free_blocks, budget,
                                            self.lookahead, self.paused.data(), NULL, NULL,
-                                           NULL) > 0:
+                                           NULL, NULL) > 0:
             costs = shortfall_costs(self.core.slo_guard.step_time, self.core.policy.c_soonest_finish())
             self.again.assign(n, 0)
             for i in range(n):
@@ -133,7 +135,7 @@ cdef class StepPlanner:
                     <int32_t>s, self.core.ledger.arrival(<int32_t>s))
             return self.core.shortfall.c_plan(cols, cols + n, cols + 2 * n, n, free_blocks, budget,
                                               self.lookahead, self.paused.data(), cols + 3 * n,
-                                              &costs, self.again.data())
+                                              &costs, self.again.data(), cols + 5 * n)
         return self.core.c_plan_shortfall(cols, cols + n, cols + 2 * n, n, free_blocks, budget,
                                           self.lookahead, self.paused.data(), cols + 3 * n)
 
@@ -167,16 +169,18 @@ cdef class StepPlanner:
         return [v for v in self.displaced]
 
     def pause(self, want, computed, held, priority, int64_t free_blocks, int64_t budget,
-              slots=None):
+              slots=None, freed=None):
         """`c_pause` over the running requests in serving order (the tokens each would
         compute this step, its computed tokens, held blocks; priority: None unless
-        queue_order is "priority"; slots: each one's slot in the core, read under
-        shortfall "cost" only, None: not known): the positions paused."""
+        queue_order is "priority"; slots: each one's slot in the core, and freed: the
+        blocks its preemption frees (held less those other requests share), both read
+        under shortfall "cost" only, None: not known, all held): the positions paused."""
         _check_counts(free_blocks=free_blocks, budget=budget)
         cdef Py_ssize_t n = len(want), i
         for name, col in (("computed", computed), ("held", held),
                           ("priority", want if priority is None else priority),
-                          ("slots", want if slots is None else slots)):
+                          ("slots", want if slots is None else slots),
+                          ("freed", want if freed is None else freed)):
             if len(col) != n:
                 raise ValueError(f"{name}: {len(col)} entries, expected one per row ({n})")
         cdef int64_t* rows = self.c_rows(n)
@@ -187,6 +191,9 @@ cdef class StepPlanner:
             rows[i], rows[n + i], rows[2 * n + i] = want[i], computed[i], held[i]
             rows[3 * n + i] = 0 if priority is None else priority[i]
             rows[4 * n + i] = -1 if slots is None else slots[i]
+            rows[5 * n + i] = held[i] if freed is None else freed[i]
+            if not 0 <= rows[5 * n + i] <= held[i]:
+                raise ValueError(f"row {i}: freed={rows[5 * n + i]}: must be in [0, held={held[i]}]")
             if rows[4 * n + i] != -1 and self.core.shortfall.costed:   # read only under "cost"
                 self.core.ledger.check_state(rows[4 * n + i], ST_RUNNING)
         self.c_pause(free_blocks, budget)

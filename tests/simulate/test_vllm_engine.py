@@ -280,6 +280,28 @@ def test_auto_with_prefix_caching_matches_the_native_engine(model_dir):
     assert ours.extra["core"]["paused"] == native.extra["core"]["paused"]
 
 
+def test_cost_with_a_shared_prefix_matches_the_native_engine(model_dir):
+    """Under shortfall "cost" a victim frees only the blocks no other request shares
+    (the 512-token system prompt stays cached for the others): vLLM's adapter counts
+    them by reference count, the native engine by its allocator's; both price the
+    same shortfalls and admissions and run the same schedule."""
+    from kvadmit.simulate.engine import run_native
+    w = from_trace(DATA / "azure2023_conv_head200.csv", limit=120, max_model_len=2048,
+                   max_tokens_cap=512)
+    w = dataclasses.replace(w, hash_block_tokens=512, hash_offsets=list(range(len(w) + 1)),
+                            hash_ids=[7] * len(w), hashed_tokens=[min(512, p) for p in w.prompt_tokens])
+    shape = dataclasses.replace(AZURE_SHAPE, prefix_caching=True)
+    cfg = AdmissionConfig(shortfall="cost")
+    ours = run_vllm(w, cfg, shape, CPU_TINY, model_dir)
+    native = run_native(w, cfg, shape, CPU_TINY)
+    assert native.extra["core"]["shortfall_recomputes"] > 0
+    for k in ("shortfall_recomputes", "past_peak", "paused"):
+        assert ours.extra["core"][k] == native.extra["core"][k], k
+    for k in ("steps", "preemptions", "recomputed_tokens", "output_tokens", "finished", "rejected",
+              "free_blocks_at_end", "prefix_hit_tokens"):
+        assert getattr(ours.totals, k) == getattr(native.totals, k), k
+
+
 def test_full_agent_window_sleeps_until_a_session_expires(model_dir):
     """Session 1 is done but holds the only place in the window: both engines wait
     until it expires (agent_idle_s), then run session 2."""

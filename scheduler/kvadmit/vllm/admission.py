@@ -142,8 +142,7 @@ class VllmAdmission:
 
     @property
     def clock(self) -> Callable[[], float]:
-        """The clock every call to the core reads its `now` from (seconds):
-        time.monotonic, or the one given to `set_clock`."""
+        """The clock the core reads its `now` from (seconds): time.monotonic, or `set_clock`'s."""
         return self._clock
 
     def set_clock(self, clock: Callable[[], float]) -> None:
@@ -201,8 +200,7 @@ class VllmAdmission:
             return None
         return arrival.slot
 
-    def leave(self, request_id: str, now: float, finished: bool = False,
-              progress=None) -> None:
+    def leave(self, request_id: str, now: float, finished: bool = False, progress=None) -> None:
         """The request leaves kvadmit at ``now`` (finished on its own, or aborted)."""
         self.forget_order(request_id)
         self.port.leave(request_id, finished, progress, now)
@@ -445,16 +443,18 @@ class VllmAdmission:
         out (they keep their KV); vLLM skips them through its own per-request deferral,
         `next_decode_eligible_step`, which schedule() checks after advancing
         current_step (hence + 2), as vLLM's diffusion scheduler does."""
-        sched, blocks = self._sched, self.pause_plan_blocks
-        running = sched.running
+        sched, blocks, running = self._sched, self.pause_plan_blocks, self._sched.running
         paused = self.planner.pause(
             compat.running_step_tokens(sched, self.step_rules, throttle_prefills),
             [req.num_computed_tokens for req in running],
             [len(blocks.get(req.request_id, ())) for req in running],
             [r.priority for r in running] if self.config.queue_order == "priority" else None,
             self._pool.get_num_free_blocks(), sched.max_num_scheduled_tokens,
-            # the slots are read under shortfall "cost" only (its no-thrash rule)
+            # read under shortfall "cost" only: the slots (its no-thrash rule) and the
+            # blocks each one's preemption frees (prefix blocks others share stay)
             [-1 if (slot := self.port.slot(req.request_id)) is None else slot for req in running]
+            if self.config.shortfall == "cost" else None,
+            [sum(b.ref_cnt == 1 for b in blocks.get(req.request_id, ())) for req in running]
             if self.config.shortfall == "cost" else None)
         step = sched.current_step + 1          # the step schedule() is about to run
         for i in paused:
