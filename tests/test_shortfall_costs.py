@@ -106,6 +106,24 @@ def test_the_core_prices_with_its_fit_and_forecast():
     assert core.stats()["shortfall_recomputes"] == 1
 
 
+def test_an_engine_counts_freed_blocks_only_in_a_priced_step():
+    """Counting the blocks a victim frees walks every held block (the vLLM adapter:
+    in Python, every step), so an engine may pass a callable: it is called only in a
+    step where a row would pause."""
+    core = make_core("auto", num_blocks=256, block_size=4, shortfall="cost")
+    planner = StepPlanner(core)
+    a, b = add_running(core, 4, 400), add_running(core, 99, 400)
+    asked = []
+
+    def freed():
+        asked.append(1)
+        return [1, 25]
+    assert planner.pause([1, 1], [4, 99], [1, 25], None, 2, 100, [a, b], freed) == []
+    assert asked == []                            # two free blocks: no row is short
+    assert planner.pause([1, 1], [4, 99], [1, 25], None, 0, 100, [a, b], freed) == []
+    assert asked == [1] and core.stats()["shortfall_recomputes"] == 1
+
+
 # The admission half: blocks of 4 tokens, a pool of 20, a fit of a = 1 ms, b = 30 us.
 FIT = dict(step_time_a=1e-3, step_time_b=3e-5, step_time_c=0.0, shortfall="cost")
 

@@ -317,8 +317,9 @@ cdef class AdmissionCore(CoreView):
         too few blocks while running requests of strictly lower priority hold enough is
         not paused: the engine's preemption takes their KV for it, lowest first.
 
-        Under shortfall "cost" an engine's rows carry their slots (`StepPlanner`): a
-        short request is paused only where that loses more than recomputing its victims.
+        Under shortfall "cost" an engine's rows carry their slots and freed blocks
+        (`StepPlanner.pause`, not this entry): a short request is paused only where that
+        loses more than recomputing its victims.
         """
         return self.shortfall.plan(want_tokens, computed_tokens, held_blocks, free_blocks,
                                    token_budget, lookahead_tokens, priorities)

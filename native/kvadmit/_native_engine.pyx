@@ -133,7 +133,8 @@ cdef class NativeEngine(EngineState):
         it. Displacement: the candidate's need and the blocks each of its victims
         frees; the displaced are preempted and the candidate starts first (`_pinned`).
         Pauses: per running request what it would compute (as the loop below takes
-        it), its KV, blocks and priority; the paused skip this step."""
+        it), its KV, blocks, priority, slot and, in a priced step, the blocks its
+        preemption frees; the paused skip this step."""
         cdef int64_t hits, fresh, n, freed, kept
         cdef int64_t* rows
         cdef size_t i, j, nr = self._running.size()
@@ -168,9 +169,10 @@ cdef class NativeEngine(EngineState):
             rows[2 * nr + i] = self._blocks[r].size()
             rows[3 * nr + i] = self._rec[r].priority
             rows[4 * nr + i] = self._slot[r]
-            # under "cost" the plan counts the blocks a victim's preemption frees
-            rows[5 * nr + i] = self._freed_blocks(r) if self._prefix and self.core.shortfall.costed \
-                else rows[2 * nr + i]
+            rows[5 * nr + i] = rows[2 * nr + i]
+        if self._prefix and self.planner.c_priced(self.allocator.c_num_free(), self._budget):
+            for i in range(nr):   # a victim frees only the blocks no other request shares
+                rows[5 * nr + i] = self._freed_blocks(self._running[i])
         if self.planner.c_pause(self.allocator.c_num_free(), self._budget):
             for i in range(nr):
                 if self.planner.paused[i]:

@@ -53,4 +53,5 @@ cdef class StepPlanner:
     cdef bint c_short(self, int64_t free_blocks, int64_t running) noexcept nogil
     cdef size_t c_displace(self, int64_t free_blocks, int64_t running) noexcept nogil
     cdef int64_t* c_rows(self, int64_t n) noexcept nogil
+    cdef bint c_priced(self, int64_t free_blocks, int64_t budget) noexcept nogil
     cdef int64_t c_pause(self, int64_t free_blocks, int64_t budget) noexcept nogil

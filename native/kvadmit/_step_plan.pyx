@@ -114,19 +114,26 @@ cdef class StepPlanner:
         self.paused.assign(n, 0)
         return self.rows.data()
 
+    cdef bint c_priced(self, int64_t free_blocks, int64_t budget) noexcept nogil:
+        """Whether this step's plan prices its shortfalls: under "cost", only in a step
+        where a row would pause (the prices read every running request's forecast, and
+        an engine fills the freed column only then: it walks every held block). Reads
+        the first three columns."""
+        cdef int64_t n = self.n_rows
+        cdef int64_t* cols = self.rows.data()
+        return self.core.shortfall.costed and not self.core.shortfall.by_priority and \
+            self.core.shortfall.c_walk(cols, cols + n, cols + 2 * n, n, free_blocks, budget,
+                                       self.lookahead, self.paused.data(), NULL, NULL,
+                                       NULL, NULL) > 0
+
     cdef int64_t c_pause(self, int64_t free_blocks, int64_t budget) noexcept nogil:
         """`paused`: the rows that sit this step out (the ShortfallPlanner's plan; it
         reads the priorities under queue_order "priority", the slots and freed blocks
-        under "cost"). Returns how many."""
+        in a step `c_priced`). Returns how many."""
         cdef int64_t n = self.n_rows, i, s
         cdef int64_t* cols = self.rows.data()
         cdef ShortfallCosts costs
-        # Under "cost", priced only in a step where a row would pause: the prices read
-        # every running request's forecast.
-        if self.core.shortfall.costed and not self.core.shortfall.by_priority and \
-                self.core.shortfall.c_walk(cols, cols + n, cols + 2 * n, n, free_blocks, budget,
-                                           self.lookahead, self.paused.data(), NULL, NULL,
-                                           NULL, NULL) > 0:
+        if self.c_priced(free_blocks, budget):
             costs = shortfall_costs(self.core.slo_guard.step_time, self.core.policy.c_soonest_finish())
             self.again.assign(n, 0)
             for i in range(n):
@@ -173,14 +180,14 @@ cdef class StepPlanner:
         """`c_pause` over the running requests in serving order (the tokens each would
         compute this step, its computed tokens, held blocks; priority: None unless
         queue_order is "priority"; slots: each one's slot in the core, and freed: the
-        blocks its preemption frees (held less those other requests share), both read
-        under shortfall "cost" only, None: not known, all held): the positions paused."""
+        blocks its preemption frees (held less those other requests share), or a
+        callable returning them, called only in a step `c_priced`; both read under
+        shortfall "cost" only, None: not known, all held): the positions paused."""
         _check_counts(free_blocks=free_blocks, budget=budget)
         cdef Py_ssize_t n = len(want), i
         for name, col in (("computed", computed), ("held", held),
                           ("priority", want if priority is None else priority),
-                          ("slots", want if slots is None else slots),
-                          ("freed", want if freed is None else freed)):
+                          ("slots", want if slots is None else slots)):
             if len(col) != n:
                 raise ValueError(f"{name}: {len(col)} entries, expected one per row ({n})")
         cdef int64_t* rows = self.c_rows(n)
@@ -191,13 +198,23 @@ cdef class StepPlanner:
             rows[i], rows[n + i], rows[2 * n + i] = want[i], computed[i], held[i]
             rows[3 * n + i] = 0 if priority is None else priority[i]
             rows[4 * n + i] = -1 if slots is None else slots[i]
-            rows[5 * n + i] = held[i] if freed is None else freed[i]
-            if not 0 <= rows[5 * n + i] <= held[i]:
-                raise ValueError(f"row {i}: freed={rows[5 * n + i]}: must be in [0, held={held[i]}]")
+            rows[5 * n + i] = held[i]
             if rows[4 * n + i] != -1 and self.core.shortfall.costed:   # read only under "cost"
                 self.core.ledger.check_state(rows[4 * n + i], ST_RUNNING)
+        if freed is not None and (not callable(freed) or self.c_priced(free_blocks, budget)):
+            self._fill_freed(freed() if callable(freed) else freed, held)
         self.c_pause(free_blocks, budget)
         return [i for i in range(n) if self.paused[i]]
+
+
+    def _fill_freed(self, freed, held):
+        cdef Py_ssize_t n = self.n_rows, i
+        if len(freed) != n:
+            raise ValueError(f"freed: {len(freed)} entries, expected one per row ({n})")
+        for i in range(n):
+            if not 0 <= freed[i] <= held[i]:
+                raise ValueError(f"row {i}: freed={freed[i]}: must be in [0, held={held[i]}]")
+            self.rows[5 * n + i] = freed[i]
 
 
 def _check_counts(**counts):

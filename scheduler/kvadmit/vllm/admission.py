@@ -450,11 +450,11 @@ class VllmAdmission:
             [len(blocks.get(req.request_id, ())) for req in running],
             [r.priority for r in running] if self.config.queue_order == "priority" else None,
             self._pool.get_num_free_blocks(), sched.max_num_scheduled_tokens,
-            # read under shortfall "cost" only: the slots (its no-thrash rule) and the
-            # blocks each one's preemption frees (prefix blocks others share stay)
+            # read under shortfall "cost" only: the slots (its no-thrash rule) and, in a
+            # priced step, the blocks each one's preemption frees (shared prefixes stay)
             [-1 if (slot := self.port.slot(req.request_id)) is None else slot for req in running]
             if self.config.shortfall == "cost" else None,
-            [sum(b.ref_cnt == 1 for b in blocks.get(req.request_id, ())) for req in running]
+            (lambda: [sum(b.ref_cnt == 1 for b in blocks.get(r.request_id, ())) for r in running])
             if self.config.shortfall == "cost" else None)
         step = sched.current_step + 1          # the step schedule() is about to run
         for i in paused:
