@@ -156,7 +156,8 @@ cdef class ShortfallPlanner:
         With `costs` (and no priority order): one short of blocks is not paused where
         recomputing the entries the engine would preempt for it, from the end, costs
         less (`_recompute_wins`); those are then gone from this step (recompute_now
-        counts such requests), and their `freed` blocks with them (NULL: `held`)."""
+        counts such requests), and their `freed` blocks with them (read only with
+        `costs`; c_plan passes `held` for NULL)."""
         cdef int64_t i, j, k, w, need, lower, taken = 0, count = 0, served = 0, first = -1
         cdef int64_t tail = n        # entries [tail, n) go to the engine's preemption
         cdef int64_t step_budget = budget
@@ -200,14 +201,13 @@ cdef class ShortfallPlanner:
                     served += 1
                     continue
             elif costs != NULL:
-                j = self._recompute_wins(i, tail, need, free_blocks, computed,
-                                         freed if freed != NULL else held, again,
+                j = self._recompute_wins(i, tail, need, free_blocks, computed, freed, again,
                                          costs, step_s, step_budget)
                 if j >= 0:
                     self.recompute_now += 1
                     while tail > j:
                         tail -= 1
-                        free_blocks += freed[tail] if freed != NULL else held[tail]
+                        free_blocks += freed[tail]
                     if j > i:
                         free_blocks -= need
                         budget -= w

@@ -206,7 +206,6 @@ cdef class StepPlanner:
         self.c_pause(free_blocks, budget)
         return [i for i in range(n) if self.paused[i]]
 
-
     def _fill_freed(self, freed, held):
         cdef Py_ssize_t n = self.n_rows, i
         if len(freed) != n:
