@@ -24,12 +24,15 @@ It is also where the API server decides who may raise a request's claim
 (kvadmit.trust, docs/trust-and-failure.md): where the config's `untrusted_fields`
 resolves to ignore or refuse, every POST whose JSON body names a field that would raise
 its claim (a `kvadmit_*` key of `vllm_xargs`, headers included, or a negative
-`priority`) is screened: from a trusted source (the gateway secret's header, or a peer
-in `trusted_proxies`) it passes, with the gateway's headers winning over the body;
-from any other client each raise is removed (the server's default applies) and
-counted in `kvadmit_untrusted_fields_total{field}`, or the request is refused with 400
-naming them. The secret's header never reaches vLLM. Other requests pass through
-untouched.
+`priority`) is screened: from a trusted source (the gateway secret's header, or a
+connection whose own socket peer is in `trusted_proxies`: kvadmit_patches.asgi_socket_peer,
+never the address uvicorn took from X-Forwarded-For) it passes, with the gateway's
+headers winning over the body; from any other client each raise is removed (the
+server's default applies) and counted in `kvadmit_untrusted_fields_total{field}`, or
+the request is refused with 400 naming them. A request with one of a flow's API keys
+(`flows[...].api_keys`, vLLM's own --api-key values) is that flow's and at most its
+min_priority, whatever it claims. The secret's header never reaches vLLM (any method).
+Other requests pass through untouched.
 """
 from __future__ import annotations
 
@@ -37,16 +40,18 @@ import json
 import time
 
 from kvadmit.request_fields import FLAT_PREFIX, HEADERS, KEY
-from kvadmit.trust import SECRET_HEADER, UNTRUSTED_KEY, count, refusal_message
-from kvadmit_patches import MIDDLEWARE_HOOK, add_app_middleware, require
+from kvadmit.trust import (PRIORITY, SECRET_HEADER, UNTRUSTED_KEY, count, refusal_message,
+                           require_socket_peer, same_flow, socket_peer)
+from kvadmit_patches import MIDDLEWARE_HOOK, add_app_middleware, asgi_socket_peer, require
 
 TARGET = "vllm.entrypoints.launchers.app.init_entrypoints_middleware"
 SERIES = ("0.32", "0.33", "0.34")     # the same hook as vllm_retry_after.py
-TARGETS = (MIDDLEWARE_HOOK,)
+TARGETS = (MIDDLEWARE_HOOK, asgi_socket_peer.TARGET)
 # Which header carries which field, and in what unit: kvadmit.request_fields.SCHEMA.
 # A duration's unit suffix -> seconds (as Go's time.ParseDuration writes the common ones).
 UNITS = (("ms", 1e-3), ("s", 1.0), ("m", 60.0), ("h", 3600.0))
 PATHS = ("/v1/completions", "/v1/chat/completions")
+FLOW = FLAT_PREFIX + "flow"
 VLLM_SESSION_HEADER = b"x-session-id"       # vLLM's own (SESSION_ID_HEADER)
 
 
@@ -107,25 +112,27 @@ def _merge(doc: dict, fields: dict, headers_win: bool) -> bool:
     return True
 
 
-def screen(doc: dict, trust, now_unix: float, headers=()) -> list[str]:
+def screen(doc: dict, trust, now_unix: float, headers=(), keyed=False) -> list[str]:
     """An untrusted request's raises (kvadmit.trust), by the names the client used
     (kvadmit_<field> in vllm_xargs, priority): their values removed from `doc` (the
-    server's defaults apply). A value that does not parse is left for kvadmit to
+    server's defaults apply). A `keyed` request's flow and priority are its API key's
+    (`bind`), not screened here. A value that does not parse is left for kvadmit to
     refuse as invalid."""
     xargs = doc.get("vllm_xargs") if isinstance(doc.get("vllm_xargs"), dict) else {}
     values = {k[len(FLAT_PREFIX):]: v for k, v in xargs.items() if k.startswith(FLAT_PREFIX)}
-    names = [FLAT_PREFIX + f for f in trust.raised(values, now_unix)]
+    nested = xargs.get(KEY)          # the object form, should a release let it through
+    nested = nested if isinstance(nested, dict) else {}
+    keep = {"flow"} if keyed else set()
+    names = [FLAT_PREFIX + f for f in trust.raised(values, now_unix) if f not in keep]
     for key in names:
         del xargs[key]
-    nested = xargs.get(KEY)          # the object form, should a release let it through
-    if isinstance(nested, dict):
-        for f in trust.raised(nested, now_unix):
+    for f in trust.raised(nested, now_unix):
+        if f not in keep:
             del nested[f]
             names.append(f"{KEY}.{f}")
-    priority = doc.get("priority")
-    if isinstance(priority, int) and not isinstance(priority, bool) and priority < 0:
-        doc.pop("priority")
-        names.append("priority")
+    if not keyed and _priority_below(doc, 0):
+        doc.pop(PRIORITY)
+        names.append(PRIORITY)
     # vLLM's own session id (body, X-Session-ID, vllm_xargs) stays vLLM's; marked, kvadmit
     # does not take it as the request's session (kvadmit.vllm.admission): counted,
     # never refused (it is vLLM's field).
@@ -136,36 +143,65 @@ def screen(doc: dict, trust, now_unix: float, headers=()) -> list[str]:
     return names
 
 
+def bind(doc: dict, binding) -> list[str]:
+    """A request authenticated by a flow's API key (kvadmit.trust.Trust.bound): that
+    flow whatever it claimed, and no priority more important than the key's
+    min_priority (set to it); the names of the claims overridden."""
+    xargs = doc["vllm_xargs"] = dict(doc.get("vllm_xargs") or {})
+    names = [FLOW] if FLOW in xargs and not same_flow(xargs[FLOW], binding.flow) else []
+    nested = xargs.get(KEY)
+    if isinstance(nested, dict) and "flow" in nested:
+        if not same_flow(nested.pop("flow"), binding.flow):
+            names.append(f"{KEY}.flow")
+    xargs[FLOW] = binding.flow
+    if _priority_below(doc, binding.min_priority):
+        doc[PRIORITY] = binding.min_priority
+        names.append(PRIORITY)
+    return names
+
+
+def _priority_below(doc: dict, floor: int) -> bool:
+    priority = doc.get(PRIORITY)
+    return isinstance(priority, int) and not isinstance(priority, bool) and priority < floor
+
+
 class SloHeaderMiddleware:
     """The gateway headers into vllm_xargs, and who may raise a claim (kvadmit.trust):
-    with `trust` screening, a request that is not from a trusted source has its raises
-    removed (counted) or is refused with 400; a trusted one's headers win over its
-    body. The gateway secret's header is always removed."""
+    with `trust` screening, a request that is not from a trusted source (the secret, or
+    the socket's peer in trusted_proxies) has its raises removed (counted) or is
+    refused with 400; a trusted one's headers win over its body. A request with a
+    flow's API key is that flow's (`bind`). The gateway secret's header is removed
+    from every request."""
 
     def __init__(self, app, trust=None):
         self.app = app
         self.trust = trust
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") != "POST":
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = scope.get("headers", [])
         if any(k.lower() == SECRET_HEADER for k, _ in headers):
             scope = {**scope, "headers": [(k, v) for k, v in headers if k.lower() != SECRET_HEADER]}
+        if scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
         fields = slo_fields(headers) if scope.get("path") in PATHS else {}
         screening = self.trust is not None and self.trust.screens
-        if not fields and not screening:
+        binding = self.trust.bound(headers) if self.trust is not None else None
+        if not fields and not screening and binding is None:
             return await self.app(scope, receive, send)
         body, early = await _read_body(receive)
         if early is not None:
             return await self.app(scope, _replay([early]), send)
         doc = _json_object(body)
-        trusted = not screening or self.trust.trusted(headers, (scope.get("client") or (None,))[0])
+        trusted = not screening or self.trust.trusted(headers, socket_peer(scope))
         raised = []
         if doc is not None and _merge(doc, fields, headers_win=screening and trusted):
             if not trusted:
-                raised = screen(doc, self.trust, time.time(), headers)
-                count(raised)
+                raised = screen(doc, self.trust, time.time(), headers, keyed=binding is not None)
+            if binding is not None:
+                raised += bind(doc, binding)
+            count(raised)
             body = json.dumps(doc).encode()
         if raised and self.trust.mode == "refuse":
             return await _refuse(send, raised)
@@ -200,7 +236,11 @@ async def _refuse(send, names: list[str]) -> None:
 
 def trust_of(args):
     """The trust rule of a vLLM API server's arguments: None unless kvadmit is its
-    scheduler (kvadmit's settings are then checked where vLLM builds its config)."""
+    scheduler (kvadmit's settings are then checked where vLLM builds its config).
+    ConfigError where it cannot be kept: trusted_proxies without the socket's peer
+    address (kvadmit_patches.asgi_socket_peer), or API keys the server does not check."""
+    from vllm import envs
+
     from kvadmit.trust import Trust
     from kvadmit.vllm.plugin import _names_kvadmit
     from kvadmit.vllm.settings import configs_of
@@ -208,7 +248,10 @@ def trust_of(args):
     if not _names_kvadmit(getattr(args, "scheduler_cls", None)):
         return None
     config, _ = configs_of(getattr(args, "additional_config", None))
-    return Trust.of(config)
+    trust = Trust.of(config)
+    require_socket_peer(trust, asgi_socket_peer.installed())
+    trust.check_server_keys(getattr(args, "api_key", None) or [envs.VLLM_API_KEY])
+    return trust
 
 
 def _replay(messages, then=None):
@@ -226,5 +269,6 @@ def apply() -> bool:
     """Installs the middleware hook once; PatchUnavailable (nothing done) where it
     cannot apply."""
     require(__name__)
+    asgi_socket_peer.apply()
     add_app_middleware(SloHeaderMiddleware, lambda args: {"trust": trust_of(args)})
     return True

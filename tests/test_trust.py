@@ -2,6 +2,7 @@
 mode's resolution, the trusted sources, and the vLLM API server's middleware that
 applies them (patches/vllm_slo_headers.py) on the ASGI level with a recording app."""
 import asyncio
+import hashlib
 import json
 import time
 from types import SimpleNamespace
@@ -10,6 +11,7 @@ import pytest
 
 from kvadmit import AdmissionConfig
 from kvadmit.config import ConfigError
+from kvadmit.flow_settings import key_digest
 from kvadmit.request_fields import SCHEMA
 from kvadmit.trust import SECRET_ENV, SECRET_HEADER, UNTRUSTED_KEY, Trust, resolved_mode
 from kvadmit_patches.vllm_slo_headers import SloHeaderMiddleware, trust_of
@@ -92,11 +94,18 @@ def test_trusted_proxies_must_be_addresses():
 
 
 # -- the vLLM API server's middleware ---------------------------------------------------
-def call(trust, doc, headers=(), path="/v1/completions", peer="192.0.2.9"):
-    """The middleware in front of a recording app: (what the app got, or None, the
-    response's status and body when the middleware answered itself)."""
+def call(trust, doc, headers=(), path="/v1/completions", peer="192.0.2.9", method="POST",
+         socket_peer=True):
+    """The middleware in front of a recording app, behind what uvicorn puts in front of
+    an app: kvadmit's socket-peer patch (unless `socket_peer` is False) and uvicorn's
+    own ProxyHeadersMiddleware with its default FORWARDED_ALLOW_IPS (127.0.0.1), on a
+    connection from `peer`: (what the app got, or None, the response's status and body
+    when the middleware answered itself)."""
+    from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+
+    from kvadmit_patches.asgi_socket_peer import SocketPeer
     body = json.dumps(doc).encode()
-    scope = {"type": "http", "method": "POST", "path": path, "client": (peer, 5555),
+    scope = {"type": "http", "method": method, "path": path, "client": (peer, 5555),
              "headers": [(b"content-length", str(len(body)).encode()), *headers]}
     seen, sent = {}, []
     chunks = [{"type": "http.request", "body": body, "more_body": False}]
@@ -104,13 +113,15 @@ def call(trust, doc, headers=(), path="/v1/completions", peer="192.0.2.9"):
     async def app(scope, receive, send):
         m = await receive()
         seen["doc"], seen["headers"] = json.loads(m["body"]), dict(scope["headers"])
+        seen["client"] = scope["client"]
 
     async def receive():
         return chunks.pop(0)
 
     async def send(message):
         sent.append(message)
-    asyncio.run(SloHeaderMiddleware(app, trust)(scope, receive, send))
+    server = ProxyHeadersMiddleware(SloHeaderMiddleware(app, trust), trusted_hosts="127.0.0.1")
+    asyncio.run((SocketPeer(server) if socket_peer else server)(scope, receive, send))
     if sent:
         return None, sent[0]["status"], json.loads(sent[1]["body"])
     return seen, None, None
@@ -240,3 +251,156 @@ def test_the_simulator_ignores_an_untrusted_workloads_raises():
     assert totals.rejected == 0 and totals.finished == n
     # honour: the same workload as it is
     assert untrusted.screened(config.replace(untrusted_fields="honour")) is untrusted
+
+
+# -- the boundary cannot be forged: the socket's peer, never a header ---------------------
+GATEWAY = "127.0.0.2"
+PROXIED = CONFIG.replace(trusted_proxies=[GATEWAY])
+CLAIM = {"prompt": [5], "vllm_xargs": {"kvadmit_flow": "gold"}}
+
+
+@pytest.mark.parametrize("forged", [
+    [(b"x-forwarded-for", GATEWAY.encode())],
+    [(b"x-forwarded-for", b"203.0.113.1, " + GATEWAY.encode())],
+    [(b"x-forwarded-for", b"203.0.113.1"), (b"x-forwarded-for", GATEWAY.encode())],
+    [(b"forwarded", b"for=" + GATEWAY.encode())],
+    [(b"x-real-ip", GATEWAY.encode())],
+])
+def test_a_client_that_claims_the_gateways_address_in_a_header_is_not_trusted(forged):
+    """A client on 127.0.0.1, which uvicorn trusts by default to set X-Forwarded-For
+    (a sidecar, a router on the host, kubectl port-forward), claims the gateway's
+    address: uvicorn rewrites the peer from X-Forwarded-For, and kvadmit still reads the
+    socket's own."""
+    trust = Trust.of(PROXIED, {})
+    before = untrusted_fields_total("kvadmit_flow")
+    seen, _, _ = call(trust, CLAIM, forged, peer="127.0.0.1")
+    assert "kvadmit_flow" not in seen["doc"]["vllm_xargs"]
+    assert untrusted_fields_total("kvadmit_flow") == before + 1
+    if forged[-1][0] == b"x-forwarded-for":       # the header did move uvicorn's peer
+        assert seen["client"][0] == GATEWAY
+
+
+def test_the_gateways_own_connection_is_trusted_whatever_it_forwards():
+    trust = Trust.of(PROXIED, {})
+    seen, _, _ = call(trust, CLAIM, [(b"x-forwarded-for", b"203.0.113.7")], peer=GATEWAY)
+    assert seen["doc"]["vllm_xargs"]["kvadmit_flow"] == "gold"
+    seen, _, _ = call(trust, CLAIM, peer=GATEWAY)
+    assert seen["doc"]["vllm_xargs"]["kvadmit_flow"] == "gold"
+
+
+def test_without_the_socket_peer_no_address_is_trusted():
+    """An ASGI server kvadmit did not patch records no socket peer: scope["client"]
+    alone (here the gateway's very address) is never enough."""
+    seen, _, _ = call(Trust.of(PROXIED, {}), CLAIM, peer=GATEWAY, socket_peer=False)
+    assert "kvadmit_flow" not in seen["doc"]["vllm_xargs"]
+
+
+def test_uvicorns_app_loading_records_the_socket_peer_once_patched():
+    import uvicorn
+
+    from kvadmit_patches import asgi_socket_peer
+    asgi_socket_peer.apply()
+    asgi_socket_peer.apply()                  # once: a second apply finds its mark
+
+    async def app(scope, receive, send):
+        pass
+    config = uvicorn.Config(app, proxy_headers=True)
+    config.load()
+    assert asgi_socket_peer.installed()
+    assert isinstance(config.loaded_app, asgi_socket_peer.SocketPeer)
+    assert not isinstance(config.loaded_app.app, asgi_socket_peer.SocketPeer)
+
+
+def test_trusted_proxies_without_the_socket_peer_patch_stop_start_up(monkeypatch):
+    from kvadmit_patches import asgi_socket_peer
+    args = SimpleNamespace(scheduler_cls="kvadmit.vllm.Scheduler",
+                           additional_config={"kvadmit": {"trusted_proxies": [GATEWAY]}})
+    monkeypatch.setattr(asgi_socket_peer, "installed", lambda: False)
+    with pytest.raises(ConfigError, match="trusted_proxies needs the connection's own peer"):
+        trust_of(args)
+
+
+def test_the_secret_is_compared_as_a_digest_and_removed_from_every_method():
+    trust = Trust.of(CONFIG, {SECRET_ENV: "s3cret"})
+    assert trust.secret == hashlib.sha256(b"s3cret").digest()
+    assert not trust.trusted([(SECRET_HEADER, b"s3cre")], None)
+    assert trust.trusted([(SECRET_HEADER, b" s3cret ")], None)
+    for method in ("GET", "POST"):
+        seen, _, _ = call(trust, {"prompt": [5]}, [(SECRET_HEADER, b"s3cret")], method=method)
+        assert SECRET_HEADER not in seen["headers"], method
+
+
+# -- flows bound to API keys --------------------------------------------------------------
+KEY_A, KEY_B = "key-of-tenant-a", "key-of-tenant-b"
+KEYED = CONFIG.replace(flows={
+    "tenant-a": {"api_keys": [key_digest(KEY_A)], "min_priority": -2},
+    "tenant-b": {"api_keys": [key_digest(KEY_B)], "max_queued_requests": 1}})
+
+
+def bearer(key):
+    return (b"authorization", b"Bearer " + key.encode())
+
+
+@pytest.mark.parametrize("secret", [False, True])
+def test_a_request_with_tenant_as_key_is_tenant_as_whatever_it_claims(secret):
+    """From a client or from the trusted gateway alike: header, flat and nested body
+    claims of another flow are overridden (and counted); the priority stops at the
+    key's min_priority."""
+    trust = Trust.of(KEYED, {SECRET_ENV: "s3cret"})
+    gateway = [(SECRET_HEADER, b"s3cret")] if secret else []
+    before = untrusted_fields_total("kvadmit_flow")
+    doc = {"prompt": [5], "priority": -5,
+           "vllm_xargs": {"kvadmit_flow": "tenant-b", "kvadmit": {"flow": "tenant-b"}}}
+    seen, _, _ = call(trust, doc, [bearer(KEY_A), (b"x-gateway-inference-fairness-id",
+                                                   b"tenant-b"), *gateway])
+    assert seen["doc"]["vllm_xargs"]["kvadmit_flow"] == "tenant-a"
+    assert "flow" not in seen["doc"]["vllm_xargs"]["kvadmit"]
+    assert seen["doc"]["priority"] == -2
+    assert untrusted_fields_total("kvadmit_flow") == before + 1
+    # within what the key allows: kept, nothing counted
+    seen, _, _ = call(trust, {"prompt": [5], "priority": -1,
+                              "vllm_xargs": {"kvadmit_flow": "tenant-a"}}, [bearer(KEY_A)])
+    assert seen["doc"]["priority"] == -1 and seen["doc"]["vllm_xargs"]["kvadmit_flow"] == "tenant-a"
+    assert untrusted_fields_total("kvadmit_flow") == before + 1
+    # tenant B's key allows no raise: a priority of -1 from its client goes
+    seen, _, _ = call(trust, {"prompt": [5], "priority": -1}, [bearer(KEY_B)])
+    assert seen["doc"]["priority"] == 0 and seen["doc"]["vllm_xargs"]["kvadmit_flow"] == "tenant-b"
+
+
+def test_a_key_no_flow_lists_and_other_schemes_bind_nothing():
+    trust = Trust.of(KEYED, {})
+    for auth in [bearer("another-key"), (b"authorization", b"Basic " + KEY_A.encode()),
+                 (b"x-api-key", KEY_A.encode())]:
+        seen, _, _ = call(trust, {"prompt": [5], "vllm_xargs": {"kvadmit_flow": "tenant-a"}}, [auth])
+        assert "kvadmit_flow" not in seen["doc"]["vllm_xargs"], auth
+
+
+def test_refuse_mode_refuses_a_keyed_request_that_claims_another_flow():
+    trust = Trust.of(KEYED.replace(untrusted_fields="refuse"), {})
+    seen, status, body = call(trust, {"prompt": [5], "vllm_xargs": {"kvadmit_flow": "tenant-a"}},
+                              [bearer(KEY_B)])
+    assert seen is None and status == 400 and body["error"]["param"] == "kvadmit_flow"
+    seen, status, _ = call(trust, {"prompt": [5]}, [bearer(KEY_B)])
+    assert status is None and seen["doc"]["vllm_xargs"] == {"kvadmit_flow": "tenant-b"}
+
+
+def test_api_keys_are_digests_one_flow_each_and_must_be_the_servers_own():
+    with pytest.raises(ConfigError, match=r"flows\['a'\].api_keys\[0\]: must be \"sha256:\""):
+        AdmissionConfig(flows={"a": {"api_keys": [KEY_A]}})
+    assert KEY_A not in str(pytest.raises(ConfigError, AdmissionConfig,
+                                          flows={"a": {"api_keys": [KEY_A]}}).value)
+    with pytest.raises(ConfigError, match="already bound to flow 'a'"):
+        AdmissionConfig(flows={"a": {"api_keys": [key_digest(KEY_A)]},
+                               "b": {"api_keys": [key_digest(KEY_A)]}})
+    with pytest.raises(ConfigError, match=r"min_priority=1: out of range"):
+        AdmissionConfig(flows={"a": {"min_priority": 1}})
+    keyed = {"kvadmit": {"flows": {"a": {"api_keys": [key_digest(KEY_A)]}}}}
+    args = SimpleNamespace(scheduler_cls="kvadmit.vllm.Scheduler", additional_config=keyed,
+                           api_key=None)
+    with pytest.raises(ConfigError, match="the server checks none: start it with --api-key"):
+        trust_of(args)
+    args.api_key = [KEY_B]
+    with pytest.raises(ConfigError, match=r"flows\['a'\].api_keys has sha256:"):
+        trust_of(args)
+    args.api_key = [KEY_B, KEY_A]
+    assert trust_of(args).bound([bearer(KEY_A)]).flow == "a"

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from kvadmit._native import POLICIES, VICTIMS
+from kvadmit.flow_settings import (MAX_FLOW_WEIGHT, check_addresses, check_flows,
+                                   describe_flow_keys)
 
 QUEUE_ORDERS = ("fcfs", "priority", "deadline")
 HEAD_OF_LINE = ("auto", "strict", "bypass")
@@ -40,13 +42,6 @@ def float_rule(lo: float, hi: float, doc: str, lo_open: bool = False) -> dict:
 
 def bool_rule(doc: str) -> dict:
     return {"kind": "bool", "doc": doc}
-
-
-MAX_FLOW_WEIGHT = 1e6
-# A flow's settings in `flows`: each key's (lo, hi) and kind.
-FLOW_KEYS = {"weight": ("float", 0.0, MAX_FLOW_WEIGHT),
-             "max_queued_requests": ("int", 0, 1_000_000_000),
-             "max_queued_tokens": ("int", 0, 10**15)}
 
 
 def flows_rule(doc: str) -> dict:
@@ -96,9 +91,11 @@ class AdmissionConfig:
     flows: dict = field(default_factory=dict, metadata=flows_rule(
         "per-flow settings, by flow id (a string as the x-gateway-inference-fairness-id header "
         "or the flow field gives it; digits: that integer): {\"<flow>\": {\"weight\": w, "
-        "\"max_queued_requests\": n, \"max_queued_tokens\": t}}, each key optional; flows of "
-        "the same priority share the KV pool by weight (block-steps), and a flow's caps refuse "
-        "its arrivals beyond them (0: no cap). See docs/flows.md"))
+        "\"max_queued_requests\": n, \"max_queued_tokens\": t, \"api_keys\": [\"sha256:<hex>\"], "
+        "\"min_priority\": p}}, each key optional; flows of the same priority share the KV pool by "
+        "weight (block-steps), and a flow's caps refuse its arrivals beyond them (0: no cap); a "
+        "request with one of its API keys (the engine's --api-key) is the flow's, at priority "
+        "min_priority or less important. See docs/flows.md and docs/trust-and-failure.md"))
     flow_default_weight: float = field(default=1.0, metadata=float_rule(
         0.0, MAX_FLOW_WEIGHT, "weight of a flow not in flows (and of requests without a flow, "
         "as one flow)", lo_open=True))
@@ -205,7 +202,8 @@ class AdmissionConfig:
         "configured, then ignore. See docs/trust-and-failure.md"))
     trusted_proxies: list = field(default_factory=list, metadata=addresses_rule(
         "addresses (IP or CIDR) of the gateways or proxies whose requests may raise their claim "
-        "(the peer address of the HTTP connection); the other trusted source is a gateway "
+        "(the HTTP connection's own peer address, never one a header such as X-Forwarded-For "
+        "claims); the other trusted source is a gateway "
         "carrying the shared secret of KVADMIT_GATEWAY_SECRET in x-kvadmit-gateway-secret"))
 
     def __post_init__(self) -> None:
@@ -410,9 +408,7 @@ def _allowed(rule: Mapping[str, Any]) -> str:
     if kind == "addresses":
         return "list of IP addresses or CIDR networks"
     if kind == "flows":
-        return "object: flow -> {" + ", ".join(
-            f"`{k}`: {'(' if k == 'weight' else '['}{lo}, {hi}]"
-            for k, (_, lo, hi) in FLOW_KEYS.items()) + "}"
+        return describe_flow_keys()
     left = "(" if rule.get("lo_open") else "["
     return f"{left}{rule['lo']}, {rule['hi']}]"
 
@@ -428,10 +424,11 @@ def _check(f: dataclasses.Field, value: Any) -> None:
     elif kind == "bool":
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: must be true or false")
-    elif kind == "flows":
-        _check_flows(f.name, value)
-    elif kind == "addresses":
-        _check_addresses(f.name, value)
+    elif kind in ("flows", "addresses"):
+        try:
+            (check_flows if kind == "flows" else check_addresses)(f.name, value)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     elif kind == "int":
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{where}: must be an integer in [{rule['lo']}, {rule['hi']}]")
@@ -444,57 +441,3 @@ def _check(f: dataclasses.Field, value: Any) -> None:
             raise ConfigError(f"{where}: must be a number in {span}")
         if value > hi or value < lo or (rule["lo_open"] and value == lo):
             raise ConfigError(f"{where}: out of range {span}")
-
-
-def _check_flows(name: str, value: Any) -> None:
-    """The `flows` object: flow ids (non-empty strings) to objects of FLOW_KEYS, each in range."""
-    from kvadmit.request_fields import FieldError, flow_int
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"kvadmit config: {name}={value!r}: must be an object of flow id -> "
-                          f"{{{', '.join(FLOW_KEYS)}}}")
-    ids: dict[int, str] = {}
-    for key, spec in value.items():
-        where = f"kvadmit config: {name}[{key!r}]"
-        if not isinstance(key, str) or not key:
-            raise ConfigError(f"{where}: a flow id must be a non-empty string")
-        try:
-            fid = flow_int(key, f"{name}[{key!r}]")
-        except FieldError as e:
-            raise ConfigError(f"kvadmit config: {e}") from None
-        if fid in ids:
-            raise ConfigError(f"{where}: the same flow as {ids[fid]!r}")
-        ids[fid] = key
-        if not isinstance(spec, Mapping):
-            raise ConfigError(f"{where}={spec!r}: must be an object with keys "
-                              f"{', '.join(FLOW_KEYS)}")
-        for k, v in spec.items():
-            if k not in FLOW_KEYS:
-                raise ConfigError(f"{where}: unknown key {k!r}; known: {', '.join(FLOW_KEYS)}")
-            kind, lo, hi = FLOW_KEYS[k]
-            at = f"{where}.{k}={v!r}"
-            if kind == "int":
-                if isinstance(v, bool) or not isinstance(v, int):
-                    raise ConfigError(f"{at}: must be an integer in [{lo}, {hi}] (0: no cap)")
-                if not lo <= v <= hi:
-                    raise ConfigError(f"{at}: out of range [{lo}, {hi}] (0: no cap)")
-            else:
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                    raise ConfigError(f"{at}: must be a number in ({lo}, {hi:g}]")
-                if not lo < v <= hi:
-                    raise ConfigError(f"{at}: out of range ({lo}, {hi:g}]")
-
-
-def _check_addresses(name: str, value: Any) -> None:
-    """A list of IP addresses or CIDR networks (strings)."""
-    import ipaddress
-    if not isinstance(value, list):
-        raise ConfigError(f"kvadmit config: {name}={value!r}: must be a list of IP addresses "
-                          f"or CIDR networks, as strings")
-    for i, item in enumerate(value):
-        try:
-            if not isinstance(item, str):
-                raise ValueError("not a string")
-            ipaddress.ip_network(item, strict=False)
-        except ValueError as e:
-            raise ConfigError(f"kvadmit config: {name}[{i}]={item!r}: not an IP address or CIDR "
-                              f"network ({e})") from None

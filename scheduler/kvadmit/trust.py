@@ -10,7 +10,12 @@ only from a trusted source:
 - a gateway that adds the shared secret of ``KVADMIT_GATEWAY_SECRET`` (the HTTP
   server's environment) in the header ``x-kvadmit-gateway-secret`` (stripped before
   the engine sees the request), or
-- a peer address in the config's ``trusted_proxies``.
+- a connection whose own peer address (the socket's, never one a header claims:
+  ``PEER_SCOPE_KEY``) is in the config's ``trusted_proxies``.
+
+A request that presents one of the API keys a flow lists (``flows[...].api_keys``,
+the engine's own ``--api-key`` values) is that flow's, whatever its headers or body
+claim, at priority ``min_priority`` or less important (`Trust.bound`).
 
 Offline use (vLLM's ``LLM``, SGLang's ``Engine``) has no client: the caller is the
 operator, and everything is trusted. An untrusted raise is ignored and counted per
@@ -24,18 +29,24 @@ too (`kvadmit.simulate.workload.Workload.trusted`).
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
 
+from kvadmit.flow_settings import KeyBinding, key_bindings, key_digest
 from kvadmit.protocol import UNTRUSTED_FIELD, Refusal
-from kvadmit.request_fields import SCHEMA, FieldError
+from kvadmit.request_fields import SCHEMA, FieldError, flow_int
 
 SECRET_ENV = "KVADMIT_GATEWAY_SECRET"
 SECRET_HEADER = b"x-kvadmit-gateway-secret"
 PRIORITY = "priority"            # the engine's own field, screened beside the schema's
+# The ASGI scope key under which the HTTP server's patch (kvadmit_patches.asgi_socket_peer)
+# keeps the socket's own peer host: uvicorn rewrites scope["client"] from X-Forwarded-For.
+PEER_SCOPE_KEY = "kvadmit.socket_peer"
+AUTHORIZATION = b"authorization"
 # vllm_xargs mark of a screened request: kvadmit does not take vLLM's own session id
 # (X-Session-ID) as its session. Setting it can only lower a client's own claim.
 UNTRUSTED_KEY = "kvadmit_untrusted"
@@ -58,8 +69,9 @@ class Trust:
     trusted sources and the config the claim rules compare with."""
     mode: str
     config: Any
-    secret: Optional[bytes] = None
+    secret: Optional[bytes] = None      # its SHA-256: compared in constant time
     proxies: tuple = ()
+    keys: Mapping[str, KeyBinding] = None   # "sha256:<hex>" of an API key -> its flow
 
     @classmethod
     def of(cls, config, environ: Optional[Mapping[str, str]] = None) -> "Trust":
@@ -67,7 +79,8 @@ class Trust:
         secret = environ.get(SECRET_ENV) or None
         proxies = tuple(ipaddress.ip_network(p, strict=False) for p in config.trusted_proxies)
         mode = resolved_mode(config, bool(secret or proxies))
-        return cls(mode, config, secret.encode() if secret else None, proxies)
+        digest = hashlib.sha256(secret.encode()).digest() if secret else None
+        return cls(mode, config, digest, proxies, key_bindings(config.flows))
 
     @property
     def screens(self) -> bool:
@@ -76,10 +89,12 @@ class Trust:
 
     def trusted(self, headers: Iterable[tuple[bytes, bytes]], peer: Optional[str]) -> bool:
         """Whether an HTTP request is from a trusted source: the gateway secret in its
-        headers, or its peer address in trusted_proxies."""
+        headers, or `peer`, the socket's own peer address (`socket_peer`), in
+        trusted_proxies."""
         if self.secret is not None:
             for name, value in headers:
-                if name.lower() == SECRET_HEADER and hmac.compare_digest(value.strip(), self.secret):
+                if name.lower() == SECRET_HEADER and hmac.compare_digest(
+                        hashlib.sha256(value.strip()).digest(), self.secret):
                     return True
         if self.proxies and peer:
             try:
@@ -88,6 +103,35 @@ class Trust:
                 return False
             return any(address in net for net in self.proxies)
         return False
+
+    def bound(self, headers: Iterable[tuple[bytes, bytes]]) -> Optional[KeyBinding]:
+        """The flow and priority bound to the request's API key, None without one: the
+        first Authorization header's Bearer key, read as vLLM's and SGLang's own
+        authentication reads it."""
+        if not self.keys:
+            return None
+        for name, value in headers:
+            if name.lower() == AUTHORIZATION:
+                scheme, _, key = value.decode("latin-1").partition(" ")
+                return self.keys.get(key_digest(key)) if scheme.lower() == "bearer" else None
+        return None
+
+    def check_server_keys(self, server_keys: Iterable[Optional[str]]) -> None:
+        """ConfigError unless every API key a flow lists is one of the server's own
+        (--api-key): a key the server does not check proves nothing."""
+        from kvadmit.config import ConfigError
+        if not self.keys:
+            return
+        known = {key_digest(k) for k in server_keys if k}
+        if not known:
+            raise ConfigError(
+                "kvadmit config: flows bind API keys (api_keys), but the server checks none: "
+                "start it with --api-key (vLLM: or VLLM_API_KEY), one key per tenant")
+        for digest, binding in self.keys.items():
+            if digest not in known:
+                raise ConfigError(
+                    f"kvadmit config: flows[{binding.flow!r}].api_keys has {digest[:15]}..., "
+                    f"which is not the SHA-256 of any of the server's --api-key values")
 
     def raised(self, values: Mapping[str, Any], now_unix: float) -> list[str]:
         """The fields of `values` (field name -> value as the client sent it) that
@@ -114,6 +158,33 @@ class Trust:
         if priority < 0:
             out.append(PRIORITY)
         return out
+
+
+def socket_peer(scope) -> Optional[str]:
+    """The socket's own peer host of an ASGI scope (PEER_SCOPE_KEY), None where the
+    HTTP server's patch did not record it: never scope["client"], which uvicorn
+    rewrites from X-Forwarded-For."""
+    return scope.get(PEER_SCOPE_KEY) if isinstance(scope, Mapping) else None
+
+
+def same_flow(claimed: Any, flow: str) -> bool:
+    """Whether a request's flow claim names `flow` (as kvadmit reads flow ids)."""
+    try:
+        return flow_int(claimed, "flow") == flow_int(flow, "flow")
+    except FieldError:
+        return False
+
+
+def require_socket_peer(trust: "Trust", installed: bool) -> None:
+    """ConfigError where trusted_proxies are configured and the HTTP server's patch
+    that records the socket's peer (kvadmit_patches.asgi_socket_peer) is not in place."""
+    from kvadmit.config import ConfigError
+    if trust.proxies and not installed:
+        raise ConfigError(
+            "kvadmit config: trusted_proxies needs the connection's own peer address, and "
+            "kvadmit could not wrap uvicorn's app loading (kvadmit_patches.asgi_socket_peer) "
+            "to read it: uvicorn rewrites the peer from X-Forwarded-For, which any client can "
+            "send. Use the gateway secret (KVADMIT_GATEWAY_SECRET) instead")
 
 
 def refusal_message(names: list[str]) -> str:

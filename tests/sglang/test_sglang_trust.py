@@ -13,9 +13,14 @@ from sglang.srt.managers.io_struct import GenerateReqInput  # noqa: E402
 from sglang.srt.managers.tokenizer_manager import TokenizerManager  # noqa: E402
 from sglang.srt.plugins.hook_registry import HookType, _wrap_fn  # noqa: E402
 from starlette.requests import Request  # noqa: E402
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware  # noqa: E402
+
+from kvadmit.config import ConfigError  # noqa: E402
+from kvadmit.flow_settings import key_digest  # noqa: E402
+from kvadmit_patches.asgi_socket_peer import SocketPeer  # noqa: E402
 
 from kvadmit.sglang import plugin  # noqa: E402
-from kvadmit.sglang.trust import T_GENERATE, before_generate_request  # noqa: E402
+from kvadmit.sglang.trust import T_GENERATE, before_generate_request, check_server  # noqa: E402
 from kvadmit.trust import SECRET_ENV, SECRET_HEADER  # noqa: E402
 
 GENERATE = _wrap_fn(TokenizerManager.generate_request, before_generate_request, HookType.BEFORE)
@@ -23,8 +28,17 @@ MANAGER = object.__new__(TokenizerManager)      # the hook runs before the metho
 
 
 def http_request(headers=(), peer="192.0.2.9"):
-    return Request({"type": "http", "method": "POST", "path": "/generate",
-                    "headers": list(headers), "client": (peer, 5555)})
+    """The request SGLang's route gets on a connection from `peer`, through what uvicorn
+    puts in front of the app: kvadmit's socket-peer patch and uvicorn's own
+    ProxyHeadersMiddleware (FORWARDED_ALLOW_IPS' default, 127.0.0.1)."""
+    seen = {}
+
+    async def app(scope, receive, send):
+        seen["scope"] = scope
+    server = SocketPeer(ProxyHeadersMiddleware(app, trusted_hosts="127.0.0.1"))
+    asyncio.run(server({"type": "http", "method": "POST", "path": "/generate",
+                        "headers": list(headers), "client": (peer, 5555)}, None, None))
+    return Request(seen["scope"])
 
 
 def generate(obj, request):
@@ -99,3 +113,48 @@ def test_offline_and_single_user_servers_are_untouched(config):
     config({})                                                          # auto: honour
     obj = generate(request_obj({"flow": "gold"}, priority=3), http_request())
     assert obj.sampling_params["custom_params"]["kvadmit"] == {"flow": "gold"} and obj.priority == 3
+
+
+@pytest.mark.parametrize("forged", [b"x-forwarded-for", b"forwarded", b"x-real-ip"])
+def test_a_client_that_claims_the_gateways_address_in_a_header_is_not_trusted(config, forged):
+    """From 127.0.0.1 (uvicorn rewrites its peer from X-Forwarded-For by default), a
+    client claims the gateway's 127.0.0.2: kvadmit reads the socket's own peer."""
+    config({"flows": {"gold": {}}, "trusted_proxies": ["127.0.0.2"]})
+    value = b"for=127.0.0.2" if forged == b"forwarded" else b"127.0.0.2"
+    request = http_request([(forged, value)], peer="127.0.0.1")
+    obj = generate(request_obj({"flow": "gold"}), request)
+    assert obj.sampling_params["custom_params"]["kvadmit"] == {}
+    if forged == b"x-forwarded-for":
+        assert request.client.host == "127.0.0.2"       # uvicorn did take the header
+    obj = generate(request_obj({"flow": "gold"}), http_request(peer="127.0.0.2"))
+    assert obj.sampling_params["custom_params"]["kvadmit"] == {"flow": "gold"}
+
+
+def keyed_manager(key):
+    manager = object.__new__(TokenizerManager)
+    manager.server_args = type("ServerArgs", (), {"api_key": key})()
+    return manager
+
+
+def test_the_servers_api_key_binds_its_flow_whatever_the_request_claims(config):
+    config({"flows": {"gold": {}, "tenant-a": {"api_keys": [key_digest("key-a")]}}})
+    obj = request_obj({"flow": "gold"}, batch=True)
+    wrapped = _wrap_fn(TokenizerManager.generate_request, before_generate_request, HookType.BEFORE)
+    asyncio.run(wrapped(keyed_manager("key-a"), obj,
+                        http_request([(b"authorization", b"Bearer key-a")])).aclose())
+    for sp in obj.sampling_params:
+        assert sp["custom_params"]["kvadmit"] == {"flow": "tenant-a"}
+    # a key the server does not check binds nothing
+    obj = request_obj({"flow": "gold"})
+    asyncio.run(wrapped(keyed_manager("other"), obj,
+                        http_request([(b"authorization", b"Bearer key-a")])).aclose())
+    assert obj.sampling_params["custom_params"]["kvadmit"] == {}
+
+
+def test_start_up_stops_on_keys_sglang_does_not_check(config):
+    config({"flows": {"tenant-a": {"api_keys": [key_digest("key-a")]}}})
+    with pytest.raises(ConfigError, match="the server checks none"):
+        check_server(type("ServerArgs", (), {"api_key": None})())
+    with pytest.raises(ConfigError, match="not the SHA-256 of any"):
+        check_server(type("ServerArgs", (), {"api_key": "key-b"})())
+    check_server(type("ServerArgs", (), {"api_key": "key-a"})())

@@ -8,7 +8,12 @@ source: each field of `custom_params["kvadmit"]` (in every sample's sampling
 parameters) that would raise its claim, and a `priority` (a request without one has
 SGLang's least), is removed and counted (`kvadmit:untrusted_fields_total{field}`),
 or, with `untrusted_fields: refuse`, the request is refused with a ValueError, which
-SGLang answers with 400. The gateway secret's header is removed from the request.
+SGLang answers with 400. The gateway secret's header is removed from the request. A
+trusted proxy is the connection's own socket peer (kvadmit_patches.asgi_socket_peer,
+applied in SGLang's HTTP process), never the address uvicorn took from
+X-Forwarded-For. SGLang checks one `--api-key`: a request that presents it, where a
+flow lists it (`flows[...].api_keys`), is that flow's whatever it claims; its priority
+is screened as any other request's.
 
 Imports no SGLang: it reads the request object's attributes.
 """
@@ -18,7 +23,8 @@ import time
 from typing import Optional
 
 from kvadmit.request_fields import KEY
-from kvadmit.trust import PRIORITY, SECRET_HEADER, Trust, count, refusal_message
+from kvadmit.trust import (AUTHORIZATION, PRIORITY, SECRET_HEADER, Trust, count,
+                           refusal_message, require_socket_peer, same_flow, socket_peer)
 
 T_GENERATE = "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request"
 METRIC = "kvadmit:untrusted_fields"      # SGLang's kvadmit series are "kvadmit:*"
@@ -39,9 +45,27 @@ def server_trust() -> Optional[Trust]:
     return _cache[text]
 
 
-def screen(obj, trust: Trust, now_unix: float) -> list[str]:
+def check_server(server_args) -> None:
+    """Stops SGLang's start-up (ConfigError) where this server's trust rule cannot be
+    kept: trusted_proxies without the socket's own peer address, or a flow's API key
+    that is not SGLang's --api-key."""
+    from kvadmit_patches import PatchUnavailable, asgi_socket_peer
+
+    trust = server_trust()
+    if trust is None:
+        return
+    try:
+        asgi_socket_peer.apply()
+    except PatchUnavailable:
+        pass                    # named by require_socket_peer where it matters
+    require_socket_peer(trust, asgi_socket_peer.installed())
+    trust.check_server_keys([getattr(server_args, "api_key", None)])
+
+
+def screen(obj, trust: Trust, now_unix: float, keyed: bool = False) -> list[str]:
     """An untrusted request's raises, by their names in the request: removed from
-    `obj` (a GenerateReqInput or EmbeddingReqInput)."""
+    `obj` (a GenerateReqInput or EmbeddingReqInput). A `keyed` request's flow is its
+    API key's (`bind`), not screened here."""
     names = []
     params = getattr(obj, "sampling_params", None)
     for sp in (params if isinstance(params, list) else [params]):
@@ -50,11 +74,42 @@ def screen(obj, trust: Trust, now_unix: float) -> list[str]:
         if not isinstance(fields, dict):
             continue
         for name in trust.raised(fields, now_unix):
+            if keyed and name == "flow":
+                continue
             del fields[name]
             names.append(f"custom_params.{KEY}.{name}")
     if getattr(obj, PRIORITY, None) is not None:
         obj.priority = None
         names.append(PRIORITY)
+    return list(dict.fromkeys(names))
+
+
+def _bound_flow(trust: Trust, headers, manager) -> Optional[str]:
+    """The flow bound to the request's API key, where it is the server's own (SGLang
+    checks that one key before this hook; a key it does not check proves nothing)."""
+    binding = trust.bound(headers)
+    server_key = getattr(getattr(manager, "server_args", None), "api_key", None)
+    if binding is None or not server_key:
+        return None
+    own = trust.bound([(AUTHORIZATION, b"Bearer " + server_key.encode("utf-8"))])
+    return binding.flow if own == binding else None
+
+
+def bind(obj, flow: str) -> list[str]:
+    """Every sample's kvadmit flow set to its API key's `flow`; the names of the other
+    flows it claimed."""
+    if getattr(obj, "sampling_params", None) is None:
+        obj.sampling_params = {}
+    params = obj.sampling_params
+    names = []
+    for sp in (params if isinstance(params, list) else [params]):
+        custom = sp.setdefault("custom_params", {}) if isinstance(sp, dict) else None
+        fields = custom.setdefault(KEY, {}) if isinstance(custom, dict) else None
+        if not isinstance(fields, dict):
+            continue                # left for the engine to refuse as malformed
+        if "flow" in fields and not same_flow(fields["flow"], flow):
+            names.append(f"custom_params.{KEY}.flow")
+        fields["flow"] = flow
     return list(dict.fromkeys(names))
 
 
@@ -68,12 +123,13 @@ def before_generate_request(manager, obj, request=None, *args, **kwargs):
     headers = list(scope.get("headers", [])) if isinstance(scope, dict) else []
     if any(k.lower() == SECRET_HEADER for k, _ in headers):
         scope["headers"] = [(k, v) for k, v in headers if k.lower() != SECRET_HEADER]
-    if not trust.screens:
+    flow = _bound_flow(trust, headers, manager)
+    if not trust.screens and flow is None:
         return None
-    client = getattr(request, "client", None)
-    if trust.trusted(headers, getattr(client, "host", None)):
-        return None
-    raised = screen(obj, trust, time.time())
+    raised = [] if not trust.screens or trust.trusted(headers, socket_peer(scope)) else \
+        screen(obj, trust, time.time(), keyed=flow is not None)
+    if flow is not None:
+        raised += bind(obj, flow)
     count(raised, METRIC)
     if raised and trust.mode == "refuse":
         raise ValueError(refusal_message(raised))
