@@ -6,12 +6,17 @@ KV block must be back at idle.
     python bench/soak_serve.py [--minutes 5] [--load 1.5] [--engine-cpus 1] [--seed 0]
 
 One kvadmit server (the tiny CPU model, 48 blocks of 32 tokens) with
-`{"max_queued_requests": 12, "max_queue_age_s": 30, "flows": {"a": {"weight": 2}}}`.
+`{"max_queued_requests": 12, "max_queue_age_s": 30, "flows": {"a": {"weight": 2}},
+"trusted_proxies": ["127.0.0.2"]}` and a gateway secret (KVADMIT_GATEWAY_SECRET): the
+trust boundary on.
 Capacity (requests a second) is measured first, closed-loop, because this machine's
 speed changes from day to day. Each request: a prompt of 16-200 tokens and 16-96
 output tokens (ignore_eos); half stream; one in ten is a client that reads one chunk
-and goes away; flow a or b (GIE's x-gateway-inference-fairness-id); one in four with
-llm-d's TTL header (x-llm-d-inference-ttl: 20s). Reported: answers by kind, any 5xx
+and goes away; flow a or b (GIE's x-gateway-inference-fairness-id), half of them from
+"the gateway" (with the secret), the other half from clients (their flow ignored and
+counted as untrusted); one in four with llm-d's TTL header, 2 s (x-llm-d-inference-ttl:
+2s: short enough that some expire in the queue under load; `expired` answers counted
+apart from the other refusals). Reported: answers by kind, any 5xx
 other than the overload status, RSS of the server's processes (at idle before, every
 30 s, at the end; growth counted from the first minute, once allocators and caches
 have warmed up, and from the start), and KV blocks in use at idle. Saved to bench/results/soak_serve.json.
@@ -35,7 +40,10 @@ from kvadmit.bench.serve.configs import parse_config
 from kvadmit.bench.serve.server import Engine, Server
 from kvadmit.vllm.tiny_model import build_tiny_llama
 
-CONFIG = {"max_queued_requests": 12, "max_queue_age_s": 30, "flows": {"a": {"weight": 2}}}
+CONFIG = {"max_queued_requests": 12, "max_queue_age_s": 30, "flows": {"a": {"weight": 2}},
+          "trusted_proxies": ["127.0.0.2"]}
+SECRET = "soak-gateway-secret"
+TTL = "2s"
 
 
 def rss_by_process(pid: int) -> dict[str, float]:
@@ -61,8 +69,10 @@ def one_request(base: str, model: str, rng: random.Random, i: int) -> str:
     body = {"model": model, "prompt": prompt, "max_tokens": rng.randint(16, 96),
             "ignore_eos": True}
     headers = {"x-gateway-inference-fairness-id": rng.choice("ab")}
+    if rng.random() < 0.5:
+        headers["x-kvadmit-gateway-secret"] = SECRET
     if rng.random() < 0.25:
-        headers["x-llm-d-inference-ttl"] = "20s"
+        headers["x-llm-d-inference-ttl"] = TTL
     stream, cancel = rng.random() < 0.5, rng.random() < 0.1
     url = base + "/v1/completions"
     try:
@@ -70,22 +80,28 @@ def one_request(base: str, model: str, rng: random.Random, i: int) -> str:
             r = httpx.post(url, json=body, headers=headers, timeout=600)
             if r.status_code == 200:
                 return "ok"
-            return "refused" if "kvadmit:" in r.text else f"status {r.status_code}"
+            return refusal(r.text, r.status_code)
         with httpx.stream("POST", url, json={**body, "stream": True}, headers=headers,
                           timeout=600) as r:
             if r.status_code != 200:
-                text = r.read().decode(errors="replace")
-                return "refused" if "kvadmit:" in text else f"status {r.status_code}"
+                return refusal(r.read().decode(errors="replace"), r.status_code)
             for line in r.iter_lines():
                 if cancel and line.startswith("data:"):
                     return "cancelled"            # the client goes away mid-answer
                 if "kvadmit:" in line:
-                    return "refused"
+                    return refusal(line, 200)
                 if line.strip() == "data: [DONE]":
                     return "ok"
             return "error: stream ended without [DONE]"
     except httpx.HTTPError as e:
         return f"error {type(e).__name__}"
+
+
+def refusal(text: str, status: int) -> str:
+    """A kvadmit refusal's outcome (expired apart), or "status N"."""
+    if "kvadmit:expired" in text:
+        return "expired"
+    return "refused" if "kvadmit:" in text else f"status {status}"
 
 
 def capacity(base: str, model: str, n: int = 96, concurrency: int = 32) -> float:
@@ -150,7 +166,8 @@ def main(argv=None) -> int:
     cfg = parse_config("soak=" + json.dumps(CONFIG), 0, 0.0)
     log = pathlib.Path(tempfile.mkdtemp(prefix="kvadmit-soak-")) / "serve.log"
     server = Server(cfg, model, Engine(num_blocks=49), log,
-                    engine_cpus=tuple(int(c) for c in args.engine_cpus.split(",") if c))
+                    engine_cpus=tuple(int(c) for c in args.engine_cpus.split(",") if c),
+                    env={"KVADMIT_GATEWAY_SECRET": SECRET})
     server.start()
     try:
         server.wait_ready(600)
@@ -166,7 +183,8 @@ def main(argv=None) -> int:
     finally:
         server.stop()
     outcomes = run["outcomes"]
-    unexpected = {k: v for k, v in outcomes.items() if k not in ("ok", "cancelled", "refused")}
+    unexpected = {k: v for k, v in outcomes.items()
+                  if k not in ("ok", "cancelled", "refused", "expired")}
     warm = sum(run["rss_mb"][1][1].values()) if len(run["rss_mb"]) > 1 else rss_start
     out = {
         "config": CONFIG, "load": args.load, "capacity_rps": cap, "rate_rps": rate,
@@ -179,6 +197,8 @@ def main(argv=None) -> int:
         "kv_usage_at_idle": idle.get("vllm:kv_cache_usage_perc"),
         "waiting_at_idle": idle.get("kvadmit_waiting_requests"),
         "kvadmit_rejected": {k: v for k, v in idle.items() if k.startswith("kvadmit_rejected")},
+        "untrusted_fields": {k: v for k, v in idle.items()
+                             if k.startswith("kvadmit_untrusted_fields_total")},
     }
     print(f"sent {run['sent']}, answered {out['answered']}: {outcomes}; unexpected {unexpected}; "
           f"RSS {rss_start:.0f} -> {rss_end:.0f} MiB ({out['rss_growth']:+.1%}; "
@@ -187,7 +207,8 @@ def main(argv=None) -> int:
     if not args.no_save:
         print(f"saved {save('soak_serve', out)}")
     ok = (not unexpected and out["answered"] == run["sent"] and out["kv_usage_at_idle"] == 0
-          and out["rss_growth_after_1_min"] < 0.05)
+          and out["rss_growth_after_1_min"] < 0.05 and outcomes.get("expired", 0) > 0
+          and out["untrusted_fields"])
     return 0 if ok else 1
 
 

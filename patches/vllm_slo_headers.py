@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import time
 
+from kvadmit.protocol import Refusal
 from kvadmit.request_fields import FLAT_PREFIX, HEADERS, KEY
 from kvadmit.trust import (PRIORITY, SECRET_HEADER, UNTRUSTED_KEY, count, refusal_message,
                            require_socket_peer, same_flow, socket_peer)
@@ -94,9 +95,39 @@ def with_fields(body: bytes, fields: dict) -> bytes | None:
 def _json_object(body: bytes) -> dict | None:
     try:
         doc = json.loads(body or b"{}")
-    except ValueError:
+    except (ValueError, RecursionError):     # RecursionError: nested past the parser's depth
         return None
     return doc if isinstance(doc, dict) else None
+
+
+def _unservable(doc: dict) -> tuple[str, str] | None:
+    """(field, why) of the first thing in the body that vLLM 0.32 answers with a 500
+    instead of a 400: a string UTF-8 cannot encode (a lone surrogate, as JSON's \\ud800
+    gives) in a vllm_xargs key or value, which fails encoding for the engine core; a
+    token id of the prompt beyond 64 bits, which fails before any check of vLLM's or
+    kvadmit's."""
+    def bad_text(value) -> bool:
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+            return False
+        if isinstance(value, dict):
+            return any(bad_text(k) or bad_text(v) for k, v in value.items())
+        return isinstance(value, list) and any(bad_text(v) for v in value)
+    xargs = doc.get("vllm_xargs")
+    for key, value in (xargs.items() if isinstance(xargs, dict) else ()):
+        if bad_text(key) or bad_text(value):
+            name = key.encode("utf-8", "backslashreplace").decode()
+            return f"vllm_xargs.{name}", "is not valid Unicode (a lone surrogate): no UTF-8 for it"
+    prompt = doc.get("prompt")
+    for ids in (prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list)
+                else [prompt] if isinstance(prompt, list) else []):
+        for token in (ids if isinstance(ids, list) else []):
+            if isinstance(token, int) and not -2**63 <= token < 2**63:
+                return "prompt", f"has token id {token}, beyond 64 bits"
+    return None
 
 
 def _merge(doc: dict, fields: dict, headers_win: bool) -> bool:
@@ -204,7 +235,11 @@ class SloHeaderMiddleware:
             count(raised)
             body = json.dumps(doc).encode()
         if raised and self.trust.mode == "refuse":
-            return await _refuse(send, raised)
+            return await _refuse(send, refusal_message(raised), raised[0])
+        unservable = _unservable(doc) if doc is not None else None
+        if unservable is not None:
+            field, why = unservable
+            return await _refuse(send, Refusal("invalid", f"{field} {why}").client_message(), field)
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
         scope = {**scope, "headers": headers}
@@ -224,10 +259,10 @@ async def _read_body(receive) -> tuple[bytes, dict | None]:
     return b"".join(chunks), None
 
 
-async def _refuse(send, names: list[str]) -> None:
-    """400 in vLLM's error shape, naming the fields (untrusted_fields: refuse)."""
-    body = json.dumps({"error": {"message": refusal_message(names), "type": "BadRequestError",
-                                 "param": names[0], "code": 400}}).encode()
+async def _refuse(send, message: str, param: str) -> None:
+    """400 in vLLM's error shape, naming the field `param`."""
+    body = json.dumps({"error": {"message": message, "type": "BadRequestError",
+                                 "param": param, "code": 400}}).encode()
     await send({"type": "http.response.start", "status": 400,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode())]})

@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -31,3 +32,26 @@ def model_dir(tmp_path_factory):
     for every test that runs vLLM."""
     from kvadmit.vllm.tiny_model import build_tiny_llama
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture
+def prometheus_multiproc_dir(tmp_path):
+    """PROMETHEUS_MULTIPROC_DIR set to this test's tmp_path in this process; afterwards
+    the variable as it was, and prometheus_client's value class chosen again for it.
+    prometheus_client picks that class (multiprocess or not) from the variable once, at
+    its first import: first imported inside such a test, it would stay multiprocess,
+    and every metric a later test makes (kvadmit.trust's counter) would fail on the
+    variable being gone."""
+    name = "PROMETHEUS_MULTIPROC_DIR"
+    before = os.environ.get(name)
+    os.environ[name] = str(tmp_path)
+    try:
+        yield tmp_path
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+        values = sys.modules.get("prometheus_client.values")
+        if values is not None:
+            values.ValueClass = values.get_value_class()

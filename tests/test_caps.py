@@ -129,7 +129,7 @@ def test_shedding_never_evicts_a_preempted_request():
 
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(prompt_tokens=0, max_new_tokens=4), "prompt_tokens=0: must be >= 1"),
-    (dict(prompt_tokens=4, max_new_tokens=0), "max_new_tokens=0: must be >= 1"),
+    (dict(prompt_tokens=4, max_new_tokens=-1), "max_new_tokens=-1: must be >= 0"),
     (dict(prompt_tokens=4, max_new_tokens=4, cached_tokens=5), "cached_tokens=5"),
     (dict(prompt_tokens=4, max_new_tokens=4, now=float("inf")), "now=inf"),
 ])

@@ -4,7 +4,6 @@ directory, and the middleware answers `GET /health` and `GET /get_load` from the
 (docs/trust-and-failure.md, "What a router sees")."""
 import asyncio
 import json
-import os
 import subprocess
 import sys
 
@@ -35,17 +34,17 @@ def call(path, method="GET"):
 
 
 @pytest.fixture
-def engine(monkeypatch, tmp_path):
-    """Starts an engine process in `state` (ok, open, closed); stopped at the end."""
+def engine(prometheus_multiproc_dir):
+    """Starts an engine process in `state` (ok, open, closed) writing into this test's
+    multiprocess directory (tests/conftest.py); stopped at the end."""
     procs = []
+    path = str(prometheus_multiproc_dir)
 
     def start(state):
-        env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
-        procs.append(subprocess.Popen([sys.executable, "-c", ENGINE, state], env=env,
+        procs.append(subprocess.Popen([sys.executable, "-c", ENGINE, state],   # inherits it
                                       stdin=subprocess.PIPE, text=True))
-        monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
         for _ in range(200):
-            signals = kvadmit_signals(str(tmp_path))
+            signals = kvadmit_signals(path)
             if signals and "kvadmit_failed_closed" in signals and (
                     state == "ok" or "kvadmit_internal_errors" in signals):
                 return signals
@@ -57,8 +56,8 @@ def engine(monkeypatch, tmp_path):
         p.communicate("")
 
 
-def test_without_kvadmits_series_health_is_vllms_alone(monkeypatch, tmp_path):
-    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))   # no engine wrote
+def test_without_kvadmits_series_health_is_vllms_alone(prometheus_multiproc_dir):
+    # no engine wrote into the multiprocess directory
     status, headers, body = call("/health")
     assert (status, body) == (200, b"app") and b"x-kvadmit-state" not in headers
 

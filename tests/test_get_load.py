@@ -67,27 +67,25 @@ def call(path, method="GET", query=b""):
     return status, body
 
 
-def test_the_middleware_answers_get_load_and_passes_the_rest(monkeypatch, tmp_path):
-    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))   # no engine wrote: vLLM's count
+def test_the_middleware_answers_get_load_and_passes_the_rest(prometheus_multiproc_dir):
+    # no engine wrote into the multiprocess directory: vLLM's count
     status, body = call("/get_load")
     assert status == 200 and json.loads(body) == {"load": 0, "source": "vllm"}
     assert call("/get_load", "POST") == (404, b"app")
     assert call("/v1/completions") == (404, b"app")
 
 
-def test_once_kvadmit_failed_open_the_report_is_vllms_and_says_so(monkeypatch, tmp_path):
+def test_once_kvadmit_failed_open_the_report_is_vllms_and_says_so(prometheus_multiproc_dir):
     """An engine process where kvadmit failed open (its metrics' internal-error count
     above 0): kvadmit's gauges stand still, so /get_load answers vLLM's own count and
     names the state."""
-    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
     writer = WRITER.replace("sys.stdin.read()", "from prometheus_client import Counter\n"
                             "Counter('kvadmit_internal_errors', 'e').inc()\nsys.stdin.read()")
-    proc = subprocess.Popen([sys.executable, "-c", writer, "0.5", "0.25", "2"], env=env,
+    proc = subprocess.Popen([sys.executable, "-c", writer, "0.5", "0.25", "2"],  # inherits the dir
                             stdin=subprocess.PIPE, text=True)
     try:
-        monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
         for _ in range(100):
-            signals = kvadmit_signals(str(tmp_path))
+            signals = kvadmit_signals(str(prometheus_multiproc_dir))
             if signals and signals.get("kvadmit_internal_errors") == 1:
                 break
             asyncio.run(asyncio.sleep(0.05))
@@ -230,16 +228,15 @@ def test_generation_rate_from_vllms_counter():
     assert rate.update(1300.0, 16.0) == 500.0
 
 
-def test_the_middleware_answers_v1_loads_with_its_query(monkeypatch, tmp_path):
+def test_the_middleware_answers_v1_loads_with_its_query(prometheus_multiproc_dir):
     """SMG's exact probe through the ASGI middleware, from a real multiprocess
     directory an engine process wrote kvadmit's gauges into."""
-    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, "0.75", "0.5", "4"], env=env,
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, "0.75", "0.5", "4"],  # inherits the dir
                             stdin=subprocess.PIPE, text=True)
     try:
-        monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
         for _ in range(100):
-            if (kvadmit_signals(str(tmp_path)) or {}).get("kvadmit_waiting_requests") == 4:
+            if (kvadmit_signals(str(prometheus_multiproc_dir)) or {}).get(
+                    "kvadmit_waiting_requests") == 4:
                 break
             asyncio.run(asyncio.sleep(0.05))
         status, body = call("/v1/loads", query=b"include=core,disagg,queues,memory")

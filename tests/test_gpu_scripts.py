@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import subprocess
+import sys
 
 import pytest
 
@@ -21,8 +22,14 @@ def have(module: str) -> bool:
 
 
 def dry_run(script: str, **env):
+    """Runs a script as a user of this environment would: its python (and the `python`,
+    `kvadmit`, `vllm` commands the scripts call) is the one running the tests, whatever
+    PATH says (a plain PATH would find the system's python, without vLLM or SGLang)."""
+    bin_dir = os.path.dirname(sys.executable)
+    path = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
     p = subprocess.run(["bash", f"bench/{script}"], cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, "DRY_RUN": "1", **env}, timeout=900)
+                       env={**os.environ, "PATH": path, "PYTHON": sys.executable,
+                            "DRY_RUN": "1", **env}, timeout=900)
     return p.returncode, p.stdout + p.stderr
 
 

@@ -34,14 +34,29 @@ def test_status_and_retry_after(retry_after_s, overload_status, status, header):
     back = Refusal.from_output(r.stop_reason, r.to_params())
     assert (back.reason, back.message, back.retry_after_s, back.status) == \
         (r.reason, r.message, r.retry_after_s, status)
-    assert (STATUS_KEY in r.to_params()) == (retry_after_s is not None and overload_status == 429)
+    # a retryable refusal names its status on the trip, whichever it is
+    assert r.to_params().get(STATUS_KEY) == (overload_status if retry_after_s is not None else None)
 
 
-def test_a_bad_overload_status_is_refused_and_a_stray_one_read_as_503():
+def test_a_refusal_without_a_status_has_the_configs_default():
+    """One default for a retryable refusal's status, the config's (429): a Refusal built
+    without one, one from a bare core Rejection, and one read back from a vLLM output
+    that names none; 503 only where given."""
+    from kvadmit import AdmissionConfig, Rejection
+    from kvadmit.protocol import DEFAULT_OVERLOAD_STATUS
+    assert DEFAULT_OVERLOAD_STATUS == AdmissionConfig().overload_status == 429
+    assert Refusal("queue_full", "m", 1.0).status == 429
+    assert Refusal.of(Rejection("queue_full", "m", "max_queued_requests", 1, 1.0)).status == 429
+    assert Refusal.from_output("kvadmit:queue_full", {RETRY_AFTER_KEY: 1.0}).status == 429
+    assert Refusal("queue_full", "m", 1.0, 503).status == 503
+    assert Refusal("context_length", "m").status == 400      # not retryable: 400 either way
+
+
+def test_a_bad_overload_status_is_refused_and_a_stray_one_read_as_the_default():
     with pytest.raises(ValueError, match="overload_status=500"):
         Refusal("shed", "m", 1.0, 500)
     stray = Refusal.from_output("kvadmit:shed", {RETRY_AFTER_KEY: 1.0, STATUS_KEY: 500})
-    assert stray.status == 503
+    assert stray.status == 429
 
 
 def test_outputs_that_are_not_kvadmit_refusals():
@@ -86,7 +101,7 @@ def test_every_refusal_a_client_sees_has_the_configs_overload_status(settings, s
     assert back.status == status
     assert rejection_finish_reason(refusal)["status_code"] == status
     # A bare Rejection (no Refusal built by the port): the config's status when given,
-    # else the config's default, 429 (not Refusal's own 503).
+    # else the config's default, 429.
     bare = Rejection("queue_full", "m", "max_queued_requests", 1, 1.0)
     assert rejection_finish_reason(bare, config.overload_status)["status_code"] == status
     assert rejection_finish_reason(bare)["status_code"] == 429

@@ -404,3 +404,22 @@ def test_api_keys_are_digests_one_flow_each_and_must_be_the_servers_own():
         trust_of(args)
     args.api_key = [KEY_B, KEY_A]
     assert trust_of(args).bound([bearer(KEY_A)]).flow == "a"
+
+
+def test_a_body_vllm_cannot_encode_or_parse_is_a_400_not_a_500():
+    """A lone surrogate in vllm_xargs (vLLM fails encoding it for the engine core: 500)
+    is refused naming the key; a body nested past the JSON parser's depth is passed on
+    as it is, for vLLM's own 400."""
+    trust = Trust.of(CONFIG, {})
+    doc = json.loads('{"prompt": [5], "vllm_xargs": {"other": 1, "kvadmit_ttl_s": ["\\ud800"]}}')
+    seen, status, body = call(trust, doc)
+    assert seen is None and status == 400
+    assert body["error"]["param"] == "vllm_xargs.kvadmit_ttl_s"
+    assert body["error"]["message"].startswith("kvadmit:invalid: vllm_xargs.kvadmit_ttl_s is not")
+    for prompt in ([5, 10**30], [[5], [6, -10**20]]):
+        seen, status, body = call(trust, {"prompt": prompt})
+        assert status == 400 and body["error"]["param"] == "prompt", prompt
+    seen, status, _ = call(trust, {"prompt": [[5], [2**63 - 1]]})
+    assert status is None
+    from kvadmit_patches.vllm_slo_headers import _json_object
+    assert _json_object(b"[" * 100_000) is None

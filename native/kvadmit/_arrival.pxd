@@ -9,7 +9,7 @@ from libc.stdint cimport int64_t
 
 cdef struct ArrivalRecord:
     int64_t prompt_tokens     # prompt tokens (>= 1)
-    int64_t max_new_tokens    # its output cap (>= 1)
+    int64_t max_new_tokens    # its output cap (>= 0; 0: a pooling request, which never decodes)
     int64_t priority          # lower is more important (vLLM's order); 0: the default
     int64_t cached_tokens     # prompt tokens already cached, in [0, prompt_tokens]
     double ttft_slo_s         # TTFT target, seconds (negative: the config's default; 0: none)

@@ -51,8 +51,9 @@ cdef int check_record(const ArrivalRecord* r, Py_ssize_t row=-1) except -1:
     entry, named field[row])."""
     if r.prompt_tokens < 1:
         raise ValueError(f"{_name('prompt_tokens', row)}={r.prompt_tokens}: must be >= 1")
-    if r.max_new_tokens < 1:
-        raise ValueError(f"{_name('max_new_tokens', row)}={r.max_new_tokens}: must be >= 1")
+    if r.max_new_tokens < 0:
+        raise ValueError(f"{_name('max_new_tokens', row)}={r.max_new_tokens}: must be >= 0 "
+                         f"(0: a pooling request, its prompt alone)")
     if r.cached_tokens < 0 or r.cached_tokens > r.prompt_tokens:
         raise ValueError(f"{_name('cached_tokens', row)}={r.cached_tokens}: must be in "
                          f"[0, prompt_tokens={r.prompt_tokens}]")

@@ -64,6 +64,8 @@ cdef class Requests:
                 values[name] = col[i]
             r = values
             check_record(&r, i)
+            if r.max_new_tokens < 1:     # a workload's requests generate (no pooling ones)
+                raise ValueError(f"max_new_tokens[{i}]={r.max_new_tokens}: must be >= 1")
             out = output_tokens[i]
             if out < 1 or out > r.max_new_tokens:
                 raise ValueError(f"output_tokens[{i}]={out}: must be in [1, "

@@ -3,7 +3,7 @@
 `ArrivalRecord` is the Python twin of the native struct in native/kvadmit/_arrival.pxd,
 made from it (its fields in its order, its defaults: kvadmit._arrival.FIELDS and
 DEFAULTS), so a new field is declared in the struct alone. The engine adapters
-build one from an engine's request (`kvadmit.vllm.admission`, `kvadmit.sglang.request`),
+build one from an engine's request (`kvadmit.vllm.request`, `kvadmit.sglang.request`),
 the port (`kvadmit.port.CorePort`) hands it to `AdmissionCore.arrive`, and the simulator's columnar `Requests`
 holds one per request. Building one checks its numbers as the core will: a ValueError
 names the field and its limit.

@@ -8,7 +8,8 @@ engine shows the client, so vLLM and SGLang answer the same refusal the same way
 - HTTP status: the config's ``overload_status`` for a retryable refusal (overload:
   the queue, the backlog, the predicted wait or TTFT, shedding), 429 Too Many
   Requests by default, or 503 Service Unavailable (both engines give every
-  `Refusal` the config's; one built without it is 503), 400 Bad Request for
+  `Refusal` the config's; one built without it has the config's default, 429,
+  `DEFAULT_OVERLOAD_STATUS`), 400 Bad Request for
   a request this server can never take (context, KV pool, a prompt larger than
   ``max_queued_tokens``, more samples (n) than ``max_queued_requests``, an
   invalid request field). Retryability belongs to the
@@ -43,13 +44,14 @@ from http import HTTPStatus
 from typing import Any, Mapping, Optional
 
 from kvadmit._arrival_gate import REJECT_REASONS
+from kvadmit.config import AdmissionConfig
 
 # A refused vLLM output's stop_reason, and the start of every client message.
 PREFIX = "kvadmit:"
 # Keys of a refused vLLM output's kv_transfer_params (the one free-form field of an
 # engine output that reaches the API server).
 RETRY_AFTER_KEY = "kvadmit_retry_after_s"   # the hint in seconds; present iff retryable
-STATUS_KEY = "kvadmit_status"               # a retryable refusal's status, when not 503
+STATUS_KEY = "kvadmit_status"               # a retryable refusal's status (429 or 503)
 DETAIL_KEY = "kvadmit_detail"               # the refusal's message (limit and numbers)
 
 # In a vLLM sample's SamplingParams.extra_args: "<n>/<parent request id>", set by the
@@ -71,9 +73,14 @@ AGENT_EXITS_HELP = ("Agent sessions taken out of the agent window, by why: pause
 AGENT_OVERDUE_HELP = ("Agent sessions let into a full agent window after waiting "
                       "agent_max_wait_s or half their own TTFT target")
 
-RETRYABLE_STATUS = HTTPStatus.SERVICE_UNAVAILABLE
-# The statuses a retryable refusal may have (AdmissionConfig.overload_status).
+# The statuses a retryable refusal may have (AdmissionConfig.overload_status), and the
+# one it has when nothing says otherwise: the config's default (429), defined there once.
 OVERLOAD_STATUSES = (HTTPStatus.SERVICE_UNAVAILABLE, HTTPStatus.TOO_MANY_REQUESTS)
+DEFAULT_OVERLOAD_STATUS = HTTPStatus(
+    AdmissionConfig.__dataclass_fields__["overload_status"].default)
+if DEFAULT_OVERLOAD_STATUS not in OVERLOAD_STATUSES:
+    raise ImportError(f"kvadmit.protocol: the config's default overload_status "
+                      f"{int(DEFAULT_OVERLOAD_STATUS)} is not one of {OVERLOAD_STATUSES}")
 FINAL_STATUS = HTTPStatus.BAD_REQUEST
 
 
@@ -146,7 +153,8 @@ def failed_closed() -> "Refusal":
 
 RETRY_TAIL = "(retry after {} s)"
 FINAL_TAIL = "(retrying will not help)"
-# What patches/vllm_retry_after.py finds in a 503 body to set the Retry-After header.
+# What patches/vllm_retry_after.py finds in a retryable refusal's body (429 or 503) to
+# set the Retry-After header.
 RETRY_HINT_RE = re.compile(rb"kvadmit:[a-z_]+:[^\"]*?\(retry after (\d+) s\)")
 # The hint as a number in a refusal's JSON body, beside the message (vLLM: in the
 # "error" object; SGLang: its flat error body): the Retry-After value, for a client
@@ -184,7 +192,9 @@ class Refusal:
     reason: str
     message: str
     retry_after_s: Optional[float] = None   # None: retrying cannot help
-    overload_status: int = RETRYABLE_STATUS   # the status when retryable (OVERLOAD_STATUSES)
+    # The status when retryable (OVERLOAD_STATUSES): the config's overload_status,
+    # its default (DEFAULT_OVERLOAD_STATUS, 429) when not given.
+    overload_status: int = DEFAULT_OVERLOAD_STATUS
 
     def __post_init__(self):
         if self.overload_status not in OVERLOAD_STATUSES:
@@ -192,7 +202,7 @@ class Refusal:
                              f"{', '.join(str(int(s)) for s in OVERLOAD_STATUSES)}")
 
     @classmethod
-    def of(cls, rejection, overload_status: int = RETRYABLE_STATUS) -> "Refusal":
+    def of(cls, rejection, overload_status: int = DEFAULT_OVERLOAD_STATUS) -> "Refusal":
         """From the core's `kvadmit.Rejection` (or anything with its three fields)."""
         return cls(rejection.reason, rejection.message, rejection.retry_after_s,
                    overload_status)
@@ -231,12 +241,12 @@ class Refusal:
 
     # -- vLLM: engine core -> API server -------------------------------------
     def to_params(self) -> dict:
-        """The refusal as a vLLM output's kv_transfer_params."""
+        """The refusal as a vLLM output's kv_transfer_params: a retryable one
+        always names its status (no default to agree on across the trip)."""
         params = {DETAIL_KEY: self.message}
         if self.retry_after_s is not None:
             params[RETRY_AFTER_KEY] = float(self.retry_after_s)
-            if self.overload_status != RETRYABLE_STATUS:
-                params[STATUS_KEY] = int(self.overload_status)
+            params[STATUS_KEY] = int(self.overload_status)
         return params
 
     @classmethod
@@ -250,9 +260,9 @@ class Refusal:
         info = REASONS.get(reason) or ADAPTER_REASONS.get(reason)
         message = params.get(DETAIL_KEY) or (info.message if info else "refused by kvadmit")
         retry = params.get(RETRY_AFTER_KEY)
-        status = params.get(STATUS_KEY, RETRYABLE_STATUS)
+        status = params.get(STATUS_KEY, DEFAULT_OVERLOAD_STATUS)
         if status not in OVERLOAD_STATUSES:
-            status = RETRYABLE_STATUS
+            status = DEFAULT_OVERLOAD_STATUS
         return cls(reason, str(message), None if retry is None else float(retry), status)
 
 

@@ -115,6 +115,9 @@ def flow_int(value: Any, name: str = "flow") -> int:
     of decimal digits is that integer: the header x-gateway-inference-fairness-id:
     7, the field flow: "7" or 7 and the config's flows key "7" are one flow."""
     if isinstance(value, str) and value.isascii() and value.isdigit():
+        if len(value.lstrip("0")) > 19:    # past 2**62 (int() refuses 4300 digits, unnamed)
+            raise FieldError(f"kvadmit field {name}={value[:24]!r}... ({len(value)} digits): "
+                             f"an integer flow must be in [0, 2**62)")
         value = int(value)
     if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value < SESSION_INT_LIMIT:
         raise FieldError(f"kvadmit field {name}={value!r}: an integer flow must be in [0, 2**62)")
@@ -133,8 +136,16 @@ def flag(value: Any, name: str) -> bool:
     raise FieldError(f"kvadmit field {name}={value!r}: must be true or false")
 
 
+def _finite_number(value: Any) -> bool:
+    """A number a float holds (not a bool, NaN, an infinity, or an int past float's range,
+    which math.isfinite and arithmetic with floats meet with OverflowError)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return abs(value) < 2**1023 if isinstance(value, int) else math.isfinite(value)
+
+
 def _seconds(value: Any, name: str, hi: float, zero: str = "no target") -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not _finite_number(value):
         raise FieldError(f"kvadmit field {name}={value!r}: must be a number of seconds in "
                          f"[0, {hi:g}] (0: {zero})")
     if not 0 <= value <= hi:
@@ -143,7 +154,7 @@ def _seconds(value: Any, name: str, hi: float, zero: str = "no target") -> float
 
 
 def _deadline(value: Any, name: str, now_unix: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not _finite_number(value):
         raise FieldError(f"kvadmit field {name}={value!r}: must be a UNIX time in seconds")
     if value < MIN_DEADLINE_UNIX:
         raise FieldError(f"kvadmit field {name}={value!r}: must be an absolute UNIX time in "

@@ -61,8 +61,8 @@ def hooked(response):
 
 
 @pytest.mark.parametrize("refusal, status", [
-    (Refusal("queue_full", "queue full: 3 waiting", 2.2), 503),
-    (Refusal("slo_infeasible", "predicted TTFT 9 s over 1 s", 4.0, 429), 429),
+    (Refusal("queue_full", "queue full: 3 waiting", 2.2, 503), 503),
+    (Refusal("slo_infeasible", "predicted TTFT 9 s over 1 s", 4.0), 429),   # the default
     (Refusal("context_length", "prompt 900 + max_tokens 200 over 1024", None), 400),
 ])
 def test_a_refused_stream_is_the_non_streaming_error_with_retry_after(refusal, status):

@@ -74,8 +74,10 @@ def test_a_refused_output_becomes_vllms_error_response(reason, retry_after_s, st
     vLLM's own create_error_response: the status, and the message with the hint that
     the Retry-After middleware turns into the header."""
     from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
-    refusal = Refusal(reason, "the limit and its numbers", retry_after_s,
-                      status if retry_after_s is not None else 503)
+    # a final refusal keeps the default overload status (it answers 400 whatever it is)
+    refusal = (Refusal(reason, "the limit and its numbers", retry_after_s, status)
+               if retry_after_s is not None else
+               Refusal(reason, "the limit and its numbers", retry_after_s))
     found = vllm_http_status.refusal_of(refused_output(refusal))
     assert found == refusal
     response = create_error_response(vllm_http_status.error_for(found))

@@ -1,8 +1,10 @@
 """kvadmit failing inside `vllm serve`'s engine core, under load, open (the default) or
 closed (docs/trust-and-failure.md, "When kvadmit itself fails"). The fault is injected by
 test-only code written here, on the server's PYTHONPATH (a vLLM plug-in, FAULT_PLUGIN),
-that makes kvadmit's step raise at the step KVADMIT_TEST_FAULT_AT_STEP names: an
-environment variable only that code reads.
+that makes kvadmit's step raise at the step KVADMIT_TEST_FAULT_AT_STEP names (in the
+engine core of the data-parallel rank KVADMIT_TEST_FAULT_RANK names, where set:
+tests/vllm/test_serve_data_parallel_failure.py): environment variables only that code
+reads.
 
 Open: every request, streaming or not, then completes with its whole output and status
 200; no KV block stays in use at idle; /get_load says failed-open and /metrics counts
@@ -31,13 +33,23 @@ import os
 from kvadmit.vllm.admission import VllmAdmission
 
 AT = int(os.environ["KVADMIT_TEST_FAULT_AT_STEP"])
+RANK = os.environ.get("KVADMIT_TEST_FAULT_RANK")     # unset: every engine core
 _before_step, _calls = VllmAdmission.before_step, [0]
 
 
+def rank(admission):
+    """This engine core's data-parallel rank. vLLM resets data_parallel_rank to 0 in a
+    dense model's ranks (each runs alone: reconfigure_for_independent_dp_rank);
+    data_parallel_index keeps the rank."""
+    parallel = admission._sched.vllm_config.parallel_config
+    return getattr(parallel, "data_parallel_index", parallel.data_parallel_rank)
+
+
 def before_step(self, *args, **kwargs):
-    _calls[0] += 1
-    if _calls[0] == AT:
-        raise RuntimeError("injected fault")
+    if RANK is None or int(RANK) == rank(self):
+        _calls[0] += 1
+        if _calls[0] == AT:
+            raise RuntimeError("injected fault")
     return _before_step(self, *args, **kwargs)
 
 
@@ -142,7 +154,7 @@ def _post(base, model, i, full=False):
     return status, got, want, (r.text, r.headers.get("retry-after"))
 
 
-def _completion(base, model, i):
+def _completion(base, model, i, headers=None):
     """One completion (odd i: streaming): (status, output tokens, max_tokens, response)."""
     stream = i % 2 == 1
     max_tokens = 24 + 9 * (i % 4)
@@ -150,7 +162,7 @@ def _completion(base, model, i):
             "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": stream,
             **({"stream_options": {"include_usage": True}} if stream else {})}
     with httpx.Client(timeout=300) as c:
-        r = c.post(base + "/v1/completions", json=body)
+        r = c.post(base + "/v1/completions", json=body, headers=headers)
     if r.status_code != 200:
         return r.status_code, 0, max_tokens, r
     if not stream:

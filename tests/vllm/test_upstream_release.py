@@ -27,9 +27,6 @@ KNOWN = {
             "kvadmit owns the waiting queue's order: --cache-aware-admission-window is off"),
         "test_scheduler::test_evicted_blocks_release_their_auxiliary_outputs_past_capacity":
             "a 64-token prompt on a 4-block pool can never decode: refused (kv_capacity)",
-        "test_scheduler::test_pooling_chunked_prefill_can_finish_at_max_model_len":
-            "kvadmit counts one output token for every request, a pooling one too: a prompt "
-            "of max_model_len tokens is refused (context_length)",
         "test_async_scheduler::test_no_spec_decode_padding_up_to_max_model_len":
             "prompt + max_tokens over max_model_len is refused (context_length); vLLM's API "
             "server cuts max_tokens to the context left before kvadmit sees a request",

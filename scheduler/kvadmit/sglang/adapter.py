@@ -29,6 +29,7 @@ from kvadmit import AdmissionConfig
 from kvadmit.arrival import ArrivalRecord
 from kvadmit.port import CorePort, StepReport
 from kvadmit.protocol import Refusal
+from kvadmit.sglang import failure
 from kvadmit.sglang.request import arrival_record
 from kvadmit.sglang.settings import (engine_config, priority_config,
                                      ranks_per_queue, step_budget_of, unsupported_reasons)
@@ -161,19 +162,9 @@ class SGLangAdmission:
         takes its stock branch (SGLang's waiting queue is its own list: nothing to hand
         back), so the scheduler process and its requests live on. Failed closed
         (on_internal_error: closed), the hooks also refuse what has not started
-        (503 kvadmit:failed_closed) until restart; running requests finish."""
-        self.internal_errors += 1
-        if self.internal_errors > 1:
-            return
-        if self.failed_closed:
-            logger.exception("kvadmit: internal error %s; failing closed (on_internal_error: "
-                             "closed): every waiting request that has not started and every "
-                             "new one is refused (503 kvadmit:failed_closed) until the server "
-                             "is restarted; running requests finish under SGLang's own "
-                             "scheduling", where)
-        else:
-            logger.exception("kvadmit: internal error %s; failing open: SGLang's own "
-                             "scheduling from now on", where)
+        (503 kvadmit:failed_closed) until restart; running requests finish. The state
+        reaches the HTTP server's /health and the Prometheus series (`failure.record`)."""
+        failure.record(self, where)
 
     @classmethod
     def for_scheduler(cls, scheduler, config: AdmissionConfig,

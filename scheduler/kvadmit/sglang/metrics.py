@@ -8,12 +8,17 @@ where SGLang's own scheduler metrics are on (``--enable-metrics``).
 
 Without metrics the numbers are still reachable: ``adapter.stats()`` per rank in
 ``GET /server_info`` (``internal_states[i]["kvadmit"]``).
+
+kvadmit's own failure (`kvadmit.sglang.failure`): ``kvadmit:internal_errors_total``
+and ``kvadmit:failed_closed`` (1 once failed closed), both at 0 from the start, and the
+refusals it makes failed closed as ``kvadmit:rejected_total{reason="failed_closed"}``,
+as vLLM's ``kvadmit_*`` series.
 """
 from __future__ import annotations
 
 from typing import Optional
 
-from kvadmit.protocol import AGENT_EXITS_HELP, AGENT_OVERDUE_HELP, HELD_HELP
+from kvadmit.protocol import AGENT_EXITS_HELP, AGENT_OVERDUE_HELP, FAILED_CLOSED, HELD_HELP
 
 # stats() key -> (metric suffix, documentation); counters export the growth.
 COUNTERS = {
@@ -83,6 +88,30 @@ class PrometheusExport:
                         multiprocess_mode="mostrecent")
             for path, (name, doc) in NESTED_GAUGES.items()
         }
+        self.internal_errors = Counter(
+            "kvadmit:internal_errors", "kvadmit's own errors inside the scheduler; from the "
+            "first, SGLang schedules alone and kvadmit fails open, or closed "
+            "(on_internal_error: closed; see kvadmit:failed_closed)",
+            labelnames=names, registry=registry)
+        self.failed_closed = Gauge(
+            "kvadmit:failed_closed", "1 once kvadmit failed inside the scheduler under "
+            "on_internal_error: closed: it refuses every request (503 kvadmit:failed_closed) "
+            "until the server is restarted; else 0", labelnames=names, registry=registry,
+            multiprocess_mode="max")   # any rank failed closed: the server is
+        self.internal_errors.labels(**self.labels)
+        self.failed_closed.labels(**self.labels).set(0)
+
+    def record_failure(self, closed: bool) -> None:
+        """One internal error (`kvadmit.sglang.failure.record`)."""
+        self.internal_errors.labels(**self.labels).inc()
+        if closed:
+            self.failed_closed.labels(**self.labels).set(1)
+
+    def count_failed_closed(self, n: int) -> None:
+        """``n`` requests refused because kvadmit failed closed (not the core's refusals:
+        the core is not called any more)."""
+        if n > 0:
+            self.rejected.labels(**self.labels, reason=FAILED_CLOSED).inc(n)
 
     def _grow(self, metric, key, value, **extra) -> None:
         if key not in self._last:  # the series exists (at 0) from the first publish on

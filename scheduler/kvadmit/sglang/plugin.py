@@ -13,8 +13,9 @@ swallow) when one is missing or the configuration is bad.
 Without a configuration (no ``KVADMIT_CONFIG``, no ``--kvadmit-config``)
 ``register()`` installs only the command-line hooks, which add the
 ``--kvadmit-config`` flag and do nothing unless it is given, and the HTTP
-server's answer to a kvadmit refusal (`kvadmit.sglang.http`, which acts only on
-kvadmit's messages): SGLang behaves exactly as without kvadmit.
+server's hooks (`kvadmit.sglang.http`, which acts only on kvadmit's messages;
+`kvadmit.sglang.health`, which acts only with a configuration): SGLang behaves
+exactly as without kvadmit.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from typing import Callable, Optional
 from kvadmit import ConfigError, __version__ as KVADMIT_VERSION
 from kvadmit.protocol import failed_closed
 from kvadmit.sglang import adapter as _adapter
+from kvadmit.sglang import health as _health
 from kvadmit.sglang import http as _http
 from kvadmit.sglang import request as _request
 from kvadmit.sglang import settings as _settings
@@ -115,6 +117,7 @@ def after_from_cli_args(result, cls, args, *rest, **kwargs):
         logger.warning("kvadmit: %s overrides %s from the environment", CLI_FLAG,
                        _settings.ENV_VAR)
     os.environ[_settings.ENV_VAR] = text
+    _trust.check_server(result)
     install_engine_hooks()
     return result
 
@@ -163,7 +166,7 @@ def around_abort_on_queued_limit(original, self, recv_req, *args, **kwargs):
     --max-queued-requests. Returns True when the incoming request is aborted,
     as the original does."""
     if _closed(self) and not recv_req.output_ids:   # new: refused (a retracted one goes on)
-        send_rejection(self, recv_req, failed_closed())
+        refuse_failed_closed(self, recv_req)
         return True
     adapter = _live(self)
     if adapter is None:
@@ -175,7 +178,7 @@ def around_abort_on_queued_limit(original, self, recv_req, *args, **kwargs):
         if adapter.failed_closed:
             close_waiting(self)
             if not recv_req.output_ids:
-                send_rejection(self, recv_req, failed_closed())
+                refuse_failed_closed(self, recv_req)
                 return True
         return original(self, recv_req, *args, **kwargs)
     drop_waiting(self, outcome.shed)
@@ -216,8 +219,20 @@ def close_waiting(scheduler) -> None:
     if held:
         refusal = failed_closed()
         drop_waiting(scheduler, [(r, refusal) for r in held])
+        _count_failed_closed(scheduler, len(held))
         logger.warning("kvadmit failed closed: refused %d waiting request(s) (503 "
                        "kvadmit:%s)", len(held), refusal.reason)
+
+
+def refuse_failed_closed(scheduler, req) -> None:
+    send_rejection(scheduler, req, failed_closed())
+    _count_failed_closed(scheduler, 1)
+
+
+def _count_failed_closed(scheduler, n: int) -> None:
+    exporter = getattr(getattr(scheduler, "_kvadmit", None), "exporter", None)
+    if exporter is not None:
+        exporter.count_failed_closed(n)
 
 
 def send_rejection(scheduler, req, rejection) -> None:
@@ -345,7 +360,8 @@ def cli_hooks() -> dict:
 
 def http_hooks() -> dict:
     """The HTTP server's hooks (its answer to a refusal; who may raise a claim,
-    kvadmit.sglang.trust), where SGLang's OpenAI server imports: in a process without its
+    kvadmit.sglang.trust; kvadmit's failed states on /health and /v1/loads,
+    kvadmit.sglang.health), where SGLang's OpenAI server imports: in a process without its
     dependencies (torchvision, say) no OpenAI server can run, and there is nothing to
     hook."""
     try:
@@ -356,7 +372,8 @@ def http_hooks() -> dict:
         return {}
     H = _hook_types()
     return {_http.T_HANDLE_REQUEST: (_http.around_handle_request, H.AROUND),
-            _trust.T_GENERATE: (_trust.before_generate_request, H.BEFORE)}
+            _trust.T_GENERATE: (_trust.before_generate_request, H.BEFORE),
+            _health.T_BUILD_STACK: (_health.after_build_middleware_stack, H.AFTER)}
 
 
 def engine_hooks() -> dict:

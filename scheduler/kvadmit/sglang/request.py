@@ -15,7 +15,7 @@ from typing import Mapping
 
 from kvadmit import AdmissionConfig, request_fields
 from kvadmit.arrival import ArrivalRecord, prompt_hash
-from kvadmit.protocol import Refusal
+from kvadmit.protocol import DEFAULT_OVERLOAD_STATUS, Refusal
 
 # Priorities are clamped so that negating them (SGLang's "higher value first"
 # default) stays inside int64; SGLang itself uses +/-sys.maxsize as sentinels.
@@ -27,8 +27,6 @@ UNSET_PRIORITY = -sys.maxsize - 1
 # Per-request settings: SamplingParams.custom_params["kvadmit"] (the /generate
 # body's sampling_params.custom_params, or the OpenAI body's custom_params).
 PARAMS_KEY = request_fields.KEY
-# A retryable refusal's status when nothing says otherwise: AdmissionConfig's default.
-DEFAULT_OVERLOAD_STATUS = AdmissionConfig().overload_status
 
 
 def rejection_finish_reason(refusal, overload_status: int | None = None) -> dict:
@@ -39,7 +37,7 @@ def rejection_finish_reason(refusal, overload_status: int | None = None) -> dict
     streaming clients, who read the finish reason itself. A `Refusal` (what the
     adapter sends, built by `kvadmit.port.CorePort` with the config's status) keeps
     its own status; a bare `Rejection` gets ``overload_status``, the config default
-    when not given."""
+    (`kvadmit.protocol.DEFAULT_OVERLOAD_STATUS`, 429) when not given."""
     if not isinstance(refusal, Refusal):
         refusal = Refusal.of(refusal, DEFAULT_OVERLOAD_STATUS if overload_status is None
                              else overload_status)
@@ -97,8 +95,11 @@ def core_priority(req, low_priority_values_first: bool) -> int:
 
 
 def max_new_tokens_of(req) -> int:
+    """The output tokens the core counts for a request: its max_new_tokens, 0 for an
+    embedding (or other prefill-only) request, which SGLang gives max_new_tokens 0 and
+    never decodes: admitted on its prompt alone."""
     m = req.sampling_params.max_new_tokens
-    return max(int(m), 1) if m is not None else 1
+    return max(int(m), 0) if m is not None else 1
 
 
 def arrival_record(req, now: float, strict: bool, config: AdmissionConfig,

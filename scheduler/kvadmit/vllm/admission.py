@@ -28,15 +28,13 @@ from collections.abc import Callable
 from typing import Any
 
 from kvadmit._native import prompt_blocks
-from kvadmit.arrival import ArrivalRecord, prompt_hash
+from kvadmit.arrival import ArrivalRecord
 from kvadmit.config import AdmissionConfig
 from kvadmit.port import CorePort, StepReport
 from kvadmit.protocol import Refusal, sample_group
-from kvadmit.request_fields import (check_int, check_prompt_tokens, from_extra_args,
-                                    record_columns, session_int, ttft_target)
-from kvadmit.trust import UNTRUSTED_KEY
 from kvadmit.vllm import compat, failure
 from kvadmit.vllm.metrics import process_metrics
+from kvadmit.vllm.request import arrival_record
 from kvadmit.vllm.settings import VllmSettings
 
 _v = compat.import_names(compat.SCHEDULER_IMPORTS)
@@ -258,38 +256,9 @@ class VllmAdmission:
         return members
 
     def numbers(self, request) -> ArrivalRecord:
-        """The core's arrival record of a request (FieldError names a malformed field
-        or what would crash the engine)."""
-        self._check_body(request)
-        sp = request.sampling_params
-        # A deadline (UNIX time) is read once, here, as a delay from this arrival: the
-        # core takes it as a TTFT target on the adapter's own clock.
-        now_unix = time.time()
-        extra = sp.extra_args if sp is not None else None
-        fields = from_extra_args(extra, now_unix)
-        columns = record_columns(fields, ttft_target(fields, self.config.default_ttft_slo_s,
-                                                     now_unix))
-        # vLLM's session_id (X-Session-ID), unless the client is untrusted (kvadmit.trust)
-        if columns["session"] < 0 and request.session_id and not (extra or {}).get(UNTRUSTED_KEY):
-            columns["session"] = session_int(request.session_id, "session_id")
-        arrival_time = arrival_tie = 0.0
-        if self.request_id_ties is not None:   # vLLM's priority order: its arrival_time, then id
-            arrival_time = request.arrival_time
-            arrival_tie = self.request_id_ties.add((request.priority, request.arrival_time),
-                                                   request.request_id)
-        return ArrivalRecord(prompt_tokens=request.num_prompt_tokens,
-                             max_new_tokens=request.max_tokens, priority=request.priority,
-                             arrival_time=arrival_time, arrival_tie=arrival_tie,
-                             prompt_hash=prompt_hash(request.prompt_token_ids), **columns)
-
-    def _check_body(self, request) -> None:
-        """Refuses (FieldError) what would crash the engine further on: a prompt token
-        id outside the vocabulary (vLLM checks none with --skip-tokenizer-init), and a
-        priority or max_tokens beyond the core's integers (offline `LLM` passes any)."""
-        check_prompt_tokens(request.prompt_token_ids, self.vocab_size,
-                            multimodal=bool(request.mm_features))
-        check_int(request.priority, "priority")
-        check_int(request.max_tokens, "max_tokens", 1)
+        """The core's arrival record of a request (kvadmit.vllm.request; FieldError
+        names a malformed field or what would crash the engine)."""
+        return arrival_record(request, self.config, self.vocab_size, self.request_id_ties)
 
     def forget_order(self, request_id: str) -> None:
         if self.request_id_ties is not None:

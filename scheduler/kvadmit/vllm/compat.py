@@ -117,8 +117,8 @@ SCHEDULER_ATTRS = ("vllm_config", "kv_cache_config", "kv_cache_manager", "schedu
 PAUSE_SCHEDULER_ATTRS = ("current_step", "num_sampled_tokens_per_step",
                          "adaptive_long_prefill_threshold", "prefill_capacity_bound")
 # Request attributes kvadmit reads (properties, or set in Request.__init__).
-REQUEST_ATTRS = ("request_id", "sampling_params", "prompt_token_ids", "mm_features",
-                 "num_prompt_tokens", "max_tokens",
+REQUEST_ATTRS = ("request_id", "sampling_params", "pooling_params", "prompt_token_ids",
+                 "mm_features", "num_prompt_tokens", "max_tokens",
                  "priority", "arrival_time", "session_id", "client_index", "status",
                  "num_tokens", "num_computed_tokens", "num_tokens_with_spec",
                  "num_output_placeholders")

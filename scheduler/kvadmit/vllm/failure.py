@@ -19,6 +19,7 @@ a held request's refusal goes out within one step of the error.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 
 from kvadmit.protocol import FAILED_CLOSED, failed_closed
 from kvadmit.vllm import compat
@@ -40,14 +41,19 @@ def record(admission, where: str) -> None:
             metrics.failed_closed.set(1)
     if admission.internal_errors > 1:
         return
+    # the process names the engine core: vLLM's launcher calls a data-parallel rank's
+    # "EngineCore_DP<rank>", and kvadmit's log lines lack vLLM's own prefix
+    engine = multiprocessing.current_process().name
     if closed:
-        logger.exception("kvadmit: internal error %s; failing closed (on_internal_error: "
+        logger.exception("kvadmit: internal error %s in %s; failing closed (on_internal_error: "
                          "closed): every waiting request kvadmit held and every new one is "
                          "refused (503 kvadmit:%s) until the engine is restarted; running "
-                         "requests finish under vLLM's own scheduling", where, FAILED_CLOSED)
+                         "requests finish under vLLM's own scheduling", where, engine,
+                         FAILED_CLOSED)
     else:
-        logger.exception("kvadmit: internal error %s; failing open: vLLM's own scheduling "
-                         "from now on, every request kvadmit held handed to it", where)
+        logger.exception("kvadmit: internal error %s in %s; failing open: vLLM's own "
+                         "scheduling from now on, every request kvadmit held handed to it",
+                         where, engine)
 
 
 def never_started(request) -> bool:
