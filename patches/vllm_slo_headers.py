@@ -41,8 +41,8 @@ import time
 
 from kvadmit.protocol import Refusal
 from kvadmit.request_fields import FLAT_PREFIX, HEADERS, KEY
-from kvadmit.trust import (PRIORITY, SECRET_HEADER, UNTRUSTED_KEY, count, refusal_message,
-                           require_socket_peer, same_flow, socket_peer)
+from kvadmit.trust import (PRIORITY, PROXY, SECRET, SECRET_HEADER, UNTRUSTED_KEY, count,
+                           refusal_message, require_socket_peer, same_flow, socket_peer)
 from kvadmit_patches import MIDDLEWARE_HOOK, add_app_middleware, asgi_socket_peer, require
 
 TARGET = "vllm.entrypoints.launchers.app.init_entrypoints_middleware"
@@ -85,10 +85,11 @@ def duration_s(text: str) -> float:
 
 def with_fields(body: bytes, fields: dict) -> bytes | None:
     """The JSON body with `fields` added to its vllm_xargs (the body's own win);
-    None if the body is not a JSON object."""
+    None if the body is not a JSON object or its vllm_xargs not an object."""
     doc = _json_object(body)
-    if doc is None or not _merge(doc, fields, headers_win=False):
+    if doc is None or isinstance(_field_sets(doc), str):
         return None
+    _merge(doc, fields, headers_win=False)
     return json.dumps(doc).encode()
 
 
@@ -130,91 +131,134 @@ def _unservable(doc: dict) -> tuple[str, str] | None:
     return None
 
 
-def _merge(doc: dict, fields: dict, headers_win: bool) -> bool:
-    """Puts the header fields into the body's vllm_xargs (False: vllm_xargs is not an
-    object, left for vLLM to refuse)."""
-    xargs = doc.get("vllm_xargs")
-    if xargs is None:
-        xargs = {}
-    if not isinstance(xargs, dict):
-        return False
+def _merge(doc: dict, fields: dict, headers_win: bool) -> None:
+    """Puts the header fields into the body's vllm_xargs (an object, or none: `_field_sets`)."""
     if fields:
+        xargs = doc.get("vllm_xargs") or {}
         doc["vllm_xargs"] = {**xargs, **fields} if headers_win else {**fields, **xargs}
-    return True
+
+
+def _field_sets(doc: dict) -> list[dict] | str:
+    """The body's objects of flat kvadmit_* fields: vllm_xargs (the OpenAI routes) and
+    sampling_params.extra_args (vLLM's token-in /inference/v1/generate); or the name of
+    one that is given but not an object (vLLM would refuse it, or a route that does not
+    read it ignore it: either way nothing in it can be screened)."""
+    out = []
+    sampling = doc.get("sampling_params")
+    for name, holder, key in (("vllm_xargs", doc, "vllm_xargs"),
+                              ("sampling_params.extra_args",
+                               sampling if isinstance(sampling, dict) else {}, "extra_args")):
+        value = holder.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            return name
+        out.append(value)
+    return out
 
 
 def screen(doc: dict, trust, now_unix: float, headers=(), keyed=False) -> list[str]:
     """An untrusted request's raises (kvadmit.trust), by the names the client used
-    (kvadmit_<field> in vllm_xargs, priority): their values removed from `doc` (the
-    server's defaults apply). A `keyed` request's flow and priority are its API key's
-    (`bind`), not screened here. A value that does not parse is left for kvadmit to
-    refuse as invalid."""
-    xargs = doc.get("vllm_xargs") if isinstance(doc.get("vllm_xargs"), dict) else {}
-    values = {k[len(FLAT_PREFIX):]: v for k, v in xargs.items() if k.startswith(FLAT_PREFIX)}
-    nested = xargs.get(KEY)          # the object form, should a release let it through
-    nested = nested if isinstance(nested, dict) else {}
+    (kvadmit_<field> in vllm_xargs or extra_args, priority): their values removed from
+    `doc` (the server's defaults apply). A `keyed` request's flow and priority are its
+    API key's (`bind`), not screened here. A value that does not parse is left for
+    kvadmit to refuse as invalid."""
     keep = {"flow"} if keyed else set()
-    names = [FLAT_PREFIX + f for f in trust.raised(values, now_unix) if f not in keep]
-    for key in names:
-        del xargs[key]
-    for f in trust.raised(nested, now_unix):
-        if f not in keep:
-            del nested[f]
-            names.append(f"{KEY}.{f}")
+    names = []
+    for xargs in _field_sets(doc):
+        values = {k[len(FLAT_PREFIX):]: v for k, v in xargs.items() if k.startswith(FLAT_PREFIX)}
+        for f in trust.raised(values, now_unix):
+            if f not in keep:
+                del xargs[FLAT_PREFIX + f]
+                names.append(FLAT_PREFIX + f)
+        nested = xargs.get(KEY)          # the object form, should a release let it through
+        for f in trust.raised(nested if isinstance(nested, dict) else {}, now_unix):
+            if f not in keep:
+                del nested[f]
+                names.append(f"{KEY}.{f}")
     if not keyed and _priority_below(doc, 0):
         doc.pop(PRIORITY)
         names.append(PRIORITY)
     # vLLM's own session id (body, X-Session-ID, vllm_xargs) stays vLLM's; marked, kvadmit
     # does not take it as the request's session (kvadmit.vllm.admission): counted,
     # never refused (it is vLLM's field).
+    xargs = doc.get("vllm_xargs") or {}
     if doc.get("session_id") or xargs.get("session_id") or any(
             k.lower() == VLLM_SESSION_HEADER for k, _ in headers):
         doc["vllm_xargs"] = {**xargs, UNTRUSTED_KEY: True}
         count(["session_id"])
-    return names
+    return list(dict.fromkeys(names))
 
 
 def bind(doc: dict, binding) -> list[str]:
     """A request authenticated by a flow's API key (kvadmit.trust.Trust.bound): that
     flow whatever it claimed, and no priority more important than the key's
     min_priority (set to it); the names of the claims overridden."""
-    xargs = doc["vllm_xargs"] = dict(doc.get("vllm_xargs") or {})
-    names = [FLOW] if FLOW in xargs and not same_flow(xargs[FLOW], binding.flow) else []
-    nested = xargs.get(KEY)
-    if isinstance(nested, dict) and "flow" in nested:
-        if not same_flow(nested.pop("flow"), binding.flow):
-            names.append(f"{KEY}.flow")
-    xargs[FLOW] = binding.flow
+    sets = _field_sets(doc)
+    if not sets:
+        doc["vllm_xargs"] = {}
+        sets = _field_sets(doc)
+    names = []
+    for xargs in sets:
+        if FLOW in xargs and not same_flow(xargs[FLOW], binding.flow):
+            names.append(FLOW)
+        nested = xargs.get(KEY)
+        if isinstance(nested, dict) and "flow" in nested:
+            if not same_flow(nested.pop("flow"), binding.flow):
+                names.append(f"{KEY}.flow")
+        xargs[FLOW] = binding.flow
     if _priority_below(doc, binding.min_priority):
         doc[PRIORITY] = binding.min_priority
         names.append(PRIORITY)
-    return names
+    return list(dict.fromkeys(names))
 
 
 def _priority_below(doc: dict, floor: int) -> bool:
-    priority = doc.get(PRIORITY)
-    return isinstance(priority, int) and not isinstance(priority, bool) and priority < floor
+    """Whether the body's priority, read as vLLM's request models read it (an integer,
+    a float without a fraction, or either as text), is below `floor`."""
+    value = doc.get(PRIORITY)
+    if isinstance(value, str):
+        try:
+            value = float(value.strip()) if "." in value or "e" in value.lower() else int(value)
+        except ValueError:
+            return False                 # vLLM refuses it
+    if isinstance(value, float):
+        value = int(value) if value.is_integer() else None
+    return isinstance(value, int) and not isinstance(value, bool) and value < floor
+
+
+FORM_CLAIMS = (b'name="vllm_xargs"', b'name="priority"', b"vllm_xargs=", b"priority=")
+FORM_REFUSAL = Refusal("invalid", "vllm_xargs or priority in a form (vLLM's audio routes) cannot "
+                       "be screened or bound to an API key: send them from a trusted gateway")
+
+
+def _form_claim(body: bytes, headers) -> bool:
+    """Whether a form body (vLLM's audio routes) carries vllm_xargs or a priority, which
+    the middleware cannot screen or bind."""
+    kind = next((v for k, v in headers if k.lower() == b"content-type"), b"").lower()
+    return kind.startswith((b"multipart/form-data", b"application/x-www-form-urlencoded")) \
+        and any(c in body for c in FORM_CLAIMS)
 
 
 class SloHeaderMiddleware:
     """The gateway headers into vllm_xargs, and who may raise a claim (kvadmit.trust):
-    with `trust` screening, a request that is not from a trusted source (the secret, or
-    the socket's peer in trusted_proxies) has its raises removed (counted) or is
-    refused with 400; a trusted one's headers win over its body. A request with a
-    flow's API key is that flow's (`bind`). The gateway secret's header is removed
-    from every request."""
+    with `trust` screening, the raises of a request without the gateway secret are
+    removed (counted) or refused with 400: from a proxy in trusted_proxies (the
+    socket's peer) those of its body, whose headers win; from any other client those of
+    its headers and body. A request with a flow's API key is that flow's (`bind`). The
+    gateway secret's header is removed from every HTTP and websocket request."""
 
     def __init__(self, app, trust=None):
         self.app = app
         self.trust = trust
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         headers = scope.get("headers", [])
         if any(k.lower() == SECRET_HEADER for k, _ in headers):
             scope = {**scope, "headers": [(k, v) for k, v in headers if k.lower() != SECRET_HEADER]}
-        if scope.get("method") != "POST":
+        if scope["type"] != "http" or scope.get("method") != "POST":
             return await self.app(scope, receive, send)
         fields = slo_fields(headers) if scope.get("path") in PATHS else {}
         screening = self.trust is not None and self.trust.screens
@@ -224,27 +268,48 @@ class SloHeaderMiddleware:
         body, early = await _read_body(receive)
         if early is not None:
             return await self.app(scope, _replay([early]), send)
+        # None: screened as any client's (under honour, nothing is screened)
+        source = self.trust.source(headers, socket_peer(scope)) if screening else None
         doc = _json_object(body)
-        trusted = not screening or self.trust.trusted(headers, socket_peer(scope))
-        raised = []
-        if doc is not None and _merge(doc, fields, headers_win=screening and trusted):
-            if not trusted:
-                raised = screen(doc, self.trust, time.time(), headers, keyed=binding is not None)
-            if binding is not None:
-                raised += bind(doc, binding)
-            count(raised)
+        refusal = self._screen(doc, fields, screening, source, binding, headers) \
+            if doc is not None else (
+                ("vllm_xargs", FORM_REFUSAL.client_message())
+                if ((screening and source != SECRET) or binding) and _form_claim(body, headers)
+                else None)
+        if refusal is not None:
+            return await _refuse(send, *refusal)
+        if doc is not None:
             body = json.dumps(doc).encode()
-        if raised and self.trust.mode == "refuse":
-            return await _refuse(send, refusal_message(raised), raised[0])
-        unservable = _unservable(doc) if doc is not None else None
-        if unservable is not None:
-            field, why = unservable
-            return await _refuse(send, Refusal("invalid", f"{field} {why}").client_message(), field)
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
         scope = {**scope, "headers": headers}
         await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}],
                                       receive), send)
+
+    def _screen(self, doc: dict, fields: dict, screening: bool, source, binding, headers):
+        """Screens and binds `doc` in place; (field, message) of a 400, or None."""
+        sets = _field_sets(doc)
+        if isinstance(sets, str):
+            if (not screening or source == SECRET) and binding is None:
+                return None                 # nothing to screen: vLLM judges it
+            return sets, f"{sets} must be an object"
+        keyed, now = binding is not None, time.time()
+        # a proxy vouches for the headers it sets, not for the body it forwards
+        raised = screen(doc, self.trust, now, (), keyed) if screening and source == PROXY else []
+        _merge(doc, fields, headers_win=screening and source is not None)
+        if screening and source is None:
+            raised += screen(doc, self.trust, now, headers, keyed)
+        if binding is not None:
+            raised += bind(doc, binding)
+        raised = list(dict.fromkeys(raised))
+        count(raised)
+        if raised and self.trust.mode == "refuse":
+            return raised[0], refusal_message(raised)
+        unservable = _unservable(doc)
+        if unservable is not None:
+            field, why = unservable
+            return field, Refusal("invalid", f"{field} {why}").client_message()
+        return None
 
 
 async def _read_body(receive) -> tuple[bytes, dict | None]:
@@ -259,7 +324,7 @@ async def _read_body(receive) -> tuple[bytes, dict | None]:
     return b"".join(chunks), None
 
 
-async def _refuse(send, message: str, param: str) -> None:
+async def _refuse(send, param: str, message: str) -> None:
     """400 in vLLM's error shape, naming the field `param`."""
     body = json.dumps({"error": {"message": message, "type": "BadRequestError",
                                  "param": param, "code": 400}}).encode()

@@ -33,7 +33,7 @@ from kvadmit import AdmissionConfig
 from kvadmit.request_fields import (FLAT_PREFIX, HEADERS, KEY, MAX_TPOT_S, MAX_TTFT_S,
                                     MAX_TTL_S, MIN_DEADLINE_UNIX, SCHEMA, FieldError,
                                     check_int, from_extra_args)
-from kvadmit.trust import SECRET_ENV, SECRET_HEADER, Trust
+from kvadmit.trust import PEER_SCOPE_KEY, SECRET_ENV, SECRET_HEADER, Trust
 from kvadmit_patches.vllm_slo_headers import SloHeaderMiddleware
 
 NOW = 2_000_000_000.0
@@ -196,23 +196,14 @@ def trust_of(mode, secret, proxies, api_key=False):
     if mode is None:
         return None
     flows = {"gold": {"weight": 4}, "7": {}}
-    if api_key and API_KEYS_CONFIGURABLE:
+    if api_key:
         flows["gold"].update(api_keys=[API_KEY_DIGEST], min_priority=-2)
     config = AdmissionConfig(untrusted_fields=mode, trusted_proxies=proxies, flows=flows,
                              default_ttft_slo_s=1.0, max_queue_age_s=30.0)
     return Trust.of(config, {SECRET_ENV: SECRET} if secret else {})
 
 
-def _api_keys_configurable() -> bool:
-    try:
-        AdmissionConfig(flows={"gold": {"api_keys": [API_KEY_DIGEST]}})
-    except ValueError:       # a release without API keys bound to flows
-        return False
-    return True
-
-
 API_KEY_DIGEST = "sha256:" + hashlib.sha256(API_KEY.encode()).hexdigest()
-API_KEYS_CONFIGURABLE = _api_keys_configurable()
 
 
 MODES = [None, "auto", "honour", "ignore", "refuse"]
@@ -252,6 +243,8 @@ def through(trust, scope, chunks):
 
     async def send(message):
         sent.append(message)
+    client = scope.get("client")                 # as kvadmit's uvicorn patch records it
+    scope = {**scope, PEER_SCOPE_KEY: client[0] if client else None}
     asyncio.run(SloHeaderMiddleware(app, trust)(scope, receive, send))
     if seen:
         return seen, None
@@ -269,8 +262,9 @@ def chunked(body: bytes, cuts: list[int]) -> list[dict]:
 def assert_names_a_field(body: bytes):
     error = json.loads(body)["error"]
     param = error["param"]
-    assert param == "priority" or param.removeprefix(FLAT_PREFIX).removeprefix(KEY + ".") \
-        in FIELD_NAMES, error
+    assert param in ("priority", "prompt", "sampling_params.extra_args") \
+        or param.startswith("vllm_xargs") \
+        or param.removeprefix(FLAT_PREFIX).removeprefix(KEY + ".") in FIELD_NAMES, error
     assert param in error["message"], error
 
 
@@ -305,7 +299,9 @@ def test_the_middleware_passes_a_body_on_or_answers_400_naming_a_field(mode, dat
      [(b"x-gateway-inference-fairness-id", b"gold"),
       (b"authorization", b"Bearer " + API_KEY.encode())],
      b'{"priority": -1, "vllm_xargs": {"kvadmit_flow": "' + b"1" * 5000 + b'"}}'),
-], ids=["deep-json", "flow-64k-digits", "api-key-and-long-flow"])
+    # a lone surrogate in vllm_xargs (vLLM answers 500), under ignore: 400 naming it
+    (trust_of("ignore", False, []), [], json.dumps({"prompt": [5], "vllm_xargs": {"x": "\ud800"}}).encode()),
+], ids=["deep-json", "flow-64k-digits", "api-key-and-long-flow", "lone-surrogate"])
 def test_the_middleware_on_the_inputs_fuzzing_found(trust, headers, body):
     scope = {"type": "http", "method": "POST", "path": "/v1/completions",
              "client": ("198.51.100.7", 1), "headers": headers}
@@ -326,7 +322,13 @@ def check_middleware(trust, scope, body, cuts):
     if answer is not None:
         status, answer_body = answer
         note("answered 400")
-        assert status == 400 and trust is not None and trust.mode == "refuse", answer
+        message = json.loads(answer_body)["error"]["message"]
+        # untrusted raises are refused in refuse mode; what vLLM would answer with a 500
+        # (kvadmit:invalid) or what hides from screening (a vllm_xargs not an object) in
+        # any mode that reads the body
+        assert status == 400 and trust is not None, answer
+        assert trust.mode == "refuse" or message.startswith("kvadmit:invalid") or \
+            message.endswith("must be an object"), answer
         assert_names_a_field(answer_body)
         return
     if scope["method"] != "POST":

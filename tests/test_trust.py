@@ -183,10 +183,12 @@ def test_a_gateway_with_the_secret_is_trusted_its_headers_win_and_the_secret_goe
     assert seen["doc"]["vllm_xargs"] == {"kvadmit_flow": "gold", "kvadmit_session": "a1"}
     assert SECRET_HEADER not in seen["headers"]
     assert seen["headers"][b"content-length"] == str(len(json.dumps(seen["doc"]))).encode()
-    # a listed proxy's requests too
+    # a listed proxy vouches for the headers it sets, not for the body it forwards
     proxied = Trust.of(CONFIG.replace(trusted_proxies=["192.0.2.0/24"]), {})
+    seen, _, _ = call(proxied, doc, [(b"x-gateway-inference-fairness-id", b"gold")])
+    assert seen["doc"]["vllm_xargs"] == {"kvadmit_flow": "gold"} and "priority" not in seen["doc"]
     seen, _, _ = call(proxied, doc)
-    assert seen["doc"]["vllm_xargs"]["kvadmit_flow"] == "client-claims"
+    assert seen["doc"]["vllm_xargs"] == {}
 
 
 def test_refuse_mode_answers_400_naming_the_fields_and_the_engine_never_sees_it():
@@ -280,11 +282,20 @@ def test_a_client_that_claims_the_gateways_address_in_a_header_is_not_trusted(fo
         assert seen["client"][0] == GATEWAY
 
 
-def test_the_gateways_own_connection_is_trusted_whatever_it_forwards():
+def test_the_gateways_own_connection_vouches_for_its_headers_not_the_body_it_forwards():
     trust = Trust.of(PROXIED, {})
-    seen, _, _ = call(trust, CLAIM, [(b"x-forwarded-for", b"203.0.113.7")], peer=GATEWAY)
+    header = [(b"x-gateway-inference-fairness-id", b"gold"), (b"x-forwarded-for", b"203.0.113.7")]
+    seen, _, _ = call(trust, {"prompt": [5]}, header, peer=GATEWAY)
     assert seen["doc"]["vllm_xargs"]["kvadmit_flow"] == "gold"
-    seen, _, _ = call(trust, CLAIM, peer=GATEWAY)
+    before = untrusted_fields_total("kvadmit_flow")
+    seen, _, _ = call(trust, {**CLAIM, "priority": -4}, peer=GATEWAY)     # a caller's body
+    assert "kvadmit_flow" not in seen["doc"]["vllm_xargs"] and "priority" not in seen["doc"]
+    assert untrusted_fields_total("kvadmit_flow") == before + 1
+    seen, _, _ = call(trust, {"prompt": [5], "vllm_xargs": {"kvadmit_flow": "x"}}, header,
+                      peer=GATEWAY)
+    assert seen["doc"]["vllm_xargs"]["kvadmit_flow"] == "gold"             # its header wins
+    # a dual-stack listener reports the gateway's IPv4 address mapped into IPv6
+    seen, _, _ = call(trust, {"prompt": [5]}, header, peer="::ffff:" + GATEWAY)
     assert seen["doc"]["vllm_xargs"]["kvadmit_flow"] == "gold"
 
 
@@ -423,3 +434,68 @@ def test_a_body_vllm_cannot_encode_or_parse_is_a_400_not_a_500():
     assert status is None
     from kvadmit_patches.vllm_slo_headers import _json_object
     assert _json_object(b"[" * 100_000) is None
+
+
+@pytest.mark.parametrize("priority", ["-5", " -5 ", "-5.0", -5.0, "-5e0"])
+def test_a_priority_vllm_reads_as_an_integer_is_screened_in_any_spelling(priority):
+    trust = Trust.of(CONFIG, {})
+    seen, _, _ = call(trust, {"prompt": [5], "priority": priority})
+    assert "priority" not in seen["doc"]
+    seen, _, _ = call(Trust.of(KEYED, {}), {"prompt": [5], "priority": priority}, [bearer(KEY_A)])
+    assert seen["doc"]["priority"] == -2
+
+
+@pytest.mark.parametrize("mode", ["ignore", "refuse"])
+def test_a_vllm_xargs_that_is_not_an_object_hides_nothing(mode):
+    """A route that does not read vllm_xargs (embeddings) would ignore the junk and
+    keep the priority: screened or bound, it is refused naming vllm_xargs."""
+    for trust, headers in ((Trust.of(CONFIG.replace(untrusted_fields=mode), {}), []),
+                           (Trust.of(KEYED, {}), [bearer(KEY_A)])):
+        seen, status, body = call(trust, {"input": "x", "priority": -5, "vllm_xargs": 1},
+                                  headers, path="/v1/embeddings")
+        assert seen is None and status == 400 and body["error"]["param"] == "vllm_xargs"
+
+
+def test_the_token_in_routes_extra_args_are_screened_and_bound():
+    """vLLM's /inference/v1/generate takes sampling_params.extra_args as they are sent."""
+    doc = {"token_ids": [5], "sampling_params": {"extra_args": {"kvadmit_flow": "gold"}}}
+    seen, _, _ = call(Trust.of(CONFIG, {}), json.loads(json.dumps(doc)),
+                      path="/inference/v1/generate")
+    assert seen["doc"]["sampling_params"]["extra_args"] == {}
+    seen, _, _ = call(Trust.of(KEYED, {}), json.loads(json.dumps(doc)), [bearer(KEY_B)],
+                      path="/inference/v1/generate")
+    assert seen["doc"]["sampling_params"]["extra_args"] == {"kvadmit_flow": "tenant-b"}
+
+
+def test_a_form_that_claims_vllm_xargs_or_a_priority_is_refused_where_it_cannot_be_screened():
+    form = (b'--b\r\nContent-Disposition: form-data; name="vllm_xargs"\r\n\r\n'
+            b'{"kvadmit_flow": "gold"}\r\n--b--\r\n')
+    scope = {"type": "http", "method": "POST", "path": "/v1/audio/transcriptions",
+             "client": ("192.0.2.9", 5), "headers": [(b"content-type",
+                                                      b"multipart/form-data; boundary=b")]}
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": form, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    async def app(scope, receive, send):
+        sent.append("app")
+    asyncio.run(SloHeaderMiddleware(app, Trust.of(CONFIG, {}))(scope, receive, send))
+    assert sent[0]["status"] == 400 and json.loads(sent[1]["body"])["error"]["param"] == "vllm_xargs"
+    sent.clear()
+    asyncio.run(SloHeaderMiddleware(app, Trust.of(CONFIG, {SECRET_ENV: "s"}))(
+        {**scope, "headers": scope["headers"] + [(SECRET_HEADER, b"s")]}, receive, send))
+    assert sent == ["app"]                          # the gateway's form passes
+
+
+def test_the_secret_is_removed_from_websockets_too():
+    seen = {}
+
+    async def app(scope, receive, send):
+        seen.update(dict(scope["headers"]))
+    scope = {"type": "websocket", "path": "/v1/realtime", "headers": [(SECRET_HEADER, b"s")]}
+    asyncio.run(SloHeaderMiddleware(app, Trust.of(CONFIG, {}))(scope, None, None))
+    assert SECRET_HEADER not in seen

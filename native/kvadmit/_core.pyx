@@ -494,7 +494,8 @@ cdef class AdmissionCore(CoreView):
             self.flows.c_released(s)
         self.ledger.finish(s)
         self._stopped(s)
-        self.policy.c_on_finish(s)
+        if self.ledger.max_new(s) > 0:      # a prompt-only request tells nothing of outputs
+            self.policy.c_on_finish(s)
         self.shortfall.c_note_finish()
         self._n_finished += 1
         self.ledger.release(s)

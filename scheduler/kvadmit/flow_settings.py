@@ -105,7 +105,8 @@ def _check_number(at: str, v: Any, kind: str, lo: float, hi: float, cap: bool) -
 
 def _check_api_keys(at: str, value: Any, flow: str, owners: dict[str, str]) -> None:
     if not isinstance(value, list):
-        raise ValueError(f"{at}={value!r}: must be a list of \"sha256:<hex>\" API key digests")
+        raise ValueError(f"{at}: must be a list of \"sha256:<hex>\" API key digests (the value "
+                         f"is not shown: it may be a key)")
     for i, item in enumerate(value):
         if not isinstance(item, str) or not KEY_HASH.match(item):
             raise ValueError(       # the value is not shown: it may be the key itself

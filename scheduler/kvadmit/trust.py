@@ -47,6 +47,7 @@ PRIORITY = "priority"            # the engine's own field, screened beside the s
 # keeps the socket's own peer host: uvicorn rewrites scope["client"] from X-Forwarded-For.
 PEER_SCOPE_KEY = "kvadmit.socket_peer"
 AUTHORIZATION = b"authorization"
+SECRET, PROXY = "secret", "proxy"       # the trusted sources (Trust.source)
 # vllm_xargs mark of a screened request: kvadmit does not take vLLM's own session id
 # (X-Session-ID) as its session. Setting it can only lower a client's own claim.
 UNTRUSTED_KEY = "kvadmit_untrusted"
@@ -87,22 +88,29 @@ class Trust:
         """Whether untrusted requests are screened at all (mode not honour)."""
         return self.mode != "honour"
 
-    def trusted(self, headers: Iterable[tuple[bytes, bytes]], peer: Optional[str]) -> bool:
-        """Whether an HTTP request is from a trusted source: the gateway secret in its
-        headers, or `peer`, the socket's own peer address (`socket_peer`), in
-        trusted_proxies."""
+    def source(self, headers: Iterable[tuple[bytes, bytes]], peer: Optional[str]) -> Optional[str]:
+        """Which trusted source an HTTP request is from: SECRET (the gateway secret in its
+        headers: the gateway vouches for the whole request), PROXY (`peer`, the socket's
+        own peer address, `socket_peer`, in trusted_proxies: the proxy vouches for the
+        headers it sets, not for the body it forwards), or None."""
         if self.secret is not None:
             for name, value in headers:
                 if name.lower() == SECRET_HEADER and hmac.compare_digest(
                         hashlib.sha256(value.strip()).digest(), self.secret):
-                    return True
+                    return SECRET
         if self.proxies and peer:
             try:
                 address = ipaddress.ip_address(peer)
             except ValueError:
-                return False
-            return any(address in net for net in self.proxies)
-        return False
+                return None
+            if address.version == 6 and address.ipv4_mapped is not None:
+                address = address.ipv4_mapped           # a dual-stack listener's IPv4 peer
+            return PROXY if any(address in net for net in self.proxies) else None
+        return None
+
+    def trusted(self, headers: Iterable[tuple[bytes, bytes]], peer: Optional[str]) -> bool:
+        """Whether an HTTP request is from a trusted source of either kind (`source`)."""
+        return self.source(headers, peer) is not None
 
     def bound(self, headers: Iterable[tuple[bytes, bytes]]) -> Optional[KeyBinding]:
         """The flow and priority bound to the request's API key, None without one: the

@@ -20,7 +20,9 @@ from kvadmit.flow_settings import key_digest  # noqa: E402
 from kvadmit_patches.asgi_socket_peer import SocketPeer  # noqa: E402
 
 from kvadmit.sglang import plugin  # noqa: E402
-from kvadmit.sglang.trust import T_GENERATE, before_generate_request, check_server  # noqa: E402
+from kvadmit.sglang.trust import (T_GENERATE, before_generate_request, check_server,  # noqa: E402
+                                  server_trust)
+from kvadmit.trust import PROXY, socket_peer  # noqa: E402
 from kvadmit.trust import SECRET_ENV, SECRET_HEADER  # noqa: E402
 
 GENERATE = _wrap_fn(TokenizerManager.generate_request, before_generate_request, HookType.BEFORE)
@@ -87,14 +89,15 @@ def test_an_untrusted_client_loses_its_raises_in_every_sample_and_keeps_the_rest
     assert untrusted_fields_total("priority") >= 1
 
 
-def test_a_gateway_with_the_secret_or_a_listed_proxy_is_trusted(config):
+def test_a_gateway_with_the_secret_is_trusted_and_a_listed_proxy_vouches_for_no_body(config):
     config({"flows": {"gold": {}}, "trusted_proxies": ["10.0.0.0/8"]}, secret="s3cret")
     request = http_request([(b"X-KVAdmit-Gateway-Secret", b"s3cret")])
     obj = generate(request_obj({"flow": "gold"}, priority=10), request)
     assert obj.sampling_params["custom_params"]["kvadmit"] == {"flow": "gold"} and obj.priority == 10
     assert SECRET_HEADER not in dict(request.scope["headers"])
+    # a listed proxy vouches for headers it sets, and SGLang's fields are in the body
     obj = generate(request_obj({"flow": "gold"}), http_request(peer="10.3.4.5"))
-    assert obj.sampling_params["custom_params"]["kvadmit"] == {"flow": "gold"}
+    assert obj.sampling_params["custom_params"]["kvadmit"] == {}
     obj = generate(request_obj({"flow": "gold"}), http_request([(SECRET_HEADER, b"guess")]))
     assert obj.sampling_params["custom_params"]["kvadmit"] == {}
 
@@ -116,18 +119,19 @@ def test_offline_and_single_user_servers_are_untouched(config):
 
 
 @pytest.mark.parametrize("forged", [b"x-forwarded-for", b"forwarded", b"x-real-ip"])
-def test_a_client_that_claims_the_gateways_address_in_a_header_is_not_trusted(config, forged):
+def test_the_source_is_the_sockets_peer_never_a_header(config, forged):
     """From 127.0.0.1 (uvicorn rewrites its peer from X-Forwarded-For by default), a
-    client claims the gateway's 127.0.0.2: kvadmit reads the socket's own peer."""
+    client claims the gateway's 127.0.0.2: the request SGLang's hook gets carries the
+    socket's own peer, and only that is a proxy source."""
     config({"flows": {"gold": {}}, "trusted_proxies": ["127.0.0.2"]})
+    trust = server_trust()
     value = b"for=127.0.0.2" if forged == b"forwarded" else b"127.0.0.2"
     request = http_request([(forged, value)], peer="127.0.0.1")
-    obj = generate(request_obj({"flow": "gold"}), request)
-    assert obj.sampling_params["custom_params"]["kvadmit"] == {}
     if forged == b"x-forwarded-for":
         assert request.client.host == "127.0.0.2"       # uvicorn did take the header
-    obj = generate(request_obj({"flow": "gold"}), http_request(peer="127.0.0.2"))
-    assert obj.sampling_params["custom_params"]["kvadmit"] == {"flow": "gold"}
+    assert trust.source(request.scope["headers"], socket_peer(request.scope)) is None
+    gateway = http_request(peer="127.0.0.2")
+    assert trust.source([], socket_peer(gateway.scope)) == PROXY
 
 
 def keyed_manager(key):
@@ -158,3 +162,13 @@ def test_start_up_stops_on_keys_sglang_does_not_check(config):
     with pytest.raises(ConfigError, match="not the SHA-256 of any"):
         check_server(type("ServerArgs", (), {"api_key": "key-b"})())
     check_server(type("ServerArgs", (), {"api_key": "key-a"})())
+
+
+def test_start_up_stops_where_sglang_would_serve_unscreened(config):
+    config({"flows": {"gold": {}}, "trusted_proxies": ["127.0.0.2"]})
+    with pytest.raises(ConfigError, match="--enable-http2 serves with Granian"):
+        check_server(type("ServerArgs", (), {"api_key": None, "enable_http2": True})())
+    with pytest.raises(ConfigError, match="--tokenizer-worker-num > 1"):
+        check_server(type("ServerArgs", (), {"api_key": None, "tokenizer_worker_num": 2})())
+    config({"untrusted_fields": "honour"})
+    check_server(type("ServerArgs", (), {"api_key": None, "tokenizer_worker_num": 2})())

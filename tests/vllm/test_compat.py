@@ -139,6 +139,16 @@ def test_allow_degraded_vllm_runs_an_unsupported_series_with_a_warning(model_dir
     assert "kvadmit runs degraded on vLLM 0.35.0 (allow_degraded_vllm)" in caplog.text
 
 
+def test_degraded_does_not_run_a_config_that_screens_without_the_trust_patch(model_dir,
+                                                                            monkeypatch):
+    """allow_degraded_vllm runs without a lost patch, but not without the one that
+    screens untrusted raises and binds API keys where the config asks for them."""
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
+    with pytest.raises(compat.VllmCompatError, match="patch vllm_slo_headers cannot apply .*"
+                       "screens untrusted raises or binds API keys"):
+        build(model_dir, allow_degraded_vllm=True, flows={"gold": {}})
+
+
 def test_a_moved_patch_target_stops_start_up_naming_it(model_dir, monkeypatch):
     """A supported series whose API server function a patch wraps changed its
     parameters: start-up stops naming the patch, what is lost and the signature."""

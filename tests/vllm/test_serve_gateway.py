@@ -7,8 +7,9 @@ The server lists the gateway's address (127.0.0.2: HAProxy connects from it) in
 to its tenant's API key. A burst claiming gold is gold's (its cap refuses part of it)
 only when the gateway says so; a client that connects directly from 127.0.0.1 (which
 uvicorn trusts to set X-Forwarded-For) and claims the gateway's address in
-X-Forwarded-For, Forwarded or X-Real-IP gains nothing; bronze's key is bronze's, through
-the gateway or not, whatever flow its headers or body claim."""
+X-Forwarded-For, Forwarded or X-Real-IP gains nothing, and nor does a caller's body
+claim through the gateway (which vouches for its headers only); bronze's key is
+bronze's, through the gateway or not, whatever flow its headers or body claim."""
 import asyncio
 import pathlib
 import re
@@ -125,6 +126,15 @@ def test_the_gateways_tenant_is_honoured_and_its_cap_refuses(gateway):
     answers = burst(url, model, PLAIN_KEY, {"x-gateway-inference-fairness-id": "gold"})
     assert [s for s, _ in answers] == [200] * BURST, answers
     assert counted(base) == before
+
+
+def test_a_callers_body_claim_through_the_gateway_is_screened(gateway):
+    """The gateway vouches for the headers it sets, not for the body it forwards."""
+    base, url, model = gateway
+    before = counted(base)
+    answers = burst(url, model, PLAIN_KEY, xargs={"kvadmit_flow": "gold"})
+    assert [s for s, _ in answers] == [200] * BURST, answers       # gold's cap: not applied
+    assert counted(base) == before + BURST
 
 
 @pytest.mark.parametrize("through_gateway", [False, True])

@@ -43,7 +43,11 @@ def record(adapter, where: str) -> None:
     adapter.internal_errors += 1
     closed = adapter.failed_closed
     if adapter.exporter is not None:
-        adapter.exporter.record_failure(closed)
+        try:
+            adapter.exporter.record_failure(closed)
+        except Exception:   # noqa: BLE001 - a metrics failure must not undo failing open
+            logger.warning("kvadmit: could not count its internal error in SGLang's "
+                           "metrics", exc_info=True)
     if adapter.internal_errors > 1:
         return
     if closed:

@@ -111,6 +111,8 @@ def after_from_cli_args(result, cls, args, *rest, **kwargs):
     processes through KVADMIT_CONFIG (ServerArgs has no field for it)."""
     text = getattr(args, "kvadmit_config", None)
     if text is None:
+        if _settings.config_text_from_env() is not None:       # KVADMIT_CONFIG alone
+            _trust.check_server(result)
         return result
     previous = os.environ.get(_settings.ENV_VAR)
     if previous is not None and previous != text:

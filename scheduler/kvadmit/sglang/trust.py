@@ -11,7 +11,9 @@ or, with `untrusted_fields: refuse`, the request is refused with a ValueError, w
 SGLang answers with 400. The gateway secret's header is removed from the request. A
 trusted proxy is the connection's own socket peer (kvadmit_patches.asgi_socket_peer,
 applied in SGLang's HTTP process), never the address uvicorn took from
-X-Forwarded-For. SGLang checks one `--api-key`: a request that presents it, where a
+X-Forwarded-For; such a proxy vouches for the headers it sets, and SGLang reads kvadmit's
+fields from the body alone, so only the secret makes a request trusted here. SGLang
+checks one `--api-key`: a request that presents it, where a
 flow lists it (`flows[...].api_keys`), is that flow's whatever it claims; its priority
 is screened as any other request's.
 
@@ -23,7 +25,8 @@ import time
 from typing import Optional
 
 from kvadmit.request_fields import KEY
-from kvadmit.trust import (AUTHORIZATION, PRIORITY, SECRET_HEADER, Trust, count,
+from kvadmit.config import ConfigError
+from kvadmit.trust import (AUTHORIZATION, PRIORITY, SECRET, SECRET_HEADER, Trust, count,
                            refusal_message, require_socket_peer, same_flow, socket_peer)
 
 T_GENERATE = "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request"
@@ -47,13 +50,23 @@ def server_trust() -> Optional[Trust]:
 
 def check_server(server_args) -> None:
     """Stops SGLang's start-up (ConfigError) where this server's trust rule cannot be
-    kept: trusted_proxies without the socket's own peer address, or a flow's API key
-    that is not SGLang's --api-key."""
+    kept: trusted_proxies without the socket's own peer address (or served by Granian,
+    --enable-http2), screening or API keys with HTTP workers that load no plug-in
+    (--tokenizer-worker-num > 1), or a flow's API key that is not SGLang's --api-key."""
     from kvadmit_patches import PatchUnavailable, asgi_socket_peer
 
     trust = server_trust()
     if trust is None:
         return
+    if trust.proxies and getattr(server_args, "enable_http2", False):
+        raise ConfigError("kvadmit config: trusted_proxies needs the connection's own peer "
+                          "address, which kvadmit reads from uvicorn; --enable-http2 serves "
+                          "with Granian: drop one, or use the gateway secret")
+    if (trust.screens or trust.keys) and (getattr(server_args, "tokenizer_worker_num", 1) or 1) > 1:
+        raise ConfigError("kvadmit config: with --tokenizer-worker-num > 1 SGLang's HTTP "
+                          "workers load no plug-in, so nothing would screen clients' kvadmit "
+                          "fields or bind API keys: use one tokenizer worker, or "
+                          "\"untrusted_fields\": \"honour\" with no api_keys")
     try:
         asgi_socket_peer.apply()
     except PatchUnavailable:
@@ -126,8 +139,10 @@ def before_generate_request(manager, obj, request=None, *args, **kwargs):
     flow = _bound_flow(trust, headers, manager)
     if not trust.screens and flow is None:
         return None
-    raised = [] if not trust.screens or trust.trusted(headers, socket_peer(scope)) else \
-        screen(obj, trust, time.time(), keyed=flow is not None)
+    # SGLang's fields come in the body alone, for which only the secret vouches: a
+    # proxy in trusted_proxies vouches for the headers it sets, not the body it forwards
+    raised = [] if not trust.screens or trust.source(headers, socket_peer(scope)) == SECRET \
+        else screen(obj, trust, time.time(), keyed=flow is not None)
     if flow is not None:
         raised += bind(obj, flow)
     count(raised, METRIC)

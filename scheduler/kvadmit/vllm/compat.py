@@ -40,7 +40,8 @@ PATCHES = (
     ("vllm_http_status", "refused requests answer HTTP 200 with finish_reason 'abort' "
                          "(and carry no Retry-After)"),
     ("vllm_retry_after", "refusals carry no Retry-After header"),
-    ("vllm_slo_headers", "the SLO, TTL, fairness and sheddable request headers are ignored"),
+    ("vllm_slo_headers", "the SLO, TTL, fairness and sheddable request headers are ignored, "
+                         "and nothing screens untrusted raises or binds API keys"),
     ("vllm_get_load", "there is no GET /get_load or /v1/loads for routers, and /health "
                       "does not say when kvadmit failed"),
     ("vllm_orca", "the ORCA load report lacks kvadmit's signals"),
@@ -262,6 +263,20 @@ def release_problems() -> list[str]:
         if missing:
             found.append(f"patch {name} cannot apply, so {lost} ({'; '.join(missing)})")
     return found
+
+
+def check_trust_patch(config) -> None:
+    """Even under allow_degraded_vllm, a config whose trust rule screens clients or
+    binds API keys (kvadmit.trust) does not start without the patch that applies it."""
+    from kvadmit.trust import Trust
+    trust = Trust.of(config)
+    if not (trust.screens or trust.keys):
+        return
+    found = kvadmit_patches.problems(importlib.import_module("kvadmit_patches.vllm_slo_headers"))
+    if found:
+        raise _fail([f"patch vllm_slo_headers cannot apply ({'; '.join(found)}), and this "
+                     f"config screens untrusted raises or binds API keys (untrusted_fields "
+                     f"{trust.mode}): allow_degraded_vllm does not run without it"])
 
 
 def check_release(allow_degraded: bool) -> None:

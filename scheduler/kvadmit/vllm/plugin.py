@@ -36,8 +36,9 @@ def check_vllm_config(vllm_config) -> None:
     if _names_kvadmit(scheduler_cls):
         from kvadmit.vllm import compat
         from kvadmit.vllm.scheduler import config_from_vllm
-        _, vllm_settings = config_from_vllm(vllm_config)
+        config, vllm_settings = config_from_vllm(vllm_config)
         compat.check_release(vllm_settings.allow_degraded_vllm)
+        compat.check_trust_patch(config)
         return
     settings = vllm_config.additional_config
     if isinstance(settings, dict) and any(k == SECTION or looks_like_section(k) for k in settings):

@@ -216,6 +216,7 @@ class _KvadmitMixin:
                                native_allocator=vllm_settings.native_allocator,
                                pause=cfg.pause_on_shortfall or cfg.policy == "auto",
                                allow_degraded=vllm_settings.allow_degraded_vllm)
+        compat.check_trust_patch(cfg)
         window = compat.turn_off_cache_aware_window(self)
         if window:
             logger.warning("kvadmit orders vLLM's waiting queue: --cache-aware-admission-window "
