@@ -85,18 +85,29 @@ def wrap(owner, name: str, make_wrapper) -> None:
     call with the same `make_wrapper` finds its mark in the chain of wrappers and leaves
     it (patches are applied in every process, maybe twice); another patch may wrap the
     same target on top."""
+    if wrapped_by(owner, name, make_wrapper):
+        return
     original = getattr(owner, name)
-    mark = f"{make_wrapper.__module__}.{make_wrapper.__qualname__}"
-    fn = original
-    while fn is not None:
-        if getattr(fn, "__kvadmit_patch__", None) == mark:
-            return
-        fn = getattr(fn, "__wrapped__", None)
     wrapper = make_wrapper(original)
-    wrapper.__kvadmit_patch__ = mark
+    wrapper.__kvadmit_patch__ = _mark(make_wrapper)
     wrapper.__wrapped__ = original
     wrapper.__doc__ = original.__doc__
     setattr(owner, name, wrapper)
+
+
+def _mark(make_wrapper) -> str:
+    return f"{make_wrapper.__module__}.{make_wrapper.__qualname__}"
+
+
+def wrapped_by(owner, name: str, make_wrapper) -> bool:
+    """Whether ``owner.<name>`` is wrapped by `wrap` with `make_wrapper` (anywhere in its
+    chain of wrappers)."""
+    fn = getattr(owner, name)
+    while fn is not None:
+        if getattr(fn, "__kvadmit_patch__", None) == _mark(make_wrapper):
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
 
 
 # Where add_app_middleware hooks in: vLLM calls it as (args, app, ...) once it has built

@@ -14,7 +14,7 @@ start unless this patch is in place (`installed`).
 from __future__ import annotations
 
 from kvadmit.trust import PEER_SCOPE_KEY
-from kvadmit_patches import PatchUnavailable, Target, wrap
+from kvadmit_patches import PatchUnavailable, Target, wrap, wrapped_by
 
 TARGET = Target("uvicorn.config:Config.load", ("self",))
 
@@ -47,13 +47,7 @@ def installed() -> bool:
         from uvicorn.config import Config
     except ImportError:
         return False
-    mark = f"{_make_load.__module__}.{_make_load.__qualname__}"
-    fn = Config.load
-    while fn is not None:
-        if getattr(fn, "__kvadmit_patch__", None) == mark:
-            return True
-        fn = getattr(fn, "__wrapped__", None)
-    return False
+    return wrapped_by(Config, "load", _make_load)
 
 
 def apply() -> bool:

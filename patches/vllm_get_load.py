@@ -47,6 +47,8 @@ import sys
 import time
 from urllib.parse import parse_qs
 
+from kvadmit import failed_state
+from kvadmit.failed_state import answer_failed_closed, with_state_header
 from kvadmit_patches import MIDDLEWARE_HOOK, add_app_middleware, require
 
 TARGET = "vllm.entrypoints.launchers.app.init_entrypoints_middleware"
@@ -60,7 +62,6 @@ FAILED_CLOSED = "kvadmit_failed_closed"   # 1 once an engine failed closed (live
 # (at most 10**12 + 999), so a router comparing loads never picks this server
 FAILED_CLOSED_LOAD = 10**15
 HEALTH = "/health"
-STATE_HEADER = b"x-kvadmit-state"         # on /health: ok, failed-open or failed-closed
 PRESSURE = "kvadmit_admission_pressure"
 WAITING = "kvadmit_waiting_requests"
 # vLLM's own gauges in the API server's registry (the fallback)
@@ -125,16 +126,16 @@ def engine_state() -> tuple[dict[str, float] | None, str | None]:
     path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     signals = kvadmit_signals(path) if path else None
     if signals is not None and signals.get(FAILED_CLOSED, 0) > 0:
-        return None, "failed-closed"
+        return None, failed_state.FAILED_CLOSED
     if signals is not None and signals.get(FAILED, 0) > 0:
-        return None, "failed-open"
+        return None, failed_state.FAILED_OPEN
     return signals, None
 
 
 def get_load_answer(query: str = "") -> dict:
     """`GET /get_load`: `load_report` from kvadmit's series, else vLLM's count."""
     signals, state = engine_state()
-    if state == "failed-closed":    # it refuses every request: a load no router picks
+    if state == failed_state.FAILED_CLOSED:   # it refuses every request: no router picks it
         return {"load": FAILED_CLOSED_LOAD, "source": "kvadmit", "kvadmit": state}
     if signals is None:
         return {"load": vllm_counts(), "source": "vllm", **({"kvadmit": state} if state else {})}
@@ -161,7 +162,7 @@ def v1_loads_report(vllm: dict[str, float], signals: dict[str, float] | None,
     if signals is None:
         waiting = int(vllm.get(VLLM_WAITING, 0.0))
         rank["token_usage"] = round(min(1.0, max(0.0, vllm.get(KV_USAGE, 0.0))), 4)
-        if state == "failed-closed":    # it refuses every request: at any overload threshold
+        if state == failed_state.FAILED_CLOSED:    # refusing every request: at any threshold
             rank["token_usage"] = 1.0
     else:
         delay, pressure = signals[DELAY], signals[PRESSURE]
@@ -222,35 +223,19 @@ ROUTES = {"/get_load": get_load_answer, "/v1/loads": v1_loads_answer}
 def kvadmit_state() -> str | None:
     """"ok", "failed-open" or "failed-closed" (None: no kvadmit series to read)."""
     signals, state = engine_state()
-    return state or ("ok" if signals is not None else None)
+    return state or (failed_state.OK if signals is not None else None)
 
 
 async def health(app, scope, receive, send) -> None:
     """`GET /health`: vLLM's own answer, with kvadmit's state in `x-kvadmit-state`;
     once kvadmit failed closed (it refuses every request until a restart), 503 and
-    `{"kvadmit": "failed-closed", ...}` instead, so a router or orchestrator takes the
-    server out."""
+    `{"kvadmit": "failed-closed", ...}` instead (kvadmit.failed_state)."""
     state = kvadmit_state()
-    if state == "failed-closed":
-        body = json.dumps({"kvadmit": state, "message": "kvadmit failed inside the engine and, "
-                           "configured with on_internal_error: closed, refuses every request "
-                           "until the server is restarted"}).encode()
-        await send({"type": "http.response.start", "status": 503,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode()),
-                                (STATE_HEADER, state.encode())]})
-        await send({"type": "http.response.body", "body": body})
-        return
+    if state == failed_state.FAILED_CLOSED:
+        return await answer_failed_closed(send)
     if state is None:
         return await app(scope, receive, send)
-
-    async def send_with_state(message):
-        if message["type"] == "http.response.start":
-            message = {**message, "headers": [*message.get("headers", []),
-                                              (STATE_HEADER, state.encode())]}
-        await send(message)
-
-    await app(scope, receive, send_with_state)
+    await app(scope, receive, with_state_header(send, state))
 
 
 class GetLoadMiddleware:

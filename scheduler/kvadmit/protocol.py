@@ -76,11 +76,7 @@ AGENT_OVERDUE_HELP = ("Agent sessions let into a full agent window after waiting
 # The statuses a retryable refusal may have (AdmissionConfig.overload_status), and the
 # one it has when nothing says otherwise: the config's default (429), defined there once.
 OVERLOAD_STATUSES = (HTTPStatus.SERVICE_UNAVAILABLE, HTTPStatus.TOO_MANY_REQUESTS)
-DEFAULT_OVERLOAD_STATUS = HTTPStatus(
-    AdmissionConfig.__dataclass_fields__["overload_status"].default)
-if DEFAULT_OVERLOAD_STATUS not in OVERLOAD_STATUSES:
-    raise ImportError(f"kvadmit.protocol: the config's default overload_status "
-                      f"{int(DEFAULT_OVERLOAD_STATUS)} is not one of {OVERLOAD_STATUSES}")
+DEFAULT_OVERLOAD_STATUS = HTTPStatus(AdmissionConfig().overload_status)
 FINAL_STATUS = HTTPStatus.BAD_REQUEST
 
 

@@ -16,7 +16,8 @@ import concurrent.futures
 
 import httpx
 from serving import free_port, running_server, serve_command
-from test_serve_fail_open import _completion, idle_metrics, write_fault_plugin
+from test_serve_fail_open import (_completion, assert_the_server_shows_failed_closed,
+                                  idle_metrics, write_fault_plugin)
 
 
 def post(base, model, i, rank=None):
@@ -65,15 +66,7 @@ def test_one_rank_failing_closed_takes_the_whole_server_out(model_dir, tmp_path)
         assert len(closing) == 1 and "EngineCore_DP0" in closing[0], closing or log[-3000:]
 
         # what a router sees: the whole server out
-        m = idle_metrics(base)
-        assert m.get("vllm:kv_cache_usage_perc") == 0, m       # both ranks' pools
-        assert m.get("kvadmit_internal_errors_total") == 1, sorted(k for k in m if "kvadmit" in k)
-        assert m.get("kvadmit_failed_closed") == 1, sorted(k for k in m if "kvadmit" in k)
-        health = httpx.get(base + "/health", timeout=30)
-        assert health.status_code == 503 and health.json()["kvadmit"] == "failed-closed", health
-        assert health.headers["x-kvadmit-state"] == "failed-closed"
-        load = httpx.get(base + "/get_load", timeout=30).json()
-        assert load["kvadmit"] == "failed-closed" and load["load"] >= 10**15, load
+        assert_the_server_shows_failed_closed(base)     # both ranks' pools, counters
         loads = httpx.get(base + "/v1/loads", timeout=30).json()
         assert loads["kvadmit"]["state"] == "failed-closed", loads
         assert [r["token_usage"] for r in loads["loads"]] == [1.0], loads

@@ -127,15 +127,7 @@ def test_a_fault_under_load_fails_closed_refusing_the_held_and_finishing_the_run
         assert any(i % 2 == 1 for i, r in enumerate(results) if r[0] == 503), results
         log = (tmp_path / "serve.log").read_text()
         assert log.count("failing closed") == 1, log[-3000:]
-        m = idle_metrics(base)
-        assert m.get("vllm:kv_cache_usage_perc") == 0, m
-        assert m.get("kvadmit_internal_errors_total") == 1, sorted(k for k in m if "kvadmit" in k)
-        assert m.get("kvadmit_failed_closed") == 1, sorted(k for k in m if "kvadmit" in k)
-        health = httpx.get(base + "/health", timeout=30)
-        assert health.status_code == 503 and health.json()["kvadmit"] == "failed-closed", health
-        assert health.headers["x-kvadmit-state"] == "failed-closed"
-        load = httpx.get(base + "/get_load", timeout=30).json()
-        assert load["kvadmit"] == "failed-closed" and load["load"] >= 10**15, load
+        assert_the_server_shows_failed_closed(base)
         # the process is up and answers; every new request is refused at once, named
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             again = [f.result() for f in [pool.submit(_post, base, model, 100 + i, True)
@@ -143,6 +135,21 @@ def test_a_fault_under_load_fails_closed_refusing_the_held_and_finishing_the_run
         assert all(r[0] == 503 and "kvadmit:failed_closed" in r[3][0] for r in again), again
         assert httpx.get(base + "/v1/models", timeout=30).status_code == 200
         assert metrics(base).get("vllm:kv_cache_usage_perc") == 0
+
+
+def assert_the_server_shows_failed_closed(base):
+    """What a router and an operator see once kvadmit failed closed: one internal error,
+    the failed-closed gauge, /health 503 with the state header, /get_load a load no
+    router picks; every KV block back at idle."""
+    m = idle_metrics(base)
+    assert m.get("vllm:kv_cache_usage_perc") == 0, m
+    assert m.get("kvadmit_internal_errors_total") == 1, sorted(k for k in m if "kvadmit" in k)
+    assert m.get("kvadmit_failed_closed") == 1, sorted(k for k in m if "kvadmit" in k)
+    health = httpx.get(base + "/health", timeout=30)
+    assert health.status_code == 503 and health.json()["kvadmit"] == "failed-closed", health
+    assert health.headers["x-kvadmit-state"] == "failed-closed"
+    load = httpx.get(base + "/get_load", timeout=30).json()
+    assert load["kvadmit"] == "failed-closed" and load["load"] >= 10**15, load
 
 
 def _post(base, model, i, full=False):

@@ -27,13 +27,12 @@ import tempfile
 import time
 from typing import Optional
 
+from kvadmit.failed_state import FAILED_CLOSED, FAILED_OPEN, OK
 from kvadmit.protocol import FAILED_CLOSED as FAILED_CLOSED_REASON
 from kvadmit.sglang.settings import ENV_VAR
 
 logger = logging.getLogger("kvadmit.sglang")
 
-OK, FAILED_OPEN, FAILED_CLOSED = "ok", "failed-open", "failed-closed"
-STATE_HEADER = "x-kvadmit-state"          # as vLLM's (patches/vllm_get_load.py)
 RUN_ID_ENV = "SGLANG_RUN_ID"              # SGLang's launcher: once per launch
 
 

@@ -28,16 +28,15 @@ from __future__ import annotations
 import json
 import sys
 
-from kvadmit.sglang.failure import FAILED_CLOSED, STATE_HEADER, server_state
+from kvadmit.failed_state import (FAILED_CLOSED, answer_failed_closed, state_headers,
+                                  with_state_header)
+from kvadmit.sglang.failure import server_state
 
 T_BUILD_STACK = "fastapi.applications.FastAPI.build_middleware_stack"
 HTTP_SERVER_MODULE = "sglang.srt.entrypoints.http_server"
 HEALTH_PATHS = frozenset({"/health", "/health_generate"})
 LOADS_PATH = "/v1/loads"
 WATCHED = HEALTH_PATHS | {LOADS_PATH}
-FAILED_CLOSED_MESSAGE = ("kvadmit failed inside the scheduler and, configured with "
-                         "on_internal_error: closed, refuses every request until the "
-                         "server is restarted")
 
 
 def after_build_middleware_stack(result, app, *args, **kwargs):
@@ -72,23 +71,6 @@ def loads_with_state(body: bytes, state: str):
     return json.dumps(answer).encode()
 
 
-def _headers(message, state: str, length=None) -> list:
-    headers = [(k, v) for k, v in message.get("headers", [])
-               if k.lower() != STATE_HEADER.encode()
-               and (length is None or k.lower() != b"content-length")]
-    if length is not None:
-        headers.append((b"content-length", str(length).encode()))
-    return headers + [(STATE_HEADER.encode(), state.encode())]
-
-
-def with_state_header(send, state: str):
-    async def send_with_state(message):
-        if message["type"] == "http.response.start":
-            message = {**message, "headers": _headers(message, state)}
-        await send(message)
-    return send_with_state
-
-
 def with_loads_state(send, state: str):
     """A send that holds SGLang's /v1/loads answer until its last byte, then sends it
     with kvadmit's state (`loads_with_state`), or unchanged with the header."""
@@ -105,19 +87,10 @@ def with_loads_state(send, state: str):
             return
         body = b"".join(chunks)
         new = loads_with_state(body, state) if start["status"] == 200 else None
-        await send({**start, "headers": _headers(start, state,
-                                                 None if new is None else len(new))})
+        await send({**start, "headers": state_headers(start.get("headers", []), state,
+                                                      None if new is None else len(new))})
         await send({"type": "http.response.body", "body": body if new is None else new})
     return send_loads
-
-
-async def send_failed_closed(send) -> None:
-    body = json.dumps({"kvadmit": FAILED_CLOSED, "message": FAILED_CLOSED_MESSAGE}).encode()
-    await send({"type": "http.response.start", "status": 503,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()),
-                            (STATE_HEADER.encode(), FAILED_CLOSED.encode())]})
-    await send({"type": "http.response.body", "body": body})
 
 
 class FailedStateMiddleware:
@@ -136,7 +109,7 @@ class FailedStateMiddleware:
         if state is None:
             return await self.app(scope, receive, send)
         if state == FAILED_CLOSED and path in HEALTH_PATHS:
-            return await send_failed_closed(send)
+            return await answer_failed_closed(send)
         if path == LOADS_PATH:
             return await self.app(scope, receive, with_loads_state(send, state))
         return await self.app(scope, receive, with_state_header(send, state))

@@ -26,8 +26,9 @@ from typing import Optional
 
 from kvadmit.request_fields import KEY
 from kvadmit.config import ConfigError
-from kvadmit.trust import (AUTHORIZATION, PRIORITY, SECRET, SECRET_HEADER, Trust, count,
-                           refusal_message, require_socket_peer, same_flow, socket_peer)
+from kvadmit.flow_settings import key_digest
+from kvadmit.trust import (PRIORITY, SECRET, SECRET_HEADER, Trust, count, refusal_message,
+                           require_socket_peer, same_flow, socket_peer)
 
 T_GENERATE = "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request"
 METRIC = "kvadmit:untrusted_fields"      # SGLang's kvadmit series are "kvadmit:*"
@@ -102,10 +103,9 @@ def _bound_flow(trust: Trust, headers, manager) -> Optional[str]:
     checks that one key before this hook; a key it does not check proves nothing)."""
     binding = trust.bound(headers)
     server_key = getattr(getattr(manager, "server_args", None), "api_key", None)
-    if binding is None or not server_key:
+    if binding is None or not server_key or trust.keys.get(key_digest(server_key)) != binding:
         return None
-    own = trust.bound([(AUTHORIZATION, b"Bearer " + server_key.encode("utf-8"))])
-    return binding.flow if own == binding else None
+    return binding.flow
 
 
 def bind(obj, flow: str) -> list[str]:
