@@ -126,3 +126,36 @@ def test_ratios_to_vllm_default_need_no_watermark_rows():
     assert e["vs_vllm_default"]["vllm-default"]["steps"] == 1.0
     assert e["vs_vllm_default"]["peak"]["steps"] == e["cells"]["peak"]["steps"] / e["cells"]["vllm-default"]["steps"]
     assert "vs_best_watermark" not in e and "goals" not in e
+
+
+def test_step_time_regimes_price_the_same_workloads(tmp_path):
+    """--step-time: one scorecard per step-time model over the same requests and pools,
+    and one table of the default against vLLM across them. A burst's schedule under
+    vLLM's rule does not depend on the price; its modelled time does."""
+    js = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, "-m", "kvadmit.cli", "bench", "scorecard", "--quick",
+                        "--only", "equal-burst", "gamma-bursty", "--step-time", "cpu-tiny", "h100-8b",
+                        "--configs", "vllm-default", "default={}", "--json", str(js), "--plot", ""],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(js.read_text())
+    cpu, gpu = out["regimes"]
+    assert (cpu["step_time"], gpu["step_time"]) == ("cpu-tiny", "h100-8b")
+    names = {reg["step_time"]: {e["name"]: e for e in reg["workloads"]} for reg in out["regimes"]}
+    eq_cpu, eq_gpu = names["cpu-tiny"]["equal-burst"], names["h100-8b"]["equal-burst"]
+    assert eq_cpu["step_time"] == "vLLM CPU, tiny Llama (fitted)" and "H100" in eq_gpu["step_time"]
+    v_cpu, v_gpu = eq_cpu["cells"]["vllm-default"], eq_gpu["cells"]["vllm-default"]
+    assert v_cpu["steps"] == v_gpu["steps"] and v_cpu["makespan_s"] < v_gpu["makespan_s"]
+    # the open-loop workload arrives at each regime's own capacity, so both run it loaded
+    for reg in ("cpu-tiny", "h100-8b"):
+        g = names[reg]["gamma-bursty"]["cells"]["vllm-default"]
+        assert g["finished"] == names[reg]["gamma-bursty"]["requests"] and g["preemptions"] > 0, reg
+    for k in ("throughput", "ttft_p99", "tpot_p99", "makespan"):
+        assert k in eq_gpu["vs_vllm_default"]["default"]
+    assert "per step-time regime" in p.stdout and "h100-8b" in p.stdout
+
+
+def test_an_unknown_step_time_preset_is_refused():
+    p = subprocess.run([sys.executable, "-m", "kvadmit.cli", "bench", "scorecard", "--step-time", "h100"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--step-time" in p.stderr and "h100-8b" in p.stderr

@@ -154,3 +154,34 @@ def test_kvadmit_bench_serve_small_sweep(model_dir, tmp_path):
         assert goal == r["recompute_share"]
     assert "recompute %" in p.stdout, p.stdout
     assert (tmp_path / "serve.png").stat().st_size > 10_000
+
+
+def test_kvadmit_bench_serve_pairs_the_seeds(model_dir, tmp_path):
+    """--seeds: each seed measures its own capacity on vllm-default, then every config
+    runs back to back at that seed's capacity; the JSON holds each seed's capacity and
+    each config's per-seed ratios to vllm-default, and the terminal their medians."""
+    out = tmp_path / "paired.json"
+    cmd = [sys.executable, "-m", "kvadmit.cli", "bench", "serve", "--trace", str(TRACE),
+           "--requests", "12", "--load", "1", "--seeds", "2", "--seed", "5",
+           "--configs", "vllm-default", "kvadmit-default", "--num-blocks", "49",
+           "--max-model-len", "1024", "--json", str(out), "--plot", "", "--model-dir", model_dir,
+           "--engine-cpus", str(FIRST_CPU)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
+    (sec,) = json.loads(out.read_text())["sections"]
+    assert sorted(sec["capacity_by_seed"]) == ["5", "6"]
+    assert sec["capacity_by_seed"]["5"] == sec["capacity_rps"]
+    assert all(c > 0 for c in sec["capacity_by_seed"].values())
+    rows = sec["rows"]
+    assert sorted((r["seed"], r["config"]) for r in rows) == [
+        (5, "kvadmit-default"), (5, "vllm-default"), (6, "kvadmit-default"), (6, "vllm-default")]
+    for r in rows:
+        assert r["rate_rps"] == pytest.approx(sec["capacity_by_seed"][str(r["seed"])])
+        assert r["completed"] == 12 and r["wrong_length"] == 0
+    (pair,) = sec["paired"]
+    assert (pair["config"], pair["load"], pair["seeds"]) == ("kvadmit-default", 1.0, [5, 6])
+    by = {(r["config"], r["seed"]): r for r in rows}
+    assert pair["ttft_p99_ms"]["per_seed"] == [
+        by["kvadmit-default", s]["ttft_p99_ms"] / by["vllm-default", s]["ttft_p99_ms"] for s in (5, 6)]
+    assert "paired by seed, against vllm-default" in p.stdout
+    assert "seed 6: capacity" in p.stderr

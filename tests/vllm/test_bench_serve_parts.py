@@ -131,3 +131,34 @@ def test_engine_cpus_outside_the_usable_ones_are_refused_before_a_server_starts(
     s = Server(configs.parse_config("vllm-default", 1, 1.0), "model", Engine(),
                tmp_path / "log", engine_cpus=(min(os.sched_getaffinity(0)),))
     assert s.proc is None and s.bound == []
+
+
+def test_paired_ratios_by_seed_with_median_and_worst():
+    """Each config against vllm-default of the same seed: the per-seed ratios, their
+    median and the worst seed (highest where lower is better, lowest where higher is)."""
+    def row(config, seed, ttft, tok, pre, load=1.0):
+        return dict(config=config, load=load, seed=seed, ttft_p99_ms=ttft, tpot_p99_ms=10.0,
+                    output_tok_per_s=tok, goodput=0.5, preemptions=pre)
+    rows = [row("vllm-default", 0, 100.0, 50.0, 10), row("kvadmit-default", 0, 120.0, 49.0, 0),
+            row("vllm-default", 1, 200.0, 40.0, 0), row("kvadmit-default", 1, 100.0, 44.0, 0),
+            row("vllm-default", 2, 100.0, 50.0, 4), row("kvadmit-default", 2, 300.0, 45.0, 1),
+            row("kvadmit-default", 3, 1.0, 1.0, 1)]            # no vllm-default of seed 3: left out
+    (e,) = report.paired_ratios(rows)
+    assert (e["config"], e["load"], e["seeds"], e["ref"]) == ("kvadmit-default", 1.0, [0, 1, 2],
+                                                              "vllm-default")
+    assert e["ttft_p99_ms"]["per_seed"] == [1.2, 0.5, 3.0]
+    assert e["ttft_p99_ms"]["median"] == 1.2 and e["ttft_p99_ms"]["worst"] == 3.0
+    assert e["output_tok_per_s"]["per_seed"] == pytest.approx([0.98, 1.1, 0.9])
+    assert e["output_tok_per_s"]["worst"] == pytest.approx(0.9)          # higher is better
+    assert e["preemptions"]["per_seed"] == [0.0, 1.0, 0.25]             # 0 / 0 is 1
+    assert e["tpot_p99_ms"]["median"] == 1.0
+
+
+@pytest.mark.parametrize("flags, needle", [(["--seeds", "0"], "--seeds=0: must be >= 1"),
+                                           (["--seeds", "2", "--configs", "kvadmit-default"],
+                                            "--seeds pairs every config with vllm-default")])
+def test_bad_seeds_are_refused_before_a_server_starts(flags, needle, capsys):
+    from kvadmit.bench.serve.cli import _parse_args
+    with pytest.raises(SystemExit) as e:
+        _parse_args(flags)
+    assert e.value.code == 2 and needle in capsys.readouterr().err

@@ -7,6 +7,7 @@ schedulers, sync and async as on a GPU) run vLLM's real scheduler in-process."""
 import pytest
 
 from kvadmit.bench import vllm as bench
+from kvadmit.simulate.steptime import CPU_TINY
 from kvadmit.vllm.inprocess import InProcessEngine
 
 
@@ -60,6 +61,15 @@ def test_the_benchs_schedulers_hold_the_burst_and_count(monkeypatch, tmp_path, m
     ids = [eng.add([5 + i] * 40, 6) for i in range(2)]
     assert eng.step().total_num_scheduled_tokens == 0          # held: 2 of 3 arrived
     ids.append(eng.add([9] * 40, 6))
-    log = eng.run()
+    # The modelled time: every step with tokens, priced by the CPU fit on its tokens and
+    # its context (each scheduled request's computed tokens after schedule()).
+    modelled = 0.0
+    while len(eng.log.finished) < len(ids):
+        out = eng.step()
+        if out.total_num_scheduled_tokens:
+            modelled += CPU_TINY.step_s(out.total_num_scheduled_tokens, sum(eng.last_computed.values()))
+    log = eng.log
     assert all(len(log.outputs[r]) == 6 for r in ids)
-    assert int(counts.read_text().split()[0]) == log.scheduled_tokens
+    tokens, _, modelled_s = counts.read_text().split()
+    assert int(tokens) == log.scheduled_tokens
+    assert float(modelled_s) == pytest.approx(modelled, rel=1e-12)

@@ -64,6 +64,9 @@ def test_preemptions(ignore_eos_rows):
         assert rows[name]["preemptions"] == rows["vllm-default"]["preemptions"]
         assert rows[name]["steps"] == rows["vllm-default"]["steps"]
         assert rows[name]["recomputed_tokens"] == rows["vllm-default"]["recomputed_tokens"]
+        # the same schedule, so the same modelled time (the chart's tokens/s), whatever
+        # either run's wall time was
+        assert rows[name]["modelled_s"] == pytest.approx(rows["vllm-default"]["modelled_s"], rel=1e-12)
 
 
 def test_real_lengths_below_the_cap(model_dir, tmp_path):
@@ -154,6 +157,8 @@ def test_suite_holds_every_cell_and_the_simulator_agrees(model_dir, tmp_path):
             assert r["wrong_length"] == 0 and r["rejected"] == {}, (w["name"], name)
             sim = w["sim"][name]
             assert (sim["steps"], sim["preemptions"]) == (r["steps"], r["preemptions"]), (w["name"], name)
+            # the real run's steps priced by the fit the simulator steps by
+            assert r["modelled_s"] == pytest.approx(sim["makespan_s"], rel=1e-6), (w["name"], name)
             assert w["sim_vs_real"][name]["same_verdict"] is True
         assert w["vs_vllm_default"]["vllm-default"]["steps"] == 1.0
     assert "equal-burst" in p.stdout and "simulator vs real" in p.stdout

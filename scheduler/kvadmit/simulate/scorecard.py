@@ -25,7 +25,7 @@ from kvadmit.simulate.engine import EngineShape
 from kvadmit.simulate.metrics import Slo, summarize
 from kvadmit.simulate.policies import PolicySpec, parse_policy
 from kvadmit.simulate.run import at_load, capacity_rps, run_policy
-from kvadmit.simulate.steptime import CPU_TINY, StepTimeModel, get_preset
+from kvadmit.simulate.steptime import CPU_TINY, PRESETS, StepTimeModel, get_preset
 from kvadmit.simulate.workload import Workload, agent_sessions, from_trace, synthetic
 from kvadmit.traces import load_trace, trace_name
 
@@ -60,6 +60,11 @@ class Case:
     shape: EngineShape
     step: StepTimeModel
     slo: Slo = Slo()
+
+    @property
+    def tiny_context(self) -> bool:
+        """Whether it fits the tiny CPU model's context (what --engine vllm can run)."""
+        return self.shape.max_model_len <= TINY_CONTEXT
 
 
 # ---------------------------------------------------------------------------
@@ -113,14 +118,18 @@ def open_loop(w: Workload, shape: EngineShape, step: StepTimeModel, load: float)
     return at_load(w, load, capacity_rps(w, shape, step))
 
 
-def suite(traces_dir: str | pathlib.Path | None = None, quick: bool = False) -> list[Case]:
+def suite(traces_dir: str | pathlib.Path | None = None, quick: bool = False,
+          step: StepTimeModel | None = None) -> list[Case]:
     """The scorecard's workloads, from the bundled traces (``traces_dir`` None) or from a
-    folder holding AZURE and MOONCAKE. ``quick``: smaller versions (tests)."""
+    folder holding AZURE and MOONCAKE. ``quick``: smaller versions (tests). ``step``:
+    every workload priced by this step-time model instead of its own (the regime: the
+    same pools and requests, open-loop arrivals at that model's capacity)."""
     if traces_dir is None:
         azure, moon = "azure2023_conv", "mooncake_conversation"     # kvadmit.traces.BUNDLED
     else:
         azure, moon = pathlib.Path(traces_dir) / AZURE, pathlib.Path(traces_dir) / MOONCAKE
     k = 4 if quick else 1                    # quick: a quarter of the requests
+    cpu = step or CPU_TINY                   # the bursts' price: the CPU engine's fit, by default
     cases: list[Case] = []
 
     def add(name, about, build: Callable[[], tuple[Workload, EngineShape, StepTimeModel]], **kw):
@@ -128,27 +137,27 @@ def suite(traces_dir: str | pathlib.Path | None = None, quick: bool = False) -> 
         cases.append(Case(name, about, w, shape, step, **kw))
 
     add("azure-context", "Azure conversation burst, no max_tokens (caps = context left), 32 blocks",
-        lambda: (azure_burst(azure, 0, 256 // k, "context", "azure-context"), tiny_shape(32), CPU_TINY))
+        lambda: (azure_burst(azure, 0, 256 // k, "context", "azure-context"), tiny_shape(32), cpu))
     add("azure-cap", "another Azure slice, max_tokens 2048 (scaled) far above real lengths, 32 blocks",
-        lambda: (azure_burst(azure, 6000, 256 // k, "cap", "azure-cap"), tiny_shape(32), CPU_TINY))
+        lambda: (azure_burst(azure, 6000, 256 // k, "cap", "azure-cap"), tiny_shape(32), cpu))
     add("azure-honest", "a third Azure slice with honest caps (max_tokens = real length), 32 blocks",
-        lambda: (azure_burst(azure, 12000, 256 // k, "real", "azure-honest"), tiny_shape(32), CPU_TINY))
+        lambda: (azure_burst(azure, 12000, 256 // k, "real", "azure-honest"), tiny_shape(32), cpu))
     add("equal-burst", "64 requests of exactly 200 output tokens (ignore_eos, honest caps), 24 blocks",
-        lambda: (equal_burst(64 // k, 200), tiny_shape(24, 512), CPU_TINY))
+        lambda: (equal_burst(64 // k, 200), tiny_shape(24, 512), cpu))
     add("tight-pool", "Azure burst scaled to a 512-token context, caps = context left, on a tight "
         "pool (16 blocks: 1 context)",
-        lambda: (azure_burst(azure, 2000, 256 // k, "context", "tight", 512), tiny_shape(16, 512),
-                 CPU_TINY))
+        lambda: (azure_burst(azure, 2000, 256 // k, "context", "tight", 512), tiny_shape(16, 512), cpu))
     add("loose-pool", "Azure burst, caps = context left, on a pool where vLLM never preempts (512 blocks)",
-        lambda: (azure_burst(azure, 0, 256 // k, "context", "loose"), tiny_shape(512), CPU_TINY))
+        lambda: (azure_burst(azure, 0, 256 // k, "context", "loose"), tiny_shape(512), cpu))
 
     h100 = get_preset("h100-8b")
+    gpu = step or h100                      # the open-loop workloads' price (their pools are h100's)
     big = EngineShape(num_blocks=h100.num_blocks // 8, block_size=h100.block_size,
                       max_model_len=h100.max_model_len, max_num_seqs=1024, max_num_batched_tokens=8192)
 
     def gamma():
         w = synthetic(2000 // k, rate=10.0, seed=1, burst_cv=4.0, max_model_len=big.max_model_len)
-        return open_loop(w, big, h100, 1.2), big, h100
+        return open_loop(w, big, gpu, 1.2), big, gpu
     add("gamma-bursty", "synthetic Gamma-burst arrivals (CV 4) at 1.2x capacity, lognormal lengths, "
         "caps = min(2048, context left); h100-8b step model, 1/8 of its KV pool", gamma)
 
@@ -157,7 +166,7 @@ def suite(traces_dir: str | pathlib.Path | None = None, quick: bool = False) -> 
                                     num_blocks=h100.num_blocks)
         w = from_trace(moon, limit=1500 // k, max_tokens_rule="context",
                        max_model_len=shape.max_model_len)
-        return open_loop(w, shape, h100, 1.0), shape, h100
+        return open_loop(w, shape, gpu, 1.0), shape, gpu
     add("mooncake-prefix", "Mooncake conversation trace with prefix caching at 1.0x capacity, "
         "caps = min(2048, context left); h100-8b", mooncake, slo=Slo(10.0, 0.1))
 
@@ -165,7 +174,7 @@ def suite(traces_dir: str | pathlib.Path | None = None, quick: bool = False) -> 
         shape = dataclasses.replace(big, prefix_caching=True, max_model_len=32768)
         w = agent_sessions(200 // k, rate=2.0, seed=3, max_model_len=shape.max_model_len,
                            block_tokens=shape.block_size)
-        return w, shape, h100
+        return w, shape, gpu
     add("agents", "multi-turn agent sessions with a shared system prompt, prefix caching; "
         "h100-8b, 1/8 of its KV pool", agents, slo=Slo(5.0, 0.1))
     return cases
@@ -202,7 +211,8 @@ def ratios(cell: dict, ref: dict) -> dict:
         return a / b if b else (1.0 if a == b else math.inf)
     return {"steps": r("steps"), "preemptions": r("preemptions"),
             "recomputed_tokens": r("recomputed_tokens"), "goodput": r("goodput"),
-            "makespan": r("makespan_s")}
+            "makespan": r("makespan_s"), "throughput": r("throughput_tok_s"),
+            "ttft_p99": r("ttft_p99_s"), "tpot_p99": r("tpot_p99_s")}
 
 
 def goals(cells: dict[str, dict], honest: bool, loose: bool) -> dict[str, bool]:
@@ -268,7 +278,7 @@ def print_scorecard(out: dict) -> None:
         wm = e.get("best_watermark")
         print(f"{'config':18} {'steps':>7} {'preempt':>7} {'recomp':>7} {'paused':>7} {'goodput':>7}"
               f" {'steps/vllm':>10} {'steps/wm':>8} {'time/vllm':>9} {'pre/vllm':>8} {'pre/wm':>7}"
-              f" {'TPOTp99':>7}")
+              f" {'TTFT99/vllm':>11} {'TPOTp99':>7}")
         for name, c in e["cells"].items():
             rv = e.get("vs_vllm_default", {}).get(name, {})
             rw = e.get("vs_best_watermark", {}).get(name, {})
@@ -277,11 +287,36 @@ def print_scorecard(out: dict) -> None:
                   f"{c['paused']:7d} {c['goodput'] * 100:6.1f}% {rv.get('steps', math.nan):10.3f} "
                   f"{rw.get('steps', math.nan):8.3f} {rv.get('makespan', math.nan):9.3f} "
                   f"{rv.get('preemptions', math.nan):8.3f} "
-                  f"{rw.get('preemptions', math.nan):7.3f} {tpot_ms(c)}")
+                  f"{rw.get('preemptions', math.nan):7.3f} {rv.get('ttft_p99', math.nan):11.3f} "
+                  f"{tpot_ms(c)}")
         if "goals" in e:
             missed = [k for k, ok in e["goals"].items() if not ok]
             print(f"default config goals: {'all met' if not missed else 'MISSED ' + ', '.join(missed)}")
     print("\n* = vLLM's best watermark on that workload (fewest preemptions, then fewest steps)")
+
+
+# The regime table's columns: a cell's ratio to vLLM's default on the same regime.
+REGIME_RATIOS = (("steps", "steps"), ("makespan", "time"), ("throughput", "tok/s"),
+                 ("ttft_p99", "TTFT99"), ("tpot_p99", "TPOT99"))
+
+
+def print_regimes(regimes: list[dict], row: str = DEFAULT_ROW) -> None:
+    """One table over the regimes (one scorecard per step-time model): per workload and
+    regime, `row`'s preemptions against vLLM's default's, then its ratios to vLLM's
+    default (steps, modelled time, tokens/s, TTFT p99, TPOT p99; below 1 is better but
+    for tokens/s)."""
+    print(f"\n== {row} against vLLM's default, per step-time regime")
+    print(f"{'workload':16} {'regime':11} {'preempt':>9}" + "".join(f" {h:>7}" for _, h in REGIME_RATIOS))
+    names = [e["name"] for e in regimes[0]["workloads"]]
+    for name in names:
+        for reg in regimes:
+            e = next(w for w in reg["workloads"] if w["name"] == name)
+            if row not in e["cells"] or "vllm-default" not in e["cells"]:
+                continue
+            pre = f"{e['cells'][row]['preemptions']}/{e['cells']['vllm-default']['preemptions']}"
+            rv = e["vs_vllm_default"][row]
+            print(f"{name:16} {reg['step_time']:11} {pre:>9}" +
+                  "".join(f" {rv[k]:7.3f}" for k, _ in REGIME_RATIOS))
 
 
 def plot_heatmap(out: dict, path: str) -> bool:
@@ -348,6 +383,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="vllm: vLLM's real V1 scheduler in-process on the virtual clock (needs vLLM; "
                          "by default only the bursts on the tiny CPU engine's shape)")
     ap.add_argument("--model-dir", help="--engine vllm: the tiny model (built there if missing)")
+    ap.add_argument("--step-time", nargs="+", metavar="PRESET", choices=sorted(PRESETS),
+                    help="price every workload by each of these step-time models in turn (one "
+                         "scorecard each, and one table of the default against vLLM across them: "
+                         "cpu-tiny is the CPU engine's fit, h100-8b and h100x4-70b GPU rooflines); "
+                         "default: each workload's own")
     ap.add_argument("--json", help="default: bench/results/scorecard[_vllm].json")
     ap.add_argument("--plot", help="default: bench/results/scorecard[_vllm].png ('' for none)")
     args = ap.parse_args(argv)
@@ -363,19 +403,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvadmit bench scorecard: --configs: {e}", file=sys.stderr)
             return 2
     try:
-        cases = suite(args.traces, quick=args.quick)
+        runs = [(name, _cases(args, get_preset(name) if name else None))
+                for name in (args.step_time or [None])]
     except FileNotFoundError as e:
         print(f"kvadmit bench scorecard: {e} (pass --traces)", file=sys.stderr)
         return 2
-    if args.only:
-        unknown = set(args.only) - {c.name for c in cases}
-        if unknown:
-            print(f"kvadmit bench scorecard: unknown workload(s) {sorted(unknown)}; "
-                  f"known: {[c.name for c in cases]}", file=sys.stderr)
-            return 2
-        cases = [c for c in cases if c.name in args.only]
-    elif args.engine == "vllm":
-        cases = [c for c in cases if c.step is CPU_TINY]
+    except ValueError as e:
+        print(f"kvadmit bench scorecard: {e}", file=sys.stderr)
+        return 2
     model_dir = None
     if args.engine == "vllm":
         try:
@@ -388,16 +423,44 @@ def main(argv: list[str] | None = None) -> int:
 
     def progress(what):
         print(f"\r  {what:60}", end="", file=sys.stderr, flush=True)
-    out = score(cases, list(args.configs), progress, model_dir)
-    print("\r" + " " * 64 + "\r", end="", file=sys.stderr)
+    regimes = []
+    for name, cases in runs:
+        out = score(cases, list(args.configs), lambda w: progress(f"{name or ''} {w}"), model_dir)
+        print("\r" + " " * 64 + "\r", end="", file=sys.stderr)
+        out["step_time"] = name or "own"
+        if name:
+            print(f"\n#### step-time regime {name}: {get_preset(name).name}")
+        print_scorecard(out)
+        regimes.append(out)
+        if args.plot and plot_heatmap(out, _suffixed(args.plot, name)):
+            print(f"saved {_suffixed(args.plot, name)}")
+    out = regimes[0] if not args.step_time else {"regimes": regimes}
+    if args.step_time:
+        print_regimes(regimes)
     out["command"] = "kvadmit bench scorecard " + " ".join(argv if argv is not None else sys.argv[3:])
     out["seconds"] = time.perf_counter() - t0
-    print_scorecard(out)
-    print(f"\n{len(cases)} workloads x {len(out['configs'])} configs in {out['seconds']:.1f} s")
+    print(f"\n{len(runs[0][1])} workloads x {len(args.configs)} configs x {len(runs)} regime(s) "
+          f"in {out['seconds']:.1f} s")
     if args.json:
         pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
         print(f"saved {args.json}")
-    if args.plot and plot_heatmap(out, args.plot):
-        print(f"saved {args.plot}")
     return 0
+
+
+def _cases(args, step: StepTimeModel | None) -> list[Case]:
+    """The suite under `step` (None: each workload's own), narrowed by --only (or, with
+    --engine vllm, to what the tiny model's context holds). ValueError names an unknown
+    workload."""
+    cases = suite(args.traces, quick=args.quick, step=step)
+    if args.only:
+        unknown = set(args.only) - {c.name for c in cases}
+        if unknown:
+            raise ValueError(f"unknown workload(s) {sorted(unknown)}; known: {[c.name for c in cases]}")
+        return [c for c in cases if c.name in args.only]
+    return [c for c in cases if c.tiny_context] if args.engine == "vllm" else cases
+
+
+def _suffixed(path: str, regime: str | None) -> str:
+    """The plot's path for one regime: `scorecard_h100-8b.png` beside `scorecard.png`."""
+    return path if regime is None else str(pathlib.Path(path).with_stem(f"{pathlib.Path(path).stem}_{regime}"))

@@ -18,8 +18,9 @@ import time
 from kvadmit.bench.serve.configs import (DEFAULT_CONFIGS, ServeConfig, counting,
                                          documented_queue_cap, parse_config, queue_delay_for)
 from kvadmit.bench.serve.loadgen import client_main, trace_rows
-from kvadmit.bench.serve.points import run_point, sweep
-from kvadmit.bench.serve.report import goal_figures, machine, plot, print_table, summarize
+from kvadmit.bench.serve.points import paired_sweep, run_point, sweep
+from kvadmit.bench.serve.report import (goal_figures, machine, paired_ratios, plot, print_paired,
+                                        print_table, summarize)
 from kvadmit.bench.serve.server import Engine, Server
 
 DEFAULT_TRACE = "azure2023_conv"          # bundled with the package (kvadmit.traces.BUNDLED)
@@ -45,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--capacity", type=float, default=None,
                     help="req/s to scale --load by (default: measured, a burst on vllm-default)")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each point")
+    ap.add_argument("--seeds", type=int, default=None, metavar="N",
+                    help="the paired protocol instead of --repeats: N seeds (from --seed), each "
+                         "measuring its own capacity and running every config back to back at "
+                         "each load; prints each config's per-seed ratios to vllm-default, their "
+                         "median and the worst seed")
     ap.add_argument("--burstiness", type=float, default=1.0,
                     help="vllm bench serve --burstiness: 1 Poisson, < 1 burstier")
     ap.add_argument("--ttft-ms", type=float, default=2000.0, help="goodput's TTFT target")
@@ -79,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check(args) -> None:
+    if args.seeds is not None and args.seeds < 1:
+        raise ValueError(f"--seeds={args.seeds}: must be >= 1")
+    if args.seeds is not None and "vllm-default" not in args.configs:
+        raise ValueError("--seeds pairs every config with vllm-default: add it to --configs")
     for name in ("requests", "repeats", "num_blocks", "block_size", "max_model_len",
                  "max_num_seqs", "max_num_batched_tokens", "max_tokens"):
         if getattr(args, name) < 1:
@@ -194,9 +204,7 @@ class ServeBench:
             s.wait_ready(args.startup_timeout)
         self._progress(f"{len(self.servers)} servers up")
         self.labels = labels = [c.label for c in configs]
-        rows = sweep([self.by_label[x] for x in labels], self.trace_set, args.requests, capacity,
-                     args.load, args.repeats, args.burstiness, self.slo, args.seed, self.work,
-                     "trace", self.real)
+        rows = self._sweep(self.trace_set, capacity, "trace", self.real)
         summary = summarize(rows)
         title = (f"Azure conversation trace, {args.requests} requests, real stops "
                  f"(max_tokens {args.max_tokens} scaled); capacity {capacity:.2f} req/s; "
@@ -209,7 +217,35 @@ class ServeBench:
             "real_output_tokens": sum(self.real), "config_docs": {c.label: c.doc for c in configs},
             "queue_cap_rule": f"max_num_seqs {args.max_num_seqs} + capacity x TTFT target = "
                               f"{self.cap_n}",
-            "rows": rows, "summary": summary, "goals": goals})
+            "rows": rows, "summary": summary, "goals": goals, **self._paired(rows)})
+
+    def _sweep(self, dataset: list[str], capacity: float, tag: str, expect) -> list[dict]:
+        """The section's runs: --repeats at one capacity, or (--seeds) the paired
+        protocol, each seed after the first measuring its own capacity on vllm-default."""
+        args = self.args
+        servers = [self.by_label[x] for x in self.labels]
+        if args.seeds is None:
+            return sweep(servers, dataset, args.requests, capacity, args.load, args.repeats,
+                         args.burstiness, self.slo, args.seed, self.work, tag, expect)
+
+        def capacity_of(seed: int) -> float:
+            if seed == args.seed or args.capacity is not None:
+                return capacity
+            return run_point(self.by_label["vllm-default"], dataset, float("inf"), 1.0, seed,
+                             args.requests, self.slo, self.work, f"{tag}-capacity-s{seed}",
+                             expect)["request_throughput"]
+        seeds = list(range(args.seed, args.seed + args.seeds))
+        return paired_sweep(servers, dataset, args.requests, capacity_of, args.load, seeds,
+                            args.burstiness, self.slo, self.work, tag, expect)
+
+    def _paired(self, rows: list[dict]) -> dict:
+        """With --seeds: the paired ratios, printed, and each seed's capacity."""
+        if self.args.seeds is None:
+            return {}
+        ratios = paired_ratios(rows)
+        print_paired(ratios)
+        return {"paired": ratios,
+                "capacity_by_seed": {str(r["seed"]): r["capacity_rps"] for r in rows}}
 
     def fixed_section(self) -> None:
         """vLLM's random dataset at a fixed output length (--ignore-eos), on the trace
@@ -221,9 +257,7 @@ class ServeBench:
                          args.requests, self.slo, self.work, "fixed-capacity", args.fixed_length)
         capacity = fcap["request_throughput"]
         print(f"fixed-length capacity: {capacity:.2f} req/s", flush=True)
-        rows = sweep([self.by_label[x] for x in self.labels], fixed, args.requests, capacity,
-                     args.load, args.repeats, args.burstiness, self.slo, args.seed, self.work,
-                     "fixed", args.fixed_length)
+        rows = self._sweep(fixed, capacity, "fixed", args.fixed_length)
         summary = summarize(rows)
         title = (f"vLLM's random dataset, input {args.fixed_input_len}, output "
                  f"{args.fixed_length} --ignore-eos; capacity {capacity:.2f} req/s")
@@ -234,7 +268,7 @@ class ServeBench:
             "name": "fixed-length", "title": title, "capacity_rps": capacity,
             "capacity_run": fcap, "configs": self.labels,
             "real_output_tokens": args.fixed_length * args.requests,
-            "rows": rows, "summary": summary, "goals": goals})
+            "rows": rows, "summary": summary, "goals": goals, **self._paired(rows)})
 
     def stop(self) -> None:
         for s in self.servers:

@@ -9,6 +9,7 @@ import pathlib
 import random
 import sys
 import time
+from typing import Callable
 
 from kvadmit.bench.serve.loadgen import run_client
 from kvadmit.bench.serve.server import Server
@@ -167,6 +168,38 @@ def sweep(servers: list[Server], dataset: list[str], n: int, capacity: float,
                       f"{row['goodput']:.2f}, {row['preemptions']} preemptions "
                       f"(recompute {_share(row['recompute_share'])} of prefill), "
                       f"{row['failed']} failed; {time.perf_counter() - t0:.0f} s elapsed",
+                      file=sys.stderr, flush=True)
+    return rows
+
+
+def paired_sweep(servers: list[Server], dataset: list[str], n: int,
+                 capacity_of: Callable[[int], float], loads: list[float], seeds: list[int],
+                 burstiness: float, slo: tuple[float, float], out_dir: pathlib.Path, tag: str,
+                 expect: list[int] | int | None = None) -> list[dict]:
+    """The paired protocol: per seed, the capacity that seed measures now
+    (`capacity_of(seed)`: the machine's speed moves from day to day and within one), then
+    every load (in an order shuffled by the seed) on every server back to back, at that
+    seed's capacity and with its arrivals. Each row carries its seed and capacity, so a
+    config's numbers are compared with the reference's of the same seed."""
+    rows = []
+    total = len(seeds) * len(loads) * len(servers)
+    t0 = time.perf_counter()
+    k = 0
+    for i, seed in enumerate(seeds):
+        capacity = capacity_of(seed)
+        print(f"{tag} seed {seed}: capacity {capacity:.2f} req/s", file=sys.stderr, flush=True)
+        order = list(loads)
+        random.Random(seed).shuffle(order)
+        for j, load in enumerate(order):
+            for server in rotated(servers, i * len(loads) + j):
+                k += 1
+                row = run_point(server, dataset, load * capacity, burstiness, seed, n, slo, out_dir,
+                                f"{tag}-{server.config.label}-x{load:g}-s{seed}", expect)
+                row.update(load=load, repeat=i, capacity_rps=capacity)
+                rows.append(row)
+                print(f"{tag} [{k}/{total}] seed {seed} {server.config.label} x{load:g}: goodput "
+                      f"{row['goodput']:.2f}, TTFT p99 {row['ttft_p99_ms'] or 0:.0f} ms, "
+                      f"{row['preemptions']} preemptions; {time.perf_counter() - t0:.0f} s elapsed",
                       file=sys.stderr, flush=True)
     return rows
 

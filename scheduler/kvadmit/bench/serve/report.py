@@ -74,6 +74,57 @@ def goal_figures(summary: list[dict]) -> dict:
     return out
 
 
+# The paired ratios: (key, True where higher is better). A ratio's worst seed is its
+# highest where lower is better, its lowest where higher is.
+PAIRED_KEYS = (("ttft_p99_ms", False), ("tpot_p99_ms", False), ("output_tok_per_s", True),
+               ("goodput", True), ("preemptions", False))
+
+
+def paired_ratios(rows: list[dict], ref: str = "vllm-default") -> list[dict]:
+    """Per config other than `ref` and per load: each key's ratio to `ref`'s row of the
+    same seed, per seed, with their median and the worst seed's. A ratio over a zero
+    is None (0 / 0: 1.0); seeds without both rows are left out."""
+    by = {(r["config"], r["load"], r["seed"]): r for r in rows}
+    out = []
+    for config in dict.fromkeys(r["config"] for r in rows if r["config"] != ref):
+        for load in sorted({r["load"] for r in rows}):
+            seeds = sorted(s for (c, x, s) in by if c == config and x == load and (ref, x, s) in by)
+            if not seeds:
+                continue
+            entry = {"config": config, "load": load, "seeds": seeds, "ref": ref}
+            for key, higher in PAIRED_KEYS:
+                per = [_over(by[(config, load, s)].get(key), by[(ref, load, s)].get(key)) for s in seeds]
+                xs = [x for x in per if x is not None]
+                entry[key] = {"per_seed": per, "median": statistics.median(xs) if xs else None,
+                              "worst": (min(xs) if higher else max(xs)) if xs else None}
+            out.append(entry)
+    return out
+
+
+def _over(a, b) -> float | None:
+    if a is None or b is None:
+        return None
+    return a / b if b else (1.0 if a == b else None)
+
+
+def print_paired(ratios: list[dict]) -> None:
+    """The paired ratios' table: per config and load, each key's median over the seeds
+    and its worst seed."""
+    if not ratios:
+        return
+    print(f"\npaired by seed, against {ratios[0]['ref']} (median of the per-seed ratios, worst seed "
+          f"after the slash; {len(ratios[0]['seeds'])} seeds)")
+    print(f"{'config':18} {'load':>5}" + "".join(f" {k.replace('_ms', ''):>17}" for k, _ in PAIRED_KEYS))
+    for e in ratios:
+        cells = "".join(f" {_pair(e[k]):>17}" for k, _ in PAIRED_KEYS)
+        print(f"{e['config']:18} {e['load']:5g}{cells}")
+
+
+def _pair(x: dict) -> str:
+    f = (lambda v: "-" if v is None else f"{v:.3f}")
+    return f"{f(x['median'])}/{f(x['worst'])}"
+
+
 def print_table(summary: list[dict], title: str, configs: list[str]) -> None:
     print(f"\n{title}")
     width = max([8] + [len(c) + 1 for c in configs])

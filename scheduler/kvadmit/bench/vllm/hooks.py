@@ -13,6 +13,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncSchedu
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 
+from kvadmit.simulate.steptime import CPU_TINY
 from kvadmit.vllm.scheduler import KvadmitAsyncScheduler, KvadmitScheduler
 
 COUNTS_ENV = "KVADMIT_BENCH_COUNTS"
@@ -20,12 +21,23 @@ EXPECT_ENV = "KVADMIT_BENCH_EXPECT"
 STEP_TIMES_ENV = "KVADMIT_BENCH_STEP_TIMES"
 
 
+def step_modelled_s(scheduler, out) -> float:
+    """A scheduled step's time by the CPU step-time fit: its tokens, and its context as
+    the fit was taken (each scheduled request's computed tokens once schedule() has
+    advanced them: the KV attention reads; bench/fit_cpu_step_time.py)."""
+    context = sum(scheduler.requests[r].num_computed_tokens for r in out.num_scheduled_tokens)
+    return CPU_TINY.step_s(out.total_num_scheduled_tokens, context)
+
+
 class _CountsScheduledTokens:
     """Bench-only scheduler additions:
 
     - adds up the tokens each step schedules (prompts, recomputation after
       preemption, decodes) and writes the total to $KVADMIT_BENCH_COUNTS, since
-      vLLM's own metrics do not count recomputed tokens;
+      vLLM's own metrics do not count recomputed tokens; beside it, the run's
+      modelled time: each step priced by the CPU engine's step-time fit
+      (`CPU_TINY`, T = a + b * tokens + c * context), which one run's wall time
+      on a shared 2-core machine is too noisy to stand for;
     - holds the first step until $KVADMIT_BENCH_EXPECT requests have arrived, so
       the whole workload is queued before anything runs (a burst) and two runs of
       the same workload schedule identically, whatever the timing of arrivals.
@@ -50,9 +62,10 @@ class _CountsScheduledTokens:
         self._bench_tokens = getattr(self, "_bench_tokens", 0) + out.total_num_scheduled_tokens
         path = os.environ.get(COUNTS_ENV)
         if path and out.total_num_scheduled_tokens:
+            self._bench_modelled_s = getattr(self, "_bench_modelled_s", 0.0) + step_modelled_s(self, out)
             state = getattr(self, "kvadmit", None)       # None: vLLM's own scheduler
             paused = state.port.paused if state is not None else 0
-            pathlib.Path(path).write_text(f"{self._bench_tokens} {paused}")
+            pathlib.Path(path).write_text(f"{self._bench_tokens} {paused} {self._bench_modelled_s!r}")
         return out
 
 

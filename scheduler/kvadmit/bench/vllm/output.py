@@ -14,10 +14,12 @@ def _ratio(a: float, b: float) -> float:
 
 
 def ratios(row: dict, ref: dict) -> dict:
-    """row / ref for steps, preemptions, recomputed tokens (and wall time where both have it)."""
+    """row / ref for steps, preemptions, recomputed tokens (and modelled and wall time
+    where both have them)."""
     out = {k: _ratio(row[k], ref[k]) for k in ("steps", "preemptions", "recomputed_tokens")}
-    if "wall_s" in row and "wall_s" in ref:
-        out["wall_s"] = _ratio(row["wall_s"], ref["wall_s"])
+    for k in ("modelled_s", "wall_s"):
+        if k in row and k in ref:
+            out[k] = _ratio(row[k], ref[k])
     return out
 
 
@@ -37,7 +39,8 @@ def _fmt_ratio(x: float) -> str:
 
 def print_table(rows: list[dict], sims: dict[str, dict] | None = None) -> None:
     """Steps and preemptions first (deterministic), their ratios against vllm-default and
-    vLLM's best watermark, then this run's wall times (noisy: compare within one run only)."""
+    vLLM's best watermark, then the modelled time and tokens/s (the steps priced by the
+    step-time fit: deterministic too), then this run's wall time (noisy: one run)."""
     by = {r["config"]: r for r in rows}
     base = by.get("vllm-default", rows[0])
     wm = best_watermark(rows)
@@ -45,7 +48,7 @@ def print_table(rows: list[dict], sims: dict[str, dict] | None = None) -> None:
     sim_head = f" {'sim steps':>9} {'sim pre':>7}" if sims else ""
     say(f"{'config':{width}} {'steps':>6} {'preempt':>7} {'recomp':>7} {'paused':>6} "
         f"{'steps/' + base['config'][:4]:>10} {'steps/wm':>8} {'pre/wm':>6}{sim_head} | "
-        f"{'wall s':>6} {'wall/' + base['config'][:4]:>9} {'tok/s':>7} {'TTFT p50/p99 ms':>16} "
+        f"{'model s':>7} {'tok/s':>6} {'wall s':>6} {'TTFT p50/p99 ms':>16} "
         f"{'TPOT p50/p99 ms':>16} {'rej':>4} {'same out':>8}")
     for r in rows:
         vs_base = ratios(r, base)
@@ -61,13 +64,16 @@ def print_table(rows: list[dict], sims: dict[str, dict] | None = None) -> None:
             f"{_fmt_ratio(vs_base['steps']):>10} "
             f"{_fmt_ratio(vs_wm['steps']) if vs_wm else '-':>8} "
             f"{_fmt_ratio(vs_wm['preemptions']) if vs_wm else '-':>6}{sim} | "
-            f"{r['wall_s']:6.2f} {_fmt_ratio(vs_base['wall_s']):>9} {r['output_tok_per_s']:7.1f} "
+            f"{r.get('modelled_s', math.nan):7.2f} {r.get('modelled_tok_per_s', math.nan):6.0f} "
+            f"{r['wall_s']:6.2f} "
             f"{r['ttft_p50_s'] * 1e3:7.0f}/{r['ttft_p99_s'] * 1e3:<8.0f} "
             f"{r['tpot_p50_s'] * 1e3:7.1f}/{r['tpot_p99_s'] * 1e3:<8.1f} "
             f"{sum(r['rejected'].values()):4d} {str(same):>8}")
     order = ", ".join(r["config"] for r in sorted(rows, key=lambda r: r["run_position"]))
     say(f"{'* = vLLM best watermark (fewest preemptions, then steps); ' if wm else ''}"
-        f"wall times from this one run, in the order {order}", flush=True)
+        f"model s and tok/s: the steps priced by the CPU step-time fit (T = a + b*tokens + "
+        f"c*context, bench/results/cpu_step_time.json); wall s: this one run, noisy, in the "
+        f"order {order}", flush=True)
 
 
 def save_json(path: str, out: dict, args) -> None:
@@ -114,9 +120,10 @@ def plot(rows: list[dict], path: str, title: str):
     marks = plot_marks(rows)
     fig, axes = plt.subplots(1, 3, figsize=(14, 1.6 + 0.36 * len(rows)), sharey=True)
     ys = range(len(rows))
-    for ax, key, label, fmt in zip(axes, ("preemptions", "steps", "output_tok_per_s"),
+    for ax, key, label, fmt in zip(axes, ("preemptions", "steps", "modelled_tok_per_s"),
                                    ("preemptions (fewer is better)", "engine steps (fewer is better)",
-                                    "output tokens/s (this run's wall time)"),
+                                    "output tokens/s, modelled: the steps priced by\nthe CPU "
+                                    "step-time fit (not one run's wall time)"),
                                    ("{:.0f}", "{:.0f}", "{:.0f}")):
         values = [r[key] for r in rows]
         bars = ax.barh(ys, values, color=[PLOT_COLOURS[f] for f in families], height=0.7)

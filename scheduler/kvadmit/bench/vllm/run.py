@@ -50,9 +50,12 @@ def run_one(label: str, model_dir: str, workload: list[BenchRequest], engine: Be
     del llm
     import gc
     gc.collect()
-    computed, paused = (int(x) for x in (counts.read_text() or "0 0").split())
+    computed, paused, modelled = (counts.read_text() or "0 0 0.0").split()
     counts.unlink()
-    return _row(label, workload, seen, metrics, wall, computed, paused)
+    row = _row(label, workload, seen, metrics, wall, int(computed), int(paused))
+    row["modelled_s"] = float(modelled)
+    row["modelled_tok_per_s"] = row["output_tokens"] / row["modelled_s"] if row["modelled_s"] else 0.0
+    return row
 
 
 def _engine(model_dir: str, engine: BenchEngine, kvadmit: dict | None, stop_early: bool,
