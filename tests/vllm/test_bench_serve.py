@@ -185,3 +185,4 @@ def test_kvadmit_bench_serve_pairs_the_seeds(model_dir, tmp_path):
         by["kvadmit-default", s]["ttft_p99_ms"] / by["vllm-default", s]["ttft_p99_ms"] for s in (5, 6)]
     assert "paired by seed, against vllm-default" in p.stdout
     assert "seed 6: capacity" in p.stderr
+    assert "every server has run the capacity burst once" in p.stderr     # none starts cold

@@ -82,8 +82,14 @@ class KvadmitMetrics:
             "on_internal_error: closed: it refuses every request (503 kvadmit:failed_closed) "
             "until the engine is restarted; else 0", multiprocess_mode="livemax")
         self.last: dict = {}
+        self._gauges: dict[int, float] = {}       # id(gauge) -> the value last set
+        self._children: dict[tuple, object] = {}  # (id(counter), label) -> its series
 
     def update(self, stats: dict) -> None:
+        """Advances the counters by what changed since the last update and sets the
+        gauges. It runs every engine step, and each write to a multiprocess series takes
+        a lock and a file write: nothing is written where nothing changed (a zero
+        increment, a gauge at its value)."""
         last, self.last = self.last, stats
 
         def delta(key, *path):
@@ -93,35 +99,46 @@ class KvadmitMetrics:
                 before = before.get(k, 0) if isinstance(before, dict) else 0
             return max(now - before, 0)
 
-        self.arrived.inc(delta("arrived"))
-        self.admitted.inc(delta("admitted"))
-        self.aborted.inc(delta("aborted"))
-        self.preempted.inc(delta("preempted"))
-        self.displaced.inc(delta("displaced"))
-        self.paused.inc(delta("paused"))
-        self.finished.inc(delta("finished"))
-        for reason in stats["held"]:
-            self.held.labels(reason).inc(delta("held", reason))
-        for reason in stats["rejected"]:
-            self.rejected.labels(reason).inc(delta("rejected", reason))
+        for counter, key in ((self.arrived, "arrived"), (self.admitted, "admitted"),
+                             (self.aborted, "aborted"), (self.preempted, "preempted"),
+                             (self.displaced, "displaced"), (self.paused, "paused"),
+                             (self.finished, "finished")):
+            _inc(counter, delta(key))
+        for counter, key in ((self.held, "held"), (self.rejected, "rejected")):
+            if stats[key] != last.get(key):
+                for reason in stats[key]:
+                    _inc(self._child(counter, reason), delta(key, reason))
         lp, lp0 = stats["length_predictions"], last.get("length_predictions", {})
         n, n0 = lp["finished"], lp0.get("finished", 0)
-        self.predicted.inc(max(lp["mean_predicted"] * n - lp0.get("mean_predicted", 0) * n0, 0))
-        self.actual.inc(max(lp["mean_actual"] * n - lp0.get("mean_actual", 0) * n0, 0))
-        self.waiting.set(stats["waiting"])
-        self.quantile.set(stats["quantile"])
+        _inc(self.predicted, max(lp["mean_predicted"] * n - lp0.get("mean_predicted", 0) * n0, 0))
+        _inc(self.actual, max(lp["mean_actual"] * n - lp0.get("mean_actual", 0) * n0, 0))
         fit, window = stats["step_time_fit"], stats["agent_window"]
-        self.step_a.set(fit["a"])
-        self.step_b.set(fit["b"])
-        self.step_c.set(fit["c"])
-        self.agent_window.set(window["size"])
-        self.headroom.set(stats["kv_headroom_blocks"])
-        self.pressure.set(stats["admission_pressure"])
-        self.queue_delay.set(stats["predicted_queue_delay_s"])
-        self.active_sessions.set(window["active_sessions"])
-        for why in window["exits"]:
-            self.window_exits.labels(why).inc(delta("agent_window", "exits", why))
-        self.window_overdue.inc(delta("agent_window", "overdue"))
+        for gauge, value in ((self.waiting, stats["waiting"]), (self.quantile, stats["quantile"]),
+                             (self.step_a, fit["a"]), (self.step_b, fit["b"]),
+                             (self.step_c, fit["c"]), (self.agent_window, window["size"]),
+                             (self.headroom, stats["kv_headroom_blocks"]),
+                             (self.pressure, stats["admission_pressure"]),
+                             (self.queue_delay, stats["predicted_queue_delay_s"]),
+                             (self.active_sessions, window["active_sessions"])):
+            if self._gauges.get(id(gauge)) != value:
+                gauge.set(value)
+                self._gauges[id(gauge)] = value
+        if window["exits"] != last.get("agent_window", {}).get("exits"):
+            for why in window["exits"]:
+                _inc(self._child(self.window_exits, why), delta("agent_window", "exits", why))
+        _inc(self.window_overdue, delta("agent_window", "overdue"))
+
+    def _child(self, counter, label: str):
+        """A labelled counter's series, made once (made, it is exported, at 0)."""
+        key = (id(counter), label)
+        if key not in self._children:
+            self._children[key] = counter.labels(label)
+        return self._children[key]
+
+
+def _inc(counter, amount: float) -> None:
+    if amount:
+        counter.inc(amount)
 
 
 def process_metrics() -> KvadmitMetrics | None:
