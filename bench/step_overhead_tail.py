@@ -1,6 +1,6 @@
 """What kvadmit's per-step overhead does to the online TTFT tail (issue 54, item 4).
 
-Two measurements, each printed and saved (bench/results/step_overhead_tail.json):
+Two measurements (and the cost of one metrics update), each printed and saved (bench/results/step_overhead_tail.json):
 
 1. The overhead: vLLM's real V1 scheduler in-process (kvadmit.vllm.inprocess, no
    model, fake outputs) with 16 running requests, the online bench's batch: the mean
@@ -17,12 +17,18 @@ Two measurements, each printed and saved (bench/results/step_overhead_tail.json)
    on the CPU the engine core and the scheduler share one core). Per load: the median
    of the per-seed ratios to vLLM's default (TTFT p99, tokens/s) and the worst seed's.
 
+3. The model's fidelity: at the rates of the recorded paired online run
+   (bench/results/vllm_serve_paired.json), the simulator's tokens/s and TTFT p99 beside
+   the real ones.
+
     python bench/step_overhead_tail.py [--rounds 5] [--overheads 0 5e-5 1e-4 1.5e-4]
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import pathlib
 import random
 import statistics
 import sys
@@ -78,6 +84,27 @@ def overhead(rounds: int) -> dict:
             "overhead_share_of_step": statistics.median(diff) / 1e3 / step_ms}
 
 
+def metrics_update_us(n: int = 2000) -> float:
+    """µs of one update of kvadmit's Prometheus series in multiprocess mode (as in
+    `vllm serve`: each write goes to a shared file) with RUNNING requests running and
+    nothing changed between updates, what most steps see."""
+    import os
+    import tempfile
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kvadmit-prom-")
+    from kvadmit import AdmissionCore
+    from kvadmit.arrival import ArrivalRecord
+    from kvadmit.vllm.metrics import process_metrics
+    metrics = process_metrics()
+    core = AdmissionCore(AdmissionConfig(policy="peak"), 200, 16, 0)
+    for _ in range(RUNNING):
+        core.admit(core.arrive(ArrivalRecord(8, 40), now=0.0).slot, 0.0)
+    metrics.update(core.stats())
+    t0 = time.perf_counter()
+    for _ in range(n):
+        metrics.update(core.stats())
+    return (time.perf_counter() - t0) / n * 1e6
+
+
 def workload(seed: int, rate: float, base: Workload) -> Workload:
     rng, t, arrivals = random.Random(seed), 0.0, []
     for _ in base.prompt_tokens:
@@ -87,13 +114,8 @@ def workload(seed: int, rate: float, base: Workload) -> Workload:
 
 
 def modelled(overheads: list[float]) -> list[dict]:
-    from kvadmit.bench.vllm import azure_workload
-    reqs = azure_workload("azure2023_conv", 320, SHAPE.max_model_len, 2048)
-    base = Workload(name="serve", arrival_s=[0.0] * len(reqs),
-                    prompt_tokens=[len(r.prompt_token_ids) for r in reqs],
-                    output_tokens=[r.output_tokens for r in reqs],
-                    max_tokens=[r.max_tokens for r in reqs])
-    capacity = capacity_rps(base, SHAPE, CPU_TINY, sample=len(reqs))
+    base = _serve_workload()
+    capacity = capacity_rps(base, SHAPE, CPU_TINY, sample=len(base))
     slo, rows = Slo(2.0, 0.05), []
     for load in LOADS:
         runs = {seed: workload(seed, load * capacity, base) for seed in SEEDS}
@@ -114,6 +136,41 @@ def modelled(overheads: list[float]) -> list[dict]:
     return rows
 
 
+def fidelity(online: pathlib.Path) -> list[dict]:
+    """The model against a recorded paired online run (`kvadmit bench serve --seeds`):
+    at each load's median offered rate, the simulator's median tokens/s and TTFT p99
+    over the five seeds (CPU fit, no overhead) beside the real medians, per config."""
+    sec = json.loads(online.read_text())["sections"][0]
+    base = _serve_workload()
+    configs = {"vllm-default": AdmissionConfig(policy="overcommit", victim="lifo"),
+               "kvadmit-default": AdmissionConfig()}
+    out = []
+    for s in sec["summary"]:
+        rate = statistics.median(r["rate_rps"] for r in sec["rows"]
+                                 if (r["config"], r["load"]) == (s["config"], s["load"]))
+        sims = [summarize(*_run(workload(seed, rate, base), configs[s["config"]], CPU_TINY),
+                          Slo(2.0, 0.05)) for seed in SEEDS]
+        row = {"config": s["config"], "load": s["load"], "rate_rps": rate,
+               "real_tok_s": s["output_tok_per_s"],
+               "sim_tok_s": statistics.median(x["throughput_tok_s"] for x in sims),
+               "real_ttft_p99_ms": s["ttft_p99_ms"],
+               "sim_ttft_p99_ms": statistics.median(x["ttft_p99_s"] for x in sims) * 1e3}
+        out.append(row)
+        print(f"{row['config']:16} {row['load']:3g}x ({rate:5.1f} req/s): tokens/s real "
+              f"{row['real_tok_s']:6.0f}, model {row['sim_tok_s']:6.0f}; TTFT p99 real "
+              f"{row['real_ttft_p99_ms']:6.0f} ms, model {row['sim_ttft_p99_ms']:6.0f} ms", flush=True)
+    return out
+
+
+def _serve_workload() -> Workload:
+    from kvadmit.bench.vllm import azure_workload
+    reqs = azure_workload("azure2023_conv", 320, SHAPE.max_model_len, 2048)
+    return Workload(name="serve", arrival_s=[0.0] * len(reqs),
+                    prompt_tokens=[len(r.prompt_token_ids) for r in reqs],
+                    output_tokens=[r.output_tokens for r in reqs],
+                    max_tokens=[r.max_tokens for r in reqs])
+
+
 def _run(w: Workload, config: AdmissionConfig, step) -> tuple:
     raw = run_native(w, config, SHAPE, step)
     return raw.per_request, raw.totals
@@ -130,9 +187,14 @@ def main(argv=None) -> int:
           f"default {statistics.median(over['kvadmit_default_us']):.0f} us: +{over['overhead_us_median']:.0f} us, "
           f"{over['overhead_share_of_step']:.1%} of the {over['cpu_fit_step_ms']:.2f} ms step the CPU "
           f"fit gives", flush=True)
+    over["metrics_update_multiprocess_us"] = metrics_update_us()
+    print(f"one update of kvadmit's metrics in multiprocess mode: "
+          f"{over['metrics_update_multiprocess_us']:.1f} us", flush=True)
     rows = modelled(args.overheads)
+    online = pathlib.Path(__file__).parent / "results" / "vllm_serve_paired.json"
+    check = fidelity(online) if online.exists() else []
     if not args.no_save:
-        print(f"saved {save('step_overhead_tail', {'overhead': over, 'modelled': rows})}")
+        print(f"saved {save('step_overhead_tail', {'overhead': over, 'modelled': rows, 'fidelity': check})}")
     return 0
 
 

@@ -135,7 +135,8 @@ def test_step_time_regimes_price_the_same_workloads(tmp_path):
     js = tmp_path / "r.json"
     p = subprocess.run([sys.executable, "-m", "kvadmit.cli", "bench", "scorecard", "--quick",
                         "--only", "equal-burst", "gamma-bursty", "--step-time", "cpu-tiny", "h100-8b",
-                        "--configs", "vllm-default", "default={}", "--json", str(js), "--plot", ""],
+                        "--configs", "vllm-default", "vllm-active=4", "default={}", "--json", str(js),
+                        "--plot", "", "--frontier", str(tmp_path / "f.png")],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     out = json.loads(js.read_text())
@@ -153,6 +154,9 @@ def test_step_time_regimes_price_the_same_workloads(tmp_path):
     for k in ("throughput", "ttft_p99", "tpot_p99", "makespan"):
         assert k in eq_gpu["vs_vllm_default"]["default"]
     assert "per step-time regime" in p.stdout and "h100-8b" in p.stdout
+    pytest.importorskip("matplotlib")
+    for regime in ("cpu-tiny", "h100-8b"):               # a frontier chart per regime
+        assert (tmp_path / f"f_{regime}.png").stat().st_size > 10_000
 
 
 def test_an_unknown_step_time_preset_is_refused():

@@ -22,6 +22,7 @@ from typing import Callable
 
 from kvadmit.config import AdmissionConfig
 from kvadmit.simulate.engine import EngineShape
+from kvadmit.simulate.frontier import plot_frontier
 from kvadmit.simulate.metrics import Slo, summarize
 from kvadmit.simulate.policies import PolicySpec, parse_policy
 from kvadmit.simulate.run import at_load, capacity_rps, run_policy
@@ -367,7 +368,7 @@ def plot_heatmap(out: dict, path: str) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvadmit bench scorecard", description=__doc__.splitlines()[0])
     ap.add_argument("--traces", default=None,
                     help=f"a folder with {AZURE} and {MOONCAKE} (default: the copies bundled "
@@ -388,8 +389,16 @@ def main(argv: list[str] | None = None) -> int:
                          "scorecard each, and one table of the default against vLLM across them: "
                          "cpu-tiny is the CPU engine's fit, h100-8b and h100x4-70b GPU rooflines); "
                          "default: each workload's own")
+    ap.add_argument("--frontier", default="", metavar="PNG",
+                    help="also the frontier chart: per workload, each config's preemptions "
+                         "against its modelled time and its TTFT p99 (kvadmit.simulate.frontier)")
     ap.add_argument("--json", help="default: bench/results/scorecard[_vllm].json")
     ap.add_argument("--plot", help="default: bench/results/scorecard[_vllm].png ('' for none)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     if args.configs is None:
         args.configs = CONFIGS if args.engine == "native" else VLLM_ENGINE_CONFIGS
@@ -434,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         regimes.append(out)
         if args.plot and plot_heatmap(out, _suffixed(args.plot, name)):
             print(f"saved {_suffixed(args.plot, name)}")
+        if args.frontier and plot_frontier(out, _suffixed(args.frontier, name)):
+            print(f"saved {_suffixed(args.frontier, name)}")
     out = regimes[0] if not args.step_time else {"regimes": regimes}
     if args.step_time:
         print_regimes(regimes)
