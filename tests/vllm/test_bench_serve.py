@@ -4,6 +4,7 @@
 import json
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 import urllib.request
@@ -93,12 +94,15 @@ def test_vllm_bench_serve_random_runs_unchanged(server):
 
 
 def test_kvadmit_bench_serve_small_sweep(model_dir, tmp_path):
-    """Two configs, two loads, 24 trace requests each: the JSON's counts add up, every
-    served request stopped at its real length, refusals are counted by reason and status."""
+    """Two configs, two loads, two paired seeds, 24 trace requests each: each seed
+    measures its own capacity on vllm-default and runs both configs back to back at it;
+    the JSON's counts add up, every served request stopped at its real length,
+    refusals are counted by reason and status, and each config's per-seed ratios to
+    vllm-default are in the JSON and their medians on the terminal."""
     out = tmp_path / "serve.json"
     capped = 'kvadmit-cap2={"max_queued_requests": 2}'
     cmd = [sys.executable, "-m", "kvadmit.cli", "bench", "serve", "--trace", str(TRACE),
-           "--requests", "24", "--load", "0.5", "2", "--repeats", "1",
+           "--requests", "24", "--load", "0.5", "2", "--seeds", "2",
            "--configs", "vllm-default", capped, "--num-blocks", "49", "--max-model-len", "1024",
            "--json", str(out), "--plot", str(tmp_path / "serve.png"), "--model-dir", model_dir,
            "--engine-cpus", str(FIRST_CPU)]
@@ -106,7 +110,9 @@ def test_kvadmit_bench_serve_small_sweep(model_dir, tmp_path):
     assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
     # vLLM's INFO logs go to the log file, not the terminal
     assert "INFO" not in p.stdout and "INFO" not in p.stderr, p.stdout + p.stderr[-2000:]
-    assert "[4/4] vllm-default" in p.stderr or "[4/4] kvadmit-cap2" in p.stderr, p.stderr
+    assert "[8/8] seed 1 vllm-default" in p.stderr or "[8/8] seed 1 kvadmit-cap2" in p.stderr, p.stderr
+    assert "seed 1: capacity" in p.stderr
+    assert "every server has run the capacity burst once" in p.stderr     # none starts cold
     res = json.loads(out.read_text())
     log = pathlib.Path(res["log"])
     assert "Starting vLLM" in log.read_text() or "vLLM API server" in log.read_text()
@@ -120,10 +126,12 @@ def test_kvadmit_bench_serve_small_sweep(model_dir, tmp_path):
     assert cap["output_tokens"] == sec["real_output_tokens"] > 24
     assert sec["capacity_rps"] == cap["request_throughput"] > 0
     rows = sec["rows"]
-    assert sorted((r["config"], r["load"]) for r in rows) == [
-        ("kvadmit-cap2", 0.5), ("kvadmit-cap2", 2.0), ("vllm-default", 0.5), ("vllm-default", 2.0)]
+    assert sorted((r["seed"], r["config"], r["load"]) for r in rows) == [
+        (s, c, x) for s in (0, 1) for c in ("kvadmit-cap2", "vllm-default") for x in (0.5, 2.0)]
+    assert sorted(sec["capacity_by_seed"]) == ["0", "1"]
+    assert sec["capacity_by_seed"]["0"] == sec["capacity_rps"]
     for r in rows:
-        assert r["rate_rps"] == pytest.approx(r["load"] * sec["capacity_rps"])
+        assert r["rate_rps"] == pytest.approx(r["load"] * sec["capacity_by_seed"][str(r["seed"])])
         assert r["completed"] + r["failed"] == r["requests"] == 24
         assert 0 <= r["good"] <= r["completed"] and r["goodput"] == r["good"] / 24
         assert r["wrong_length"] == 0, r          # every served request stopped at its length
@@ -144,45 +152,23 @@ def test_kvadmit_bench_serve_small_sweep(model_dir, tmp_path):
             # overload_status) before the stream or an error inside a 200 stream
             assert r["refused_by_reason"].get("queue_full", 0) == r["failed"], r
             assert set(r["failed_by_status"]) <= {"429", "200"}, r
-    burst = next(r for r in rows if r["config"] == "kvadmit-cap2" and r["load"] == 2.0)
-    assert burst["refused_by_reason"].get("queue_full", 0) > 0, burst   # 24 at once, cap 2
-    assert len(sec["summary"]) == 4 and all(s["repeats"] == 1 for s in sec["summary"])
+    burst = [r for r in rows if r["config"] == "kvadmit-cap2" and r["load"] == 2.0]
+    assert all(r["refused_by_reason"].get("queue_full", 0) > 0 for r in burst), burst  # cap 2
+    assert len(sec["summary"]) == 4 and all(s["repeats"] == 2 for s in sec["summary"])
     for s in sec["summary"]:
-        (r,) = [r for r in rows if (r["config"], r["load"]) == (s["config"], s["load"])]
-        assert s["recompute_share"] == r["recompute_share"]
+        shares = [r["recompute_share"] for r in rows if (r["config"], r["load"]) == (s["config"], s["load"])]
+        assert s["recompute_share"] == statistics.median(shares)
         goal = sec["goals"]["recompute_share"][s["config"]][f"{s['load']:g}"]
-        assert goal == r["recompute_share"]
+        assert goal == s["recompute_share"]
     assert "recompute %" in p.stdout, p.stdout
+    # paired by seed: each config's ratio to vllm-default of the same seed
+    by = {(r["config"], r["load"], r["seed"]): r for r in rows}
+    assert [(e["config"], e["load"], e["seeds"]) for e in sec["paired"]] == [
+        ("kvadmit-cap2", 0.5, [0, 1]), ("kvadmit-cap2", 2.0, [0, 1])]
+    for e in sec["paired"]:
+        assert e["output_tok_per_s"]["per_seed"] == [
+            by["kvadmit-cap2", e["load"], s]["output_tok_per_s"] /
+            by["vllm-default", e["load"], s]["output_tok_per_s"] for s in (0, 1)]
+    assert "paired by seed, against vllm-default" in p.stdout
     assert (tmp_path / "serve.png").stat().st_size > 10_000
 
-
-def test_kvadmit_bench_serve_pairs_the_seeds(model_dir, tmp_path):
-    """--seeds: each seed measures its own capacity on vllm-default, then every config
-    runs back to back at that seed's capacity; the JSON holds each seed's capacity and
-    each config's per-seed ratios to vllm-default, and the terminal their medians."""
-    out = tmp_path / "paired.json"
-    cmd = [sys.executable, "-m", "kvadmit.cli", "bench", "serve", "--trace", str(TRACE),
-           "--requests", "12", "--load", "1", "--seeds", "2", "--seed", "5",
-           "--configs", "vllm-default", "kvadmit-default", "--num-blocks", "49",
-           "--max-model-len", "1024", "--json", str(out), "--plot", "", "--model-dir", model_dir,
-           "--engine-cpus", str(FIRST_CPU)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
-    (sec,) = json.loads(out.read_text())["sections"]
-    assert sorted(sec["capacity_by_seed"]) == ["5", "6"]
-    assert sec["capacity_by_seed"]["5"] == sec["capacity_rps"]
-    assert all(c > 0 for c in sec["capacity_by_seed"].values())
-    rows = sec["rows"]
-    assert sorted((r["seed"], r["config"]) for r in rows) == [
-        (5, "kvadmit-default"), (5, "vllm-default"), (6, "kvadmit-default"), (6, "vllm-default")]
-    for r in rows:
-        assert r["rate_rps"] == pytest.approx(sec["capacity_by_seed"][str(r["seed"])])
-        assert r["completed"] == 12 and r["wrong_length"] == 0
-    (pair,) = sec["paired"]
-    assert (pair["config"], pair["load"], pair["seeds"]) == ("kvadmit-default", 1.0, [5, 6])
-    by = {(r["config"], r["seed"]): r for r in rows}
-    assert pair["ttft_p99_ms"]["per_seed"] == [
-        by["kvadmit-default", s]["ttft_p99_ms"] / by["vllm-default", s]["ttft_p99_ms"] for s in (5, 6)]
-    assert "paired by seed, against vllm-default" in p.stdout
-    assert "seed 6: capacity" in p.stderr
-    assert "every server has run the capacity burst once" in p.stderr     # none starts cold

@@ -31,7 +31,7 @@ def bench(model_dir, tmp_path, *args):
 def ignore_eos_rows(model_dir, tmp_path_factory):
     # vLLM's engine core in the bench's process: the same scheduling, engines start in
     # seconds (the next test runs vLLM's default process layout).
-    return bench(model_dir, tmp_path_factory.mktemp("bench"), "--inline-engine-core",
+    return bench(model_dir, tmp_path_factory.mktemp("bench"), "--inline-engine-core", "--warmup", "0",
                  "--workload", "synthetic", "--ignore-eos", "--requests", "40", "--num-blocks", "24", "--max-model-len", "512",
                  "--max-tokens", "128",
                  "--configs",
@@ -72,7 +72,7 @@ def test_preemptions(ignore_eos_rows):
 def test_real_lengths_below_the_cap(model_dir, tmp_path):
     """Requests stop (EOS) at their real length, below max_tokens: the scheduler
     cannot know it in advance, and the adaptive policy learns it."""
-    rows = bench(model_dir, tmp_path, "--workload", "synthetic", "--requests", "64",
+    rows = bench(model_dir, tmp_path, "--warmup", "0", "--workload", "synthetic", "--requests", "64",
                  "--num-blocks", "24", "--max-model-len", "512", "--max-tokens", "256",
                  "--configs", "vllm-default", "adaptive", "adaptive+pause", "auto")
     for name, r in rows.items():
