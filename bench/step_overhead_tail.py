@@ -35,6 +35,7 @@ import sys
 import time
 
 from _common import save
+from bench_vllm_schedule import time_steps
 
 from kvadmit.config import AdmissionConfig
 from kvadmit.simulate.engine import EngineShape, run_native
@@ -50,32 +51,13 @@ SHAPE = EngineShape(num_blocks=48, block_size=32, max_model_len=1536, max_num_se
                     max_num_batched_tokens=2048)
 
 
-def step_us(model_dir: str, kvadmit: dict | None, steps: int = 40) -> float:
-    """Mean µs of one schedule + update round with RUNNING requests decoding."""
-    from kvadmit.vllm import Scheduler
-    from kvadmit.vllm.inprocess import InProcessEngine
-    eng = InProcessEngine(model_dir, scheduler_cls=Scheduler if kvadmit is not None else None,
-                          additional_config={"kvadmit": kvadmit} if kvadmit is not None else None,
-                          num_blocks=RUNNING * 4 + 64, block_size=32, max_model_len=1024,
-                          max_num_seqs=RUNNING, max_num_batched_tokens=2048)
-    for i in range(RUNNING):
-        eng.add([3 + i % 900] * 16, 100)      # all fit and run; none finishes in the window
-    while len(eng.scheduler.running) < RUNNING:
-        eng.step()
-    eng.step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    return (time.perf_counter() - t0) / steps * 1e6
-
-
 def overhead(rounds: int) -> dict:
     from kvadmit.vllm.tiny_model import build_tiny_llama
     model_dir = str(build_tiny_llama("/tmp/kvadmit-bench-tiny-llama"))
     vllm, ours = [], []
     for _ in range(rounds):                   # alternated: the machine's speed drifts
-        vllm.append(step_us(model_dir, None))
-        ours.append(step_us(model_dir, {}))
+        vllm.append(time_steps(model_dir, RUNNING, None, 40))
+        ours.append(time_steps(model_dir, RUNNING, {}, 40))
     diff = [b - a for a, b in zip(vllm, ours)]
     step_ms = CPU_TINY.step_s(RUNNING, 3000) * 1e3
     return {"running": RUNNING, "vllm_us": vllm, "kvadmit_default_us": ours,
@@ -163,12 +145,8 @@ def fidelity(online: pathlib.Path) -> list[dict]:
 
 
 def _serve_workload() -> Workload:
-    from kvadmit.bench.vllm import azure_workload
-    reqs = azure_workload("azure2023_conv", 320, SHAPE.max_model_len, 2048)
-    return Workload(name="serve", arrival_s=[0.0] * len(reqs),
-                    prompt_tokens=[len(r.prompt_token_ids) for r in reqs],
-                    output_tokens=[r.output_tokens for r in reqs],
-                    max_tokens=[r.max_tokens for r in reqs])
+    from kvadmit.bench.vllm import as_burst, azure_workload
+    return as_burst(azure_workload("azure2023_conv", 320, SHAPE.max_model_len, 2048), "serve")
 
 
 def _run(w: Workload, config: AdmissionConfig, step) -> tuple:

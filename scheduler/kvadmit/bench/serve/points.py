@@ -144,32 +144,12 @@ def sweep(servers: list[Server], dataset: list[str], n: int, capacity: float,
           loads: list[float], repeats: int, burstiness: float, slo: tuple[float, float],
           seed: int, out_dir: pathlib.Path, tag: str,
           expect: list[int] | int | None = None) -> list[dict]:
-    """Every (repeat, load) point on every server: loads in a shuffled order per
-    repeat, servers in an order rotated per point; the same arrival seed for every
-    server at a point."""
-    rows = []
-    total = repeats * len(loads) * len(servers)
-    t0 = time.perf_counter()
-    k = 0
-    for rep in range(repeats):
-        order = list(loads)
-        random.Random(seed * 1000 + rep).shuffle(order)
-        for j, load in enumerate(order):
-            point_seed = seed * 1000 + rep
-            for server in rotated(servers, rep * len(loads) + j):
-                k += 1
-                row = run_point(server, dataset, load * capacity, burstiness, point_seed, n, slo,
-                                out_dir, f"{tag}-{server.config.label}-x{load:g}-r{rep}",
-                                expect)
-                row.update(load=load, repeat=rep)
-                rows.append(row)
-                print(f"{tag} [{k}/{total}] {server.config.label} x{load:g} "
-                      f"({row['rate_rps']:.2f} req/s, repeat {rep + 1}/{repeats}): goodput "
-                      f"{row['goodput']:.2f}, {row['preemptions']} preemptions "
-                      f"(recompute {_share(row['recompute_share'])} of prefill), "
-                      f"{row['failed']} failed; {time.perf_counter() - t0:.0f} s elapsed",
-                      file=sys.stderr, flush=True)
-    return rows
+    """Every (repeat, load) point on every server at one capacity: the paired sweep
+    with a new arrival seed per repeat (seed * 1000 + repeat), loads shuffled by it and
+    servers rotated per point; the same arrival seed for every server at a point."""
+    return paired_sweep(servers, dataset, n, lambda _: capacity, loads,
+                        [seed * 1000 + rep for rep in range(repeats)], burstiness, slo,
+                        out_dir, tag, expect)
 
 
 def paired_sweep(servers: list[Server], dataset: list[str], n: int,
@@ -199,7 +179,8 @@ def paired_sweep(servers: list[Server], dataset: list[str], n: int,
                 rows.append(row)
                 print(f"{tag} [{k}/{total}] seed {seed} {server.config.label} x{load:g}: goodput "
                       f"{row['goodput']:.2f}, TTFT p99 {row['ttft_p99_ms'] or 0:.0f} ms, "
-                      f"{row['preemptions']} preemptions; {time.perf_counter() - t0:.0f} s elapsed",
+                      f"{row['preemptions']} preemptions (recompute {_share(row['recompute_share'])} "
+                      f"of prefill), {row['failed']} failed; {time.perf_counter() - t0:.0f} s elapsed",
                       file=sys.stderr, flush=True)
     return rows
 

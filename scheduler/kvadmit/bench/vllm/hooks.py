@@ -21,12 +21,15 @@ EXPECT_ENV = "KVADMIT_BENCH_EXPECT"
 STEP_TIMES_ENV = "KVADMIT_BENCH_STEP_TIMES"
 
 
+def step_context(scheduler, out) -> int:
+    """A scheduled step's context as the CPU fit was taken: each scheduled request's
+    computed tokens once schedule() has advanced them (the KV attention reads)."""
+    return sum(scheduler.requests[r].num_computed_tokens for r in out.num_scheduled_tokens)
+
+
 def step_modelled_s(scheduler, out) -> float:
-    """A scheduled step's time by the CPU step-time fit: its tokens, and its context as
-    the fit was taken (each scheduled request's computed tokens once schedule() has
-    advanced them: the KV attention reads; bench/fit_cpu_step_time.py)."""
-    context = sum(scheduler.requests[r].num_computed_tokens for r in out.num_scheduled_tokens)
-    return CPU_TINY.step_s(out.total_num_scheduled_tokens, context)
+    """A scheduled step's time by the CPU step-time fit (bench/fit_cpu_step_time.py)."""
+    return CPU_TINY.step_s(out.total_num_scheduled_tokens, step_context(scheduler, out))
 
 
 class _CountsScheduledTokens:
@@ -114,8 +117,7 @@ class _TimesSteps:
                                         f"{prev[4]:.9f} {prev[0]:.9f}\n")
         out = super().schedule(*args, **kwargs)
         if out.total_num_scheduled_tokens:
-            context = sum(self.requests[r].num_computed_tokens for r in out.num_scheduled_tokens)
-            self._bench_prev = (now, out.total_num_scheduled_tokens, context,
+            self._bench_prev = (now, out.total_num_scheduled_tokens, step_context(self, out),
                                 len(out.num_scheduled_tokens), time.perf_counter() - now)
         else:
             self._bench_prev = None
