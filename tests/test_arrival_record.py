@@ -60,7 +60,7 @@ def test_requests_are_checked_once_and_name_column_and_row():
     assert rows.record(1) == dict(prompt_tokens=5, max_new_tokens=3, priority=0, cached_tokens=0,
                                   ttft_slo_s=-1.0, tpot_slo_s=-1.0, session=9, arrival_time=0.0,
                                   arrival_tie=0.0, ttl_s=-1.0, flow=-1, sheddable=False,
-                                  prompt_hash=0, max_queue_delay_s=-1.0)
+                                  prompt_hash=0, max_queue_delay_s=-1.0, kv_hold_s=-1.0)
     with pytest.raises(IndexError, match=r"row 2: out of range \[0, 2\)"):
         rows.record(2)
 

@@ -79,6 +79,7 @@ VALID = {
     "flow": lambda v: type(v) is int and 0 <= v < 2**63,
     "sheddable": lambda v: type(v) is bool,
     "max_queue_delay_s": _seconds_in(MAX_TTFT_S),
+    "kv_hold_s": _seconds_in(MAX_TTL_S),
 }
 
 

@@ -29,6 +29,7 @@ CLAIMS = {
     "flow": (["gold", "7"], []),
     "sheddable": ([], [True, False]),
     "max_queue_delay_s": ([], [0.1, 5.0]),
+    "kv_hold_s": ([], [0, 5.0, 86400]),    # a hold only releases KV sooner: never a raise
 }
 
 

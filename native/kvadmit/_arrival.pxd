@@ -26,6 +26,9 @@ cdef struct ArrivalRecord:
                               # a new client with the same numbers seldom does (the retry line)
     double max_queue_delay_s  # its own cap on its predicted queueing delay at arrival, seconds
                               # (<= 0: the config's max_queue_delay_s alone; else the tighter)
+    double kv_hold_s          # seconds its session is expected back after it ends: past it the
+                              # session's cached KV is evicted first (0: the session is done;
+                              # negative: none given, the free queue's own order)
 
 
 cdef ArrivalRecord record_of(object record) except *

@@ -19,7 +19,8 @@ FIELDS = tuple(_zero())
 # prompt_tokens and max_new_tokens have none: every request gives them.
 DEFAULTS = {"priority": 0, "cached_tokens": 0, "ttft_slo_s": -1.0, "tpot_slo_s": -1.0,
             "session": -1, "arrival_time": 0.0, "arrival_tie": 0.0, "ttl_s": -1.0,
-            "flow": -1, "sheddable": False, "prompt_hash": 0, "max_queue_delay_s": -1.0}
+            "flow": -1, "sheddable": False, "prompt_hash": 0, "max_queue_delay_s": -1.0,
+            "kv_hold_s": -1.0}
 # The fields a workload gives per request (kvadmit._requests.Requests' columns, the
 # simulator's Workload): all but the engine's own stamps and its cache's count.
 COLUMNS = tuple(f for f in FIELDS if f not in ("cached_tokens", "arrival_time", "arrival_tie"))
@@ -67,6 +68,9 @@ cdef int check_record(const ArrivalRecord* r, Py_ssize_t row=-1) except -1:
     if not (isfinite(r.max_queue_delay_s) and r.max_queue_delay_s <= MAX_TTL_S):
         raise ValueError(f"{_name('max_queue_delay_s', row)}={r.max_queue_delay_s}: must be at "
                          f"most {MAX_TTL_S:g} s (<= 0: the config's max_queue_delay_s)")
+    if not (isfinite(r.kv_hold_s) and r.kv_hold_s <= MAX_TTL_S):
+        raise ValueError(f"{_name('kv_hold_s', row)}={r.kv_hold_s}: must be at most {MAX_TTL_S:g} s "
+                         f"(0: the session is done; negative: none)")
     if r.flow < -1:
         raise ValueError(f"{_name('flow', row)}={r.flow}: must be a flow id >= 0 (-1: none)")
     if not isfinite(r.arrival_time) or not isfinite(r.arrival_tie):

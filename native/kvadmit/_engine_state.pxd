@@ -11,6 +11,7 @@ from kvadmit._allocator cimport BlockAllocator
 from kvadmit._arrival cimport ArrivalRecord
 from kvadmit._arrival_gate cimport Rejection
 from kvadmit._core cimport AdmissionCore
+from kvadmit._session_hold cimport SessionHold
 
 
 cdef enum:      # a request's state in the engine (_rstate)
@@ -24,6 +25,7 @@ cdef enum:      # a request's state in the engine (_rstate)
 cdef class EngineState:
     cdef readonly AdmissionCore core
     cdef readonly BlockAllocator allocator
+    cdef readonly SessionHold session_hold   # clients' kv_hold_s: sessions whose cached KV goes first
     cdef int64_t _bs, _nblocks, _max_seqs, _max_active, _budget, _hash_block, _watermark
     cdef bint _chunked, _prefix, _full_input
     # vLLM's --scheduling-policy priority: vLLM keeps its running order and picks its
@@ -50,7 +52,7 @@ cdef class EngineState:
     cdef vector[int32_t] _hit_ids      # the admission candidate's prefix-cache hit blocks
     cdef vector[int32_t] _paused_reqs  # the requests paused this step
     cdef vector[char] _is_paused       # per request
-    cdef vector[int64_t] _paused_sessions   # sessions the agent window paused (scratch)
+    cdef vector[int64_t] _paused_sessions   # sessions to demote: paused, expired, released (scratch)
     cdef int64_t _next                  # position in _open
     cdef bint _ran, _stepping
     cdef double _horizon                # stepping: no step starts at or after it yet
@@ -72,7 +74,8 @@ cdef class EngineState:
     cdef void _release_blocks(self, int32_t r) noexcept nogil
     cdef int64_t _freed_blocks(self, int32_t r) noexcept nogil
     cdef bint _grow(self, int32_t r, int64_t upto_tokens) noexcept nogil
-    cdef void _demote_paused(self) noexcept nogil
+    cdef void _demote_sessions(self) noexcept nogil
+    cdef void _demote_session(self, int64_t session) noexcept nogil
     cdef size_t _running_erase(self, int32_t r) noexcept nogil
     cdef void _finish(self, int32_t r, double t) noexcept nogil
     cdef void _release_children(self, int32_t r, double t) noexcept nogil

@@ -142,23 +142,29 @@ cdef class EngineState:
         self.allocator.c_allocate(need, self._blocks[r].data() + old)
         return True
 
-    cdef void _demote_paused(self) noexcept nogil:
-        """The prefixes of sessions the agent window paused go to the front of the
-        free queue: still reusable, evicted before active sessions' (CONCUR)."""
-        cdef size_t i, j
-        cdef unordered_map[int64_t, vector[pair[int32_t, uint64_t]]].iterator it
+    cdef void _demote_sessions(self) noexcept nogil:
+        """The prefixes of sessions the agent window paused or expired (CONCUR), and of
+        sessions not back by their client's hold (kv_hold_s), go to the front of the
+        free queue: still reusable, evicted before those of sessions coming back."""
+        cdef size_t i
         self._paused_sessions.clear()
         self.core.agent_window.c_take_paused(self._paused_sessions)
+        self.session_hold.c_take_due(self._clock, self._paused_sessions)
         for i in range(self._paused_sessions.size()):
-            it = self._sess_blocks.find(self._paused_sessions[i])
-            if it == self._sess_blocks.end():
-                continue
-            # tail first, so the session's first block ends up taken last
-            j = deref(it).second.size()
-            while j > 0:
-                j -= 1
-                self.allocator.c_demote(deref(it).second[j].first, deref(it).second[j].second)
-            self._sess_blocks.erase(it)
+            self._demote_session(self._paused_sessions[i])
+
+    cdef void _demote_session(self, int64_t session) noexcept nogil:
+        """The session's cached blocks (as its latest turn left them) to the free
+        queue's head, tail first, so its first block is taken last."""
+        cdef unordered_map[int64_t, vector[pair[int32_t, uint64_t]]].iterator it
+        it = self._sess_blocks.find(session)
+        if it == self._sess_blocks.end():
+            return
+        cdef size_t j = deref(it).second.size()
+        while j > 0:
+            j -= 1
+            self.allocator.c_demote(deref(it).second[j].first, deref(it).second[j].second)
+        self._sess_blocks.erase(it)
 
     cdef size_t _running_erase(self, int32_t r) noexcept nogil:
         """Takes r out of the running list (the others' order kept); its old index."""
@@ -174,14 +180,21 @@ cdef class EngineState:
         cdef size_t i
         cdef int32_t b
         cdef uint64_t h
-        if self._prefix and self._rec[r].session >= 0 and self.core.agent_window.enabled:
-            # The session's context so far, for demotion if it is paused later.
-            self._sess_blocks[self._rec[r].session].clear()
+        cdef int64_t session = self._rec[r].session
+        if self._prefix and session >= 0 and (self.core.agent_window.enabled
+                                               or self._rec[r].kv_hold_s >= 0):
+            # The session's context so far, for demotion if it is paused or released later.
+            self._sess_blocks[session].clear()
             for i in range(self._blocks[r].size()):
                 b = self._blocks[r][i]
                 if self.allocator.c_held_hash(b, &h):
-                    self._sess_blocks[self._rec[r].session].push_back(pair[int32_t, uint64_t](b, h))
+                    self._sess_blocks[session].push_back(pair[int32_t, uint64_t](b, h))
         self._release_blocks(r)
+        if self._prefix:
+            self._paused_sessions.clear()
+            self.session_hold.c_finished(session, t, self._rec[r].kv_hold_s, self._paused_sessions)
+            if not self._paused_sessions.empty():
+                self._demote_session(session)
         self._slot_req[self._slot[r]] = -1
         self._slot[r] = -1
         self._rstate[r] = RQ_DONE
@@ -239,6 +252,7 @@ cdef class EngineState:
         cdef ArrivalResult res
         while self._next_arrival() <= self._clock:
             r = self._pop_arrival()
+            self.session_hold.c_returned(self._rec[r].session)
             res = self.core.c_arrive(&self._rec[r], self._arr[r])
             self._drop_shed(res.shed)
             if not res.accepted:

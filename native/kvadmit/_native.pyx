@@ -17,6 +17,7 @@
 - _arrival_gate: queue caps, refusals, drain rate and Retry-After;
 - _slo_guard and _step_time: TTFT and TPOT guard, the step-time fit;
 - _agent_window: the active-agent window (CONCUR);
+- _session_hold: clients' kv_hold_s: which sessions' cached KV is evicted first, and when;
 - _victims: which running request gives its KV back first;
 - _free_queue and _allocator: the KV block pool and prefix cache;
 - _requests: Requests, a workload's requests in checked columns;
@@ -26,6 +27,7 @@
 Engine adapters, the simulator and the benchmarks import everything from here."""
 
 from kvadmit._agent_window import next_agent_window
+from kvadmit._session_hold import SessionHold
 from kvadmit._allocator import BlockAllocator, bench_native_cycles
 from kvadmit._arrival import FIELDS as ARRIVAL_FIELDS
 from kvadmit._arrival_gate import REJECT_REASONS, ArrivalResult, Rejection

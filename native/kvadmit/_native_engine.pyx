@@ -30,6 +30,7 @@ from libcpp.vector cimport vector
 
 from kvadmit._allocator cimport BlockAllocator
 from kvadmit._core cimport AdmissionCore
+from kvadmit._session_hold cimport SessionHold
 from kvadmit._engine_state cimport EngineState, RQ_RUNNING, RQ_WAITING
 from kvadmit._ledger cimport ST_WAITING
 from kvadmit._step_plan cimport StepPlanner, prompt_need, watermark_beside
@@ -69,6 +70,7 @@ cdef class NativeEngine(EngineState):
                              priority_scheduling=vllm_priority_policy)
         self.core = AdmissionCore(config, num_blocks, block_size, max_model_len)
         self.allocator = BlockAllocator(num_blocks)
+        self.session_hold = SessionHold()
         self._pinned = -1
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs}: must be >= 1")
@@ -386,7 +388,7 @@ cdef class NativeEngine(EngineState):
         used = self._nblocks - self.allocator.c_num_free()
         self.core.c_step(t_end, used, NULL, 0, True)
         self._step_hit = self._step_query = 0
-        self._demote_paused()
+        self._demote_sessions()
         self._sample_timeline()
 
     def run(self, progress=None, int64_t progress_every=10000):
@@ -435,7 +437,7 @@ cdef class NativeEngine(EngineState):
             if self._running.empty() and self.core.c_num_waiting() > 0:
                 before = (self.core.agent_window.c_active(), self.core.agent_window.c_size())
                 self.core.expire_sessions(self._clock)
-                self._demote_paused()
+                self._demote_sessions()
                 if (self.core.agent_window.c_active(), self.core.agent_window.c_size()) != before:
                     continue
                 t = self.core.agent_window.c_next_change()
@@ -445,7 +447,7 @@ cdef class NativeEngine(EngineState):
                         return False
                     self._clock = t
                     self.core.expire_sessions(self._clock)
-                    self._demote_paused()
+                    self._demote_sessions()
                     continue
             if self._next_arrival() < INFINITY:
                 if self._next_arrival() >= until:

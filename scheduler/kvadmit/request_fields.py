@@ -245,6 +245,11 @@ SCHEMA = (
           "max_queue_delay_s", b"x-kvadmit-max-queue-delay", "duration",
           "its own cap on its predicted queueing delay at arrival, seconds: refused "
           "(queue_delay) past the tighter of it and the config's max_queue_delay_s"),
+    Field("kv_hold_s", _seconds_field(MAX_TTL_S, "the session is done"), -1.0, "kv_hold_s",
+          b"x-kvadmit-kv-hold", "duration",
+          "seconds its session is expected back after this turn (a tool call's expected "
+          "duration): not back by then, its cached KV is evicted first; 0: the session is done "
+          "(docs/slo-agents.md)"),
 )
 FIELDS = tuple(f.name for f in SCHEMA)
 # Header -> field, for the vLLM header patch (lower-case header names)

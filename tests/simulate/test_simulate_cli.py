@@ -68,6 +68,26 @@ def test_agents_with_prefix_caching_hit_their_history(tmp_path):
     assert all(r["prefix_hit_rate"] > 0.5 for r in rows)
 
 
+def test_clients_saying_a_session_is_done_keep_the_others_cached(tmp_path):
+    """Issue 55's shape, small: agents at the edge of an H100's pool cut to 10,000
+    blocks. With kv_hold_s 0 on each session's last turn, kvadmit evicts done sessions'
+    KV first and the returning turns hit more; vLLM's default ignores the field."""
+    rows = {}
+    for hold in ("none", "done"):
+        out = tmp_path / f"{hold}.json"
+        assert main(["simulate", "--synthetic", "agents", "--requests", "150", "--rate", "1.5",
+                     "--turns", "10", "--tool-wait", "5", "--prefix-caching", "--preset", "h100-8b",
+                     "--num-blocks", "10000", "--seed", "3", "--slo-ttft", "5", "--kv-hold", hold,
+                     "--policies", "vllm-default", "auto", "--quiet", "--json", str(out)]) == 0
+        rows[hold] = {r["policy"]: r for r in json.loads(out.read_text())["runs"][0]["rows"]}
+    for by in rows.values():
+        assert all(r["finished"] == r["requests"] for r in by.values())
+    assert rows["done"]["vllm-default"] == {**rows["none"]["vllm-default"],
+                                            "wall_s": rows["done"]["vllm-default"]["wall_s"]}
+    assert rows["done"]["auto"]["prefix_hit_rate"] > rows["none"]["auto"]["prefix_hit_rate"] + 0.04
+    assert rows["done"]["auto"]["ttft_p99_s"] <= rows["none"]["auto"]["ttft_p99_s"]
+
+
 def test_a_burst_is_a_workload_like_any_other(tmp_path, capsys):
     """Every request of the trace at one instant: the table and the JSON (it has no
     rate to report), not an error."""

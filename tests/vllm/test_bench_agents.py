@@ -25,6 +25,8 @@ def test_ideal_prefill_counts_whole_blocks_and_the_last_prompt_token():
 
 
 def test_configs():
+    b = parse_agent_config("vllm-bound")
+    assert b.kind == "vllm" and b.flags[-2] == "--num-gpu-blocks-override"
     c = parse_agent_config("vllm-seqs=8")
     assert c.label == "vllm-seqs=8" and c.flags[-2:] == ("--max-num-seqs", "8")
     assert parse_agent_config('w={"agent_window": true}').kind == "kvadmit"
@@ -38,7 +40,7 @@ def result(model_dir, tmp_path_factory):
     out, png = tmp / "agents.json", tmp / "agents.png"
     cmd = [sys.executable, "-m", "kvadmit.cli", "bench", "agents", "--sessions", str(SESSIONS),
            "--turns", str(TURNS), "--tool-wait", "0.2", "--sample-s", "0.2",
-           "--configs", "vllm-default", WINDOW, "--model-dir", model_dir,
+           "--configs", "vllm-default", WINDOW, "vllm-bound", "--model-dir", model_dir,
            "--engine-cpus", str(FIRST_CPU), "--json", str(out), "--plot", str(png)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -47,7 +49,7 @@ def result(model_dir, tmp_path_factory):
 
 def test_every_turn_is_done_and_the_counts_add_up(result):
     out, stdout, png = result
-    assert [c["config"] for c in out["configs"]] == ["vllm-default", "kvadmit-window"]
+    assert [c["config"] for c in out["configs"]] == ["vllm-default", "kvadmit-window", "vllm-bound"]
     assert out["workload"]["sessions"] == SESSIONS and png.stat().st_size > 0
     for c in out["configs"]:
         s = c["summary"]
@@ -67,6 +69,12 @@ def test_every_turn_is_done_and_the_counts_add_up(result):
         assert c["series"][-1]["turns_done"] == SESSIONS * TURNS
         assert f"| {c['config']} |" in stdout
     assert "speedup_vs_vllm_default" in out["goals"]["kvadmit-window"]
+    # the bound: a pool that never evicts (every context stays cached) and the share of
+    # vLLM's gap to it that each kvadmit config closes
+    by = {c["config"]: c["summary"] for c in out["configs"]}
+    assert by["vllm-bound"]["hit_rate"] >= by["vllm-default"]["hit_rate"]
+    assert by["vllm-bound"]["recomputed_tokens"] == 0
+    assert set(out["goals"]["kvadmit-window"]["gap_closed"]) == {"makespan_s", "hit_rate_middle"}
     window = out["configs"][1]["summary"]
     # W stayed 2 with 6 sessions (finished ones keep their place for agent_idle_s):
     # held sessions were let in over it after their 1 s, finished ones leaving for

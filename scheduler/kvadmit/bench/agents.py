@@ -55,7 +55,10 @@ from kvadmit.bench.serve.server import Engine, Server, scrape_metrics
 from kvadmit.vllm.serve import small_engine_flags
 
 DEFAULT_CONFIGS = ("vllm-default", "vllm-seqs=8", "kvadmit-default",
-                   'kvadmit-window={"agent_window": true}')
+                   'kvadmit-window={"agent_window": true}', "vllm-bound")
+# vllm-bound: vLLM's default on a pool that never evicts, the bound no admission rule
+# beats (agents_report's gap_closed reads it); this many blocks hold every context
+BOUND_BLOCKS = 16384
 # vLLM's series sampled (summed over labels), and kvadmit's window where it runs
 SERIES = {"kv_usage": "vllm:kv_cache_usage_perc", "queries": "vllm:prefix_cache_queries_total",
           "hits": "vllm:prefix_cache_hits_total", "preemptions": "vllm:num_preemptions_total",
@@ -91,6 +94,7 @@ class AgentWorkload:
     tool_tokens: int = 48
     tool_wait_s: float = 1.0
     seed: int = 0
+    kv_hold: str = "none"                   # "done": a session's last turn sends kv_hold_s 0
     vocab: tuple[int, int] = (7, 1024)      # the tiny model's non-special ids
 
     def longest_context(self) -> int:
@@ -113,9 +117,16 @@ def ideal_prefill(prompt_len: int, reusable: int, block: int) -> int:
 
 
 def parse_agent_config(text: str) -> ServeConfig:
-    """vllm-seqs=N (vLLM's scheduler with --max-num-seqs N), else a `kvadmit bench
-    serve` config: vllm-default, kvadmit-default, NAME=JSON (kvadmit's keys), ..."""
+    """vllm-seqs=N (vLLM's scheduler with --max-num-seqs N), vllm-bound (vLLM's
+    scheduler on a pool that never evicts), else a `kvadmit bench serve` config:
+    vllm-default, kvadmit-default, NAME=JSON (kvadmit's keys), ..."""
     name, sep, value = text.partition("=")
+    if text == "vllm-bound":
+        # after the engine's flags, so this pool size is the one vLLM takes
+        return ServeConfig("vllm-bound", ("--scheduler-cls", VLLM_SCHEDULER,
+                                          "--num-gpu-blocks-override", str(BOUND_BLOCKS)),
+                           f"vLLM's own scheduler on {BOUND_BLOCKS} blocks: nothing is evicted "
+                           f"(the bound)", "vllm")
     if name == "vllm-seqs" and sep:
         try:
             n = int(value)
@@ -130,10 +141,12 @@ def parse_agent_config(text: str) -> ServeConfig:
 
 
 async def _generate(http, base: str, model: str, prompt: list[int], max_tokens: int,
-                    headers: dict) -> tuple[list[int], float]:
+                    headers: dict, xargs: dict | None = None) -> tuple[list[int], float]:
     """One streamed completion: the generated ids and when the first came."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0, "stream": True, "return_token_ids": True}
+    if xargs:
+        body["vllm_xargs"] = xargs
     out: list[int] = []
     first = None
     async with http.post(base + "/v1/completions", json=body, headers=headers) as r:
@@ -171,8 +184,10 @@ async def _session(http, base: str, model: str, wl: AgentWorkload, i: int, syste
         rec = {"session": i, "turn": k, "prompt_tokens": len(context), "sent_s": sent - t0,
                "ideal_prefill": ideal_prefill(len(context), reusable, block)}
         try:
+            # the last turn says the session is done (kv_hold_s 0): its KV may go first
+            done = wl.kv_hold == "done" and k == wl.turns - 1
             out, first = await _generate(http, base, model, context, wl.output_tokens,
-                                         headers)
+                                         headers, {"kvadmit_kv_hold_s": 0} if done else None)
         except Exception as e:           # noqa: BLE001 (a lost turn is recorded, not raised)
             turns.append({**rec, "error": f"{type(e).__name__}: {e}"[:300]})
             return
@@ -318,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("--run-timeout", 1800.0, float, "a config's run is cut after this many s"),
             ("--startup-timeout", 600.0, float, "seconds a server may take to start")):
         ap.add_argument(flag, type=kind, default=default, help=f"{what} (default {default})")
+    ap.add_argument("--kv-hold", choices=("none", "done"), default=wl.kv_hold,
+                    help="done: each session's last turn sends kv_hold_s 0 (kvadmit evicts a done "
+                    "session's KV first under native_allocator; docs/slo-agents.md)")
     ap.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), metavar="CONFIG")
     first = min(os.sched_getaffinity(0))
     ap.add_argument("--engine-cpus", type=int, nargs="*", metavar="CPU",
@@ -364,7 +382,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
 
 def workload(args) -> AgentWorkload:
     return AgentWorkload(args.sessions, args.turns, args.system_tokens, args.task_tokens,
-                         args.output_tokens, args.tool_tokens, args.tool_wait, args.seed)
+                         args.output_tokens, args.tool_tokens, args.tool_wait, args.seed,
+                         args.kv_hold)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -115,7 +115,20 @@ def goal_figures(summaries: list[dict]) -> dict:
             g["speedup_vs_vllm_default"] = by["vllm-default"]["makespan_s"] / s["makespan_s"]
         if best:
             g["speedup_vs_best_vllm_seqs"] = best["makespan_s"] / s["makespan_s"]
+        if "vllm-default" in by and "vllm-bound" in by:
+            g["gap_closed"] = gap_closed(s, by["vllm-default"], by["vllm-bound"])
         out[s["config"]] = g
+    return out
+
+
+def gap_closed(s: dict, vllm: dict, bound: dict) -> dict:
+    """The share of vLLM's default's gap to the never-evicting pool `s` closes, in
+    makespan and in the middle phase's hit rate (None where the gap is under 1%)."""
+    out = {}
+    for key in ("makespan_s", "hit_rate_middle"):
+        x, v, b = s.get(key), vllm.get(key), bound.get(key)
+        ok = None not in (x, v, b) and abs(b - v) > 0.01 * max(abs(v), 1e-9)
+        out[key] = (x - v) / (b - v) if ok else None
     return out
 
 

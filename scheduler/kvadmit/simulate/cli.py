@@ -18,7 +18,7 @@ from kvadmit.simulate.policies import BUILTIN, DEFAULT_POLICIES, parse_policy
 from kvadmit.simulate.run import (at_load, capacity_rps, compare, load_entry, offered_rps, pyplot,
                                   recorded_command, save_figure, save_json)
 from kvadmit.simulate.steptime import PRESETS, StepTimeModel, get_preset
-from kvadmit.simulate.workload import agent_sessions, from_trace, mixed, synthetic
+from kvadmit.simulate.workload import KV_HOLDS, agent_sessions, from_trace, mixed, synthetic
 
 
 def add_parser(sub) -> None:
@@ -43,6 +43,9 @@ def add_parser(sub) -> None:
     p.add_argument("--interactive-share", type=float, default=0.7, help="mixed: interactive share")
     p.add_argument("--turns", type=float, default=8.0, help="agents: mean turns a session")
     p.add_argument("--tool-wait", type=float, default=2.0, help="agents: mean tool wait, seconds")
+    p.add_argument("--kv-hold", choices=KV_HOLDS, default="none",
+                   help="agents: the kv_hold_s clients send (done: a session's last turn says it "
+                   "is done, kvadmit evicts its KV first; docs/slo-agents.md)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens-rule", choices=("cap", "context"), default="context",
                    help="traces: max_tokens = the cap, or min(cap, context left)")
@@ -92,7 +95,8 @@ def build_workload(args, shape: EngineShape):
     if args.synthetic == "agents":
         return agent_sessions(n, rate, seed=args.seed, max_tokens_cap=args.max_tokens,
                               max_model_len=max_model_len, block_tokens=shape.block_size,
-                              turns_mean=args.turns, tool_wait_mean_s=args.tool_wait)
+                              turns_mean=args.turns, tool_wait_mean_s=args.tool_wait,
+                              kv_hold=args.kv_hold)
     if args.synthetic == "mixed":
         return mixed(n, rate, seed=args.seed, interactive_share=args.interactive_share,
                      max_tokens_cap=args.max_tokens, max_model_len=max_model_len)

@@ -75,6 +75,8 @@ def run_policy(workload: Workload, spec: PolicySpec, engine: str, shape: EngineS
                step: StepTimeModel, base: AdmissionConfig, model_dir: str | None = None,
                progress=None) -> RawRun:
     w = workload.with_oracle_caps() if spec.oracle else workload
+    if not spec.kvadmit:
+        w = w.without_kvadmit_fields()
     shape = spec.shape(shape)
     if engine == "native":
         if spec.vllm_args:

@@ -102,6 +102,15 @@ class Workload:
             record_columns={c: v for c, v in columns.items() if c not in OWN_RECORD_COLUMNS},
             meta={**self.meta, "untrusted_fields": counts})
 
+    def without_kvadmit_fields(self) -> "Workload":
+        """The requests as an engine without kvadmit sees them: fields only kvadmit
+        reads (kv_hold_s) dropped; the ones its baselines model too (SLO targets,
+        priorities) kept."""
+        if "kv_hold_s" not in self.record_columns:
+            return self
+        return dataclasses.replace(self, record_columns={
+            c: v for c, v in self.record_columns.items() if c != "kv_hold_s"})
+
     def hash_ids_of(self, i: int) -> list[int]:
         if self.hash_ids is None:
             return []
@@ -259,16 +268,35 @@ def append_turn(w: Workload, context_ids: list[int], next_id: int, start_s: floa
     return next_id
 
 
+KV_HOLDS = ("none", "done")
+
+
+def _done_holds(w: Workload) -> list[float]:
+    """Each turn's kv_hold_s as a client that knows when its session ends sends it:
+    0 (done) on a session's last turn, none (-1) on the others."""
+    holds = [0.0] * len(w.parent)
+    for p in w.parent:
+        if p >= 0:
+            holds[p] = -1.0
+    return holds
+
+
 def agent_sessions(sessions: int, rate: float, seed: int = 0, turns_mean: float = 8.0,
                    system_tokens: int = 2048, first_user_mean: float = 1500.0,
                    user_mean: float = 300.0, output_mean: float = 250.0,
                    tool_wait_mean_s: float = 2.0, max_tokens_cap: int = 1024,
-                   max_model_len: int = 32768, block_tokens: int = 16) -> Workload:
+                   max_model_len: int = 32768, block_tokens: int = 16,
+                   kv_hold: str = "none") -> Workload:
     """Multi-turn agent sessions: sessions start as a Poisson process; each turn's
     prompt is the whole context so far (a shared system prompt, then every earlier
     prompt and output) plus new tool/user tokens, and arrives an exponential tool
     wait after the previous turn is done. Prefix ids (``block_tokens`` tokens each)
-    make the shared system prompt and each session's history reusable."""
+    make the shared system prompt and each session's history reusable.
+
+    ``kv_hold``: what the clients tell the engine (the kv_hold_s field): "none", or
+    "done" (a session's last turn says the session is done: 0)."""
+    if kv_hold not in KV_HOLDS:
+        raise ValueError(f"kv_hold={kv_hold!r}: must be one of {', '.join(KV_HOLDS)}")
     if sessions < 1:
         raise ValueError(f"sessions={sessions}: must be >= 1")
     if system_tokens % block_tokens:
@@ -298,6 +326,9 @@ def agent_sessions(sessions: int, rate: float, seed: int = 0, turns_mean: float 
     w.description = (f"agents: {sessions} sessions ({len(w)} turns), Poisson starts at {rate:g}/s, "
                      f"mean {turns_mean:g} turns, {system_tokens}-token shared system prompt, tool wait "
                      f"mean {tool_wait_mean_s:g} s, seed {seed}")
+    if kv_hold != "none":
+        w.record_columns["kv_hold_s"] = _done_holds(w)
+        w.description += f", clients' kv_hold_s: {kv_hold}"
     w.meta = {"seed": seed, "rate": rate, "sessions": sessions}
     return w
 

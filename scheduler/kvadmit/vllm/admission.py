@@ -35,6 +35,7 @@ from kvadmit.protocol import Refusal, sample_group
 from kvadmit.vllm import compat, failure
 from kvadmit.vllm.metrics import process_metrics
 from kvadmit.vllm.request import arrival_record
+from kvadmit.vllm.session_kv import SessionKV
 from kvadmit.vllm.settings import VllmSettings
 
 _v = compat.import_names(compat.SCHEDULER_IMPORTS)
@@ -118,6 +119,10 @@ class VllmAdmission:
         self._req_to_blocks = (kvm.coordinator.single_type_managers[0].req_to_blocks
                                if cfg.pause_on_shortfall or self.count_shared_prefix else None)
         self.pause_plan_blocks = self._req_to_blocks if cfg.pause_on_shortfall else None
+        # Clients' kv_hold_s: done sessions' cached blocks evicted first (native queue only)
+        self.session_kv = (SessionKV(self._pool, kvm.coordinator.single_type_managers[0].req_to_blocks)
+                           if vllm_settings.native_allocator and caching and single_full_attention_group
+                           else None)
         self.step_rules = compat.step_rules(sched=sched)   # "what vLLM would schedule", this release's
         # Displacement and pauses (kvadmit._step_plan), beside vLLM's --watermark blocks
         self.planner = self.port.planner(getattr(kvm, "watermark_blocks", 0),
@@ -137,6 +142,7 @@ class VllmAdmission:
         self.displacing = False
         # kvadmit's own errors inside vLLM's engine (fail): none yet.
         self.internal_errors = 0
+        self._hold_unused_said = False
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -258,7 +264,14 @@ class VllmAdmission:
     def numbers(self, request) -> ArrivalRecord:
         """The core's arrival record of a request (kvadmit.vllm.request; FieldError
         names a malformed field or what would crash the engine)."""
-        return arrival_record(request, self.config, self.vocab_size, self.request_id_ties)
+        record = arrival_record(request, self.config, self.vocab_size, self.request_id_ties)
+        if self.session_kv is not None:
+            self.session_kv.arrived(request.request_id, record)
+        elif record.kv_hold_s >= 0 and not self._hold_unused_said:
+            self._hold_unused_said = True
+            logger.warning("kvadmit: requests give kv_hold_s; it takes native_allocator: true "
+                           "and prefix caching (docs/slo-agents.md); not used")
+        return record
 
     def forget_order(self, request_id: str) -> None:
         if self.request_id_ties is not None:
@@ -279,6 +292,8 @@ class VllmAdmission:
         if log:
             logger.log(logging.WARNING if refusal.reason == "invalid" else logging.INFO,
                        "%s", refusal.log_line(request.request_id))
+        if self.session_kv is not None:
+            self.session_kv.forget(request.request_id)
         if self._refusal_log is not None:
             self._refusal_log.append((request.request_id, refusal))
         self.pending_refusals.append((request.client_index, EngineCoreOutput(
@@ -315,6 +330,8 @@ class VllmAdmission:
         # pass and output processing (with async scheduling, the pipeline's period).
         self._step_now = now = self.clock()
         self._displaced_for = None
+        if self.session_kv is not None:
+            self.session_kv.tick(now)
         slots, computed, generated, by_slot = [], [], [], {}
         for req in sched.running:
             slot = port.slot(req.request_id)

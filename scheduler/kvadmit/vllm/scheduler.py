@@ -398,7 +398,16 @@ class _KvadmitMixin:
                 self.kvadmit.leave(request.request_id, self.kvadmit.clock(), natural, progress)
             except Exception:   # noqa: BLE001 - kvadmit's own error: fail open or closed
                 self.kvadmit.fail("as a request left")
-        return super()._free_request(request, *args, **kwargs)
+        session_kv = None if self.kvadmit.failed else self.kvadmit.session_kv
+        if session_kv is None:
+            return super()._free_request(request, *args, **kwargs)
+        blocks = session_kv.blocks_of(request.request_id)
+        out = super()._free_request(request, *args, **kwargs)
+        try:
+            session_kv.freed(request.request_id, blocks, self.kvadmit.clock())
+        except Exception:   # noqa: BLE001 - kvadmit's own error: fail open or closed
+            self.kvadmit.fail("releasing a session's cached blocks")
+        return out
 
     # -- outputs ---------------------------------------------------------------
     def update_from_output(self, *args, **kwargs) -> dict[int, EngineCoreOutputs]:

@@ -22,7 +22,7 @@ from kvadmit.config import ConfigError, bool_rule, check_fields, key_table, regi
 class VllmSettings:
     native_allocator: bool = field(default=False, metadata=bool_rule(
         "replace vLLM's BlockPool free-block queue with kvadmit's native one (the same block "
-        "ids as vLLM's)"))
+        "ids as vLLM's); clients' kv_hold_s needs it"))
     allow_degraded_vllm: bool = field(default=False, metadata=bool_rule(
         "run on a vLLM release kvadmit does not support, or where one of its patches cannot "
         "apply, without what is missing (for example refusals answering HTTP 200 with "

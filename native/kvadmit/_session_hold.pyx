@@ -1,0 +1,76 @@
+# Session holds: how long a session's cached KV keeps its place in the eviction
+# order after one of its turns ends.
+#
+# The free queue evicts the least recently freed first. For sessions that come
+# back after memoryless tool waits that is already the order of their chance to
+# come back (the longer one has been away, the likelier it is done), so nothing
+# the engine sees tells it more. What only the client knows is that a session
+# will not come back soon: a request's kv_hold_s says so, 0 when the session is
+# done, H when it expects to be back within H seconds. A session that ends with
+# hold 0, or is not back by its hold, is released: the engine moves its cached
+# blocks to the head of the free queue (still reusable, evicted first), so they
+# stop pushing out the histories of sessions that are coming back.
+#
+# A hold can only release KV sooner than the free queue would; it never keeps KV
+# longer. So it is not a claim on the pool, and any client may give one.
+
+from cython.operator cimport dereference as deref
+from libc.stdint cimport int64_t
+
+
+cdef class SessionHold:
+    """Which sessions' cached KV to release, and when (the engine's clock)."""
+
+    cdef void c_finished(self, int64_t session, double now, double hold_s,
+                         vector[int64_t]& release) noexcept nogil:
+        """A turn of `session` ended at `now` with the client's hold (negative: none):
+        0 releases the session now (appended to `release`), H > 0 at now + H unless it
+        returns first."""
+        if session < 0 or hold_s < 0:
+            return
+        if hold_s == 0:
+            self._pending.erase(session)
+            release.push_back(session)
+            self.released += 1
+            return
+        self._numbered += 1
+        self._pending[session] = self._numbered
+        self._due.push(pair[double, pair[int64_t, int64_t]](
+            -(now + hold_s), pair[int64_t, int64_t](session, self._numbered)))
+
+    cdef void c_returned(self, int64_t session) noexcept nogil:
+        """A request of `session` arrived: its pending hold is void."""
+        if session >= 0 and self._pending.erase(session):
+            self.came_back += 1
+
+    cdef void c_take_due(self, double now, vector[int64_t]& release) noexcept nogil:
+        """Appends to `release` the sessions whose hold ran out by `now` and which did
+        not come back."""
+        cdef pair[double, pair[int64_t, int64_t]] top
+        cdef unordered_map[int64_t, int64_t].iterator it
+        while not self._due.empty() and -self._due.top().first <= now:
+            top = self._due.top()
+            self._due.pop()
+            it = self._pending.find(top.second.first)
+            if it != self._pending.end() and deref(it).second == top.second.second:
+                self._pending.erase(it)
+                release.push_back(top.second.first)
+                self.expired += 1
+
+    def finished(self, int64_t session, double now, double hold_s):
+        """Python twin of c_finished: the sessions to release now."""
+        cdef vector[int64_t] out
+        self.c_finished(session, now, hold_s, out)
+        return [s for s in out]
+
+    def returned(self, int64_t session):
+        self.c_returned(session)
+
+    def take_due(self, double now):
+        """The sessions whose hold ran out by `now` (each once)."""
+        cdef vector[int64_t] out
+        self.c_take_due(now, out)
+        return [s for s in out]
+
+    def stats(self):
+        return {"released": self.released, "expired": self.expired, "came_back": self.came_back}
