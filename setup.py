@@ -23,9 +23,10 @@ package_data = {"kvadmit": ["data/*.gz", "data/README.md"]}
 # native/kvadmit/_allocator.pxd, and every module compiles under the name Python
 # imports it by. Leaves first; kvadmit._native re-exports them all.
 NATIVE_MODULES = ["_free_queue", "_allocator", "_curves", "_length_model", "_step_time",
-                  "_agent_window", "_session_hold", "_slo_guard", "_arrival", "_arrival_gate", "_ledger",
-                  "_flows", "_waiting_queue", "_shortfall", "_policies", "_victims", "_decision",
-                  "_core_view", "_core", "_step_plan", "_requests", "_engine_state", "_native_engine", "_native"]
+                  "_agent_window", "_session_hold", "_slo_guard", "_arrival", "_arrival_gate",
+                  "_ledger", "_flows", "_waiting_queue", "_shortfall", "_policies", "_victims",
+                  "_decision", "_core_view", "_core", "_step_plan", "_requests", "_engine_state",
+                  "_native_engine", "_native"]
 
 extensions = [
     Extension(

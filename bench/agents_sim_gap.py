@@ -22,8 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
+import sys
+import time
 
+from kvadmit.bench.agents_report import gap_share
 from kvadmit.config import AdmissionConfig
 from kvadmit.simulate.engine import EngineShape
 from kvadmit.simulate.metrics import Slo, summarize
@@ -99,10 +104,9 @@ def run_cell(preset: str, rate: float, seed: int) -> dict:
         if label == "bound":
             out["working_set"] = working_set(w, raw, step.num_blocks * step.block_size)
     for label in KVADMIT_ROWS:
-        out[label]["gap_closed"] = {
-            k: ((out[label][k] - out["vllm-default"][k]) / (out["bound"][k] - out["vllm-default"][k])
-                if abs(out["bound"][k] - out["vllm-default"][k]) >= GAP_FLOOR[k] else None)
-            for k in GAP_FLOOR}
+        out[label]["gap_closed"] = {k: gap_share(out[label][k], out["vllm-default"][k],
+                                                 out["bound"][k], floor)
+                                    for k, floor in GAP_FLOOR.items()}
     return out
 
 
@@ -134,12 +138,13 @@ def print_summary(cells: list[dict]) -> None:
             print(line)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    t0 = time.perf_counter()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", nargs="+", default=list(RATES))
     ap.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
     ap.add_argument("--json", default="bench/results/agents_sim_gap.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     cells = []
     print(f"{'preset':11} {'rate':>5} {'seed':>4} {'wset':>5}  {'config':13} {'goodput':>7} "
           f"{'TTFTp99':>8} {'hit':>5} {'maxTTFT':>8}  gap closed %: goodput TTFTp99 hit")
@@ -158,10 +163,14 @@ def main() -> int:
     print_summary(cells)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": "python bench/agents_sim_gap.py", "cells": cells}, f, indent=1)
+            json.dump({"command": "python bench/agents_sim_gap.py " + " ".join(argv or []),
+                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                       "machine": f"{platform.machine()} {platform.system()} {platform.release()}, "
+                                  f"{os.cpu_count()} CPUs, Python {platform.python_version()}",
+                       "wall_s": round(time.perf_counter() - t0, 1), "cells": cells}, f, indent=1)
         print(f"saved {args.json}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))

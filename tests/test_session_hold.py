@@ -15,11 +15,25 @@ from kvadmit._session_hold import SessionHold
 
 def test_done_releases_now_and_a_hold_when_it_runs_out():
     h = SessionHold()
-    assert h.finished(7, 1.0, 0.0) == [7]              # done: released at once
-    assert h.finished(8, 1.0, 2.0) == []
+    assert h.finished(7, 1.0, 0.0)                       # done: released at once
+    assert not h.finished(8, 1.0, 2.0)
     assert h.take_due(2.99) == [] and h.take_due(3.0) == [8]
     assert h.take_due(100.0) == []                       # each hold once
-    assert h.finished(-1, 1.0, 0.0) == [] and h.finished(9, 1.0, -1.0) == []   # none given
+    assert not h.finished(-1, 1.0, 0.0) and not h.finished(9, 1.0, -1.0)   # none given
+
+
+def test_voided_holds_do_not_pile_up():
+    """Sessions that come back before their hold leave no entry behind for long: a
+    server that runs for days keeps at most about twice its pending holds."""
+    h = SessionHold()
+    for i in range(10_000):
+        h.finished(i % 50, float(i), 86400.0)            # a day's hold, replaced each turn
+        if i % 3 == 0:
+            h.returned(i % 50)
+    pending = h.pending
+    assert 0 < pending <= 50 and h.queued <= 2 * pending + 65
+    due = h.take_due(1e9)                                # each pending session once
+    assert len(due) == len(set(due)) == pending and h.pending == 0
 
 
 def test_a_session_back_before_its_hold_keeps_its_place():
@@ -90,3 +104,42 @@ def test_agent_clients_say_when_a_session_is_done():
     assert "kv_hold_s" not in w.without_kvadmit_fields().record_columns
     with pytest.raises(ValueError, match="kv_hold"):
         agent_sessions(2, 1.0, kv_hold="soon")
+
+
+def test_a_done_session_releases_its_own_blocks_not_the_prefix_it_shares():
+    """Sessions 0 and 1 share a 4-block prefix; session 1 says it is done. Its own two
+    blocks go first; the shared prefix stays in LRU order, so a stranger that takes
+    16 of the 20 blocks leaves it for session 2, which hits it whole."""
+    w = session_workload("shared", BS)
+    prefix = [100, 101, 102, 103]
+    nid = 1 << 40
+    nid = append_turn(w, list(prefix), nid, 0.0, 96, 1, 1, -1, 0.0, 0)
+    nid = append_turn(w, list(prefix), nid, 0.5, 96, 1, 1, -1, 0.0, 1)
+    nid = append_turn(w, [], nid, 1.0, 240, 1, 1, -1, 0.0, 3)        # the stranger: 16 blocks
+    nid = append_turn(w, list(prefix), nid, 2.0, 96, 1, 1, -1, 0.0, 2)
+    w.record_columns["kv_hold_s"] = [-1.0, 0.0, -1.0, -1.0]
+    step = StepTimeModel(1e-3, 1e-5, 0.0, name="t", num_blocks=20, block_size=BS, max_model_len=256)
+    shape = EngineShape(num_blocks=20, block_size=BS, max_model_len=256, max_num_seqs=8,
+                        max_num_batched_tokens=512, prefix_caching=True)
+    raw = run_policy(w, parse_policy("auto"), "native", shape, step, AdmissionConfig())
+    assert raw.totals.finished == 4 and raw.totals.free_blocks_at_end == 20
+    assert raw.totals.prefix_hit_tokens == 2 * 4 * BS      # sessions 1 and 2 on the prefix
+
+
+def test_a_session_not_back_by_its_hold_loses_its_tail_first():
+    """Session 1 says it will be back within 1 s and comes back after 5 s: released at
+    1 s, its blocks go to the head of the free queue, last block first, so a stranger
+    taking 3 blocks leaves its first 3 and its return hits them."""
+    w = session_workload("late", BS)
+    nid = 1 << 40
+    ctx: list[int] = []
+    nid = append_turn(w, ctx, nid, 0.0, 96, 1, 1, -1, 0.0, 1)
+    nid = append_turn(w, ctx, nid, 0.0, 112, 1, 1, 0, 5.0, 1)
+    nid = append_turn(w, [], nid, 3.0, 47, 1, 1, -1, 0.0, 3)         # the stranger: 3 blocks
+    w.record_columns["kv_hold_s"] = [1.0, -1.0, -1.0]
+    step = StepTimeModel(1e-3, 1e-5, 0.0, name="t", num_blocks=20, block_size=BS, max_model_len=256)
+    shape = EngineShape(num_blocks=20, block_size=BS, max_model_len=256, max_num_seqs=8,
+                        max_num_batched_tokens=512, prefix_caching=True)
+    raw = run_policy(w, parse_policy("auto"), "native", shape, step, AdmissionConfig())
+    assert raw.totals.finished == 3 and raw.totals.free_blocks_at_end == 20
+    assert raw.totals.prefix_hit_tokens == 3 * BS

@@ -48,11 +48,12 @@ cdef class EngineState:
     cdef vector[vector[uint64_t]] _hashes
     cdef vector[vector[int64_t]] _children
     cdef unordered_map[int64_t, vector[pair[int32_t, uint64_t]]] _sess_blocks
+    cdef unordered_map[int64_t, int64_t] _sess_shared   # session -> leading blocks its first request hit
     cdef vector[int32_t] _slot_req, _running, _scheduled
     cdef vector[int32_t] _hit_ids      # the admission candidate's prefix-cache hit blocks
     cdef vector[int32_t] _paused_reqs  # the requests paused this step
     cdef vector[char] _is_paused       # per request
-    cdef vector[int64_t] _paused_sessions   # sessions to demote: paused, expired, released (scratch)
+    cdef vector[int64_t] _demoting          # sessions to demote: paused, expired, released (scratch)
     cdef int64_t _next                  # position in _open
     cdef bint _ran, _stepping
     cdef double _horizon                # stepping: no step starts at or after it yet

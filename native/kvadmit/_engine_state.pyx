@@ -147,22 +147,23 @@ cdef class EngineState:
         sessions not back by their client's hold (kv_hold_s), go to the front of the
         free queue: still reusable, evicted before those of sessions coming back."""
         cdef size_t i
-        self._paused_sessions.clear()
-        self.core.agent_window.c_take_paused(self._paused_sessions)
-        self.session_hold.c_take_due(self._clock, self._paused_sessions)
-        for i in range(self._paused_sessions.size()):
-            self._demote_session(self._paused_sessions[i])
+        self._demoting.clear()
+        self.core.agent_window.c_take_paused(self._demoting)
+        self.session_hold.c_take_due(self._clock, self._demoting)
+        for i in range(self._demoting.size()):
+            self._demote_session(self._demoting[i])
 
     cdef void _demote_session(self, int64_t session) noexcept nogil:
-        """The session's cached blocks (as its latest turn left them) to the free
-        queue's head, tail first, so its first block is taken last."""
+        """The session's own cached blocks (as its latest turn left them) to the free
+        queue's head. Each demotion goes in front of the last, so walking first to last
+        leaves its last block taken first and its first block last (a prefix hit needs
+        the start)."""
         cdef unordered_map[int64_t, vector[pair[int32_t, uint64_t]]].iterator it
         it = self._sess_blocks.find(session)
         if it == self._sess_blocks.end():
             return
-        cdef size_t j = deref(it).second.size()
-        while j > 0:
-            j -= 1
+        cdef size_t j
+        for j in range(deref(it).second.size()):
             self.allocator.c_demote(deref(it).second[j].first, deref(it).second[j].second)
         self._sess_blocks.erase(it)
 
@@ -183,18 +184,16 @@ cdef class EngineState:
         cdef int64_t session = self._rec[r].session
         if self._prefix and session >= 0 and (self.core.agent_window.enabled
                                                or self._rec[r].kv_hold_s >= 0):
-            # The session's context so far, for demotion if it is paused or released later.
+            # The session's own context so far (past the prefix its first request found
+            # cached: others' too), for demotion if it is paused or released later.
             self._sess_blocks[session].clear()
-            for i in range(self._blocks[r].size()):
+            for i in range(self._sess_shared[session], self._blocks[r].size()):
                 b = self._blocks[r][i]
                 if self.allocator.c_held_hash(b, &h):
                     self._sess_blocks[session].push_back(pair[int32_t, uint64_t](b, h))
         self._release_blocks(r)
-        if self._prefix:
-            self._paused_sessions.clear()
-            self.session_hold.c_finished(session, t, self._rec[r].kv_hold_s, self._paused_sessions)
-            if not self._paused_sessions.empty():
-                self._demote_session(session)
+        if self._prefix and self.session_hold.c_finished(session, t, self._rec[r].kv_hold_s):
+            self._demote_session(session)
         self._slot_req[self._slot[r]] = -1
         self._slot[r] = -1
         self._rstate[r] = RQ_DONE

@@ -186,6 +186,12 @@ cdef class NativeEngine(EngineState):
         """One engine step: STEP_RAN, STEP_PREEMPTED_ONLY (every scheduled request
         was preempted: try again at the same time) or STEP_IDLE (nothing to run)."""
         cdef int64_t budget = self._budget
+        cdef size_t i
+        # holds that ran out since the last step's end (an idle engine jumps its clock)
+        self._demoting.clear()
+        self.session_hold.c_take_due(self._clock, self._demoting)
+        for i in range(self._demoting.size()):
+            self._demote_session(self._demoting[i])
         self._scheduled.clear()
         self._order_running()
         self._plan_step(&budget)
@@ -323,6 +329,8 @@ cdef class NativeEngine(EngineState):
             # hits on blocks other requests hold (not the cached-free ones it takes over)
             self.core.c_set_shared(s, (hits - fresh) * self._bs)
             self.core.c_admit(s, self._clock)
+            if self._rec[r].session >= 0 and self._sess_shared.count(self._rec[r].session) == 0:
+                self._sess_shared[self._rec[r].session] = hits   # others' content: never demoted
             self._rstate[r] = RQ_RUNNING
             self._running.push_back(r)
             self._sched[r] = n

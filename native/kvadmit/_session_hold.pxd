@@ -13,7 +13,7 @@ cdef class SessionHold:
     cdef int64_t _numbered
     cdef readonly int64_t released, expired, came_back
 
-    cdef void c_finished(self, int64_t session, double now, double hold_s,
-                         vector[int64_t]& release) noexcept nogil
+    cdef bint c_finished(self, int64_t session, double now, double hold_s) noexcept nogil
     cdef void c_returned(self, int64_t session) noexcept nogil
     cdef void c_take_due(self, double now, vector[int64_t]& release) noexcept nogil
+    cdef void _compact(self) noexcept nogil

@@ -21,22 +21,23 @@ from libc.stdint cimport int64_t
 cdef class SessionHold:
     """Which sessions' cached KV to release, and when (the engine's clock)."""
 
-    cdef void c_finished(self, int64_t session, double now, double hold_s,
-                         vector[int64_t]& release) noexcept nogil:
-        """A turn of `session` ended at `now` with the client's hold (negative: none):
-        0 releases the session now (appended to `release`), H > 0 at now + H unless it
-        returns first."""
+    cdef bint c_finished(self, int64_t session, double now, double hold_s) noexcept nogil:
+        """A turn of `session` ended at `now` with the client's hold (negative: none).
+        True: release the session now (hold 0); H > 0 releases it at now + H unless it
+        returns first (c_take_due)."""
         if session < 0 or hold_s < 0:
-            return
+            return False
         if hold_s == 0:
             self._pending.erase(session)
-            release.push_back(session)
             self.released += 1
-            return
+            return True
         self._numbered += 1
         self._pending[session] = self._numbered
         self._due.push(pair[double, pair[int64_t, int64_t]](
             -(now + hold_s), pair[int64_t, int64_t](session, self._numbered)))
+        if <int64_t>self._due.size() > 2 * <int64_t>self._pending.size() + 64:
+            self._compact()
+        return False
 
     cdef void c_returned(self, int64_t session) noexcept nogil:
         """A request of `session` arrived: its pending hold is void."""
@@ -57,11 +58,23 @@ cdef class SessionHold:
                 release.push_back(top.second.first)
                 self.expired += 1
 
+    cdef void _compact(self) noexcept nogil:
+        """Drops the due entries voided since (sessions back, holds replaced): the heap
+        stays within twice the pending holds."""
+        cdef priority_queue[pair[double, pair[int64_t, int64_t]]] kept
+        cdef pair[double, pair[int64_t, int64_t]] top
+        cdef unordered_map[int64_t, int64_t].iterator it
+        while not self._due.empty():
+            top = self._due.top()
+            self._due.pop()
+            it = self._pending.find(top.second.first)
+            if it != self._pending.end() and deref(it).second == top.second.second:
+                kept.push(top)
+        self._due.swap(kept)
+
     def finished(self, int64_t session, double now, double hold_s):
-        """Python twin of c_finished: the sessions to release now."""
-        cdef vector[int64_t] out
-        self.c_finished(session, now, hold_s, out)
-        return [s for s in out]
+        """Python twin of c_finished: whether the session is released now."""
+        return self.c_finished(session, now, hold_s)
 
     def returned(self, int64_t session):
         self.c_returned(session)
@@ -71,6 +84,16 @@ cdef class SessionHold:
         cdef vector[int64_t] out
         self.c_take_due(now, out)
         return [s for s in out]
+
+    @property
+    def pending(self):
+        """Holds running (sessions away, not yet back or due)."""
+        return self._pending.size()
+
+    @property
+    def queued(self):
+        """Due entries kept, voided ones included (compacted past twice `pending`)."""
+        return self._due.size()
 
     def stats(self):
         return {"released": self.released, "expired": self.expired, "came_back": self.came_back}

@@ -47,3 +47,24 @@ def test_without_the_native_queue_the_hint_is_not_used(model_dir, caplog):
     hits, adm = _b_returning_hits(model_dir, {"kv_hold_s": 0}, {})
     assert adm.session_kv is None and hits <= BS
     assert "kv_hold_s; it takes native_allocator" in caplog.text
+
+
+def test_only_the_session_s_own_blocks_move(model_dir):
+    """Session y's first request finds session x's 2-block prefix cached; when y says it
+    is done, only its own 2 blocks go to the head of the free queue,
+    ahead of every block vLLM has not used yet; the shared prefix keeps its LRU place."""
+    eng = _engine(model_dir, {"native_allocator": True})
+    shared = [11 + i % 900 for i in range(2 * BS)]
+    eng.add(shared + [300 + i for i in range(2 * BS)], 8, session_id="x")
+    eng.run()
+    eng.add(shared + [600 + i for i in range(2 * BS)], 8, session_id="y",
+            extra_args={"kvadmit_kv_hold_s": 0})
+    eng.run()
+    session_kv = eng.scheduler.kvadmit.session_kv
+    assert session_kv.demoted_blocks == 2
+    head = eng.scheduler.kv_cache_manager.block_pool.free_block_queue.get_all_free_blocks()[:3]
+    assert [b.block_hash is not None for b in head] == [True, True, False]
+    # the two at the head are y's own (blocks 3 and 2 of its prompt), not the shared ones
+    x_blocks = {b.block_hash for b in eng.scheduler.kv_cache_manager.block_pool.blocks
+                if b.block_hash is not None} - {b.block_hash for b in head}
+    assert len(x_blocks) == 4                 # x's 2 own + the 2 shared, all still cached

@@ -52,12 +52,13 @@ from dataclasses import asdict, dataclass
 
 from kvadmit.bench.serve.configs import VLLM_SCHEDULER, ServeConfig, parse_config
 from kvadmit.bench.serve.server import Engine, Server, scrape_metrics
+from kvadmit.simulate.workload import KV_HOLDS
 from kvadmit.vllm.serve import small_engine_flags
 
 DEFAULT_CONFIGS = ("vllm-default", "vllm-seqs=8", "kvadmit-default",
                    'kvadmit-window={"agent_window": true}', "vllm-bound")
-# vllm-bound: vLLM's default on a pool that never evicts, the bound no admission rule
-# beats (agents_report's gap_closed reads it); this many blocks hold every context
+# vllm-bound: vLLM's default on a pool that never evicts, the bound for eviction order
+# (agents_report's gap_closed reads it); this many blocks hold every context
 BOUND_BLOCKS = 16384
 # vLLM's series sampled (summed over labels), and kvadmit's window where it runs
 SERIES = {"kv_usage": "vllm:kv_cache_usage_perc", "queries": "vllm:prefix_cache_queries_total",
@@ -333,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
             ("--run-timeout", 1800.0, float, "a config's run is cut after this many s"),
             ("--startup-timeout", 600.0, float, "seconds a server may take to start")):
         ap.add_argument(flag, type=kind, default=default, help=f"{what} (default {default})")
-    ap.add_argument("--kv-hold", choices=("none", "done"), default=wl.kv_hold,
+    ap.add_argument("--kv-hold", choices=KV_HOLDS, default=wl.kv_hold,
                     help="done: each session's last turn sends kv_hold_s 0 (kvadmit evicts a done "
                     "session's KV first under native_allocator; docs/slo-agents.md)")
     ap.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), metavar="CONFIG")

@@ -121,15 +121,22 @@ def goal_figures(summaries: list[dict]) -> dict:
     return out
 
 
+def gap_share(x, base, bound, floor: float):
+    """The share of `base`'s gap to `bound` that `x` closes ((x - base) / (bound - base));
+    None where a figure is missing or the gap is under `floor`."""
+    if None in (x, base, bound) or abs(bound - base) < floor:
+        return None
+    return (x - base) / (bound - base)
+
+
 def gap_closed(s: dict, vllm: dict, bound: dict) -> dict:
     """The share of vLLM's default's gap to the never-evicting pool `s` closes, in
-    makespan and in the middle phase's hit rate (None where the gap is under 1%)."""
-    out = {}
-    for key in ("makespan_s", "hit_rate_middle"):
-        x, v, b = s.get(key), vllm.get(key), bound.get(key)
-        ok = None not in (x, v, b) and abs(b - v) > 0.01 * max(abs(v), 1e-9)
-        out[key] = (x - v) / (b - v) if ok else None
-    return out
+    makespan (none under 1% of vLLM's) and in the middle phase's hit rate (none under
+    0.01)."""
+    return {"makespan_s": gap_share(s.get("makespan_s"), vllm.get("makespan_s"),
+                                    bound.get("makespan_s"), 0.01 * (vllm.get("makespan_s") or 0)),
+            "hit_rate_middle": gap_share(s.get("hit_rate_middle"), vllm.get("hit_rate_middle"),
+                                         bound.get("hit_rate_middle"), 0.01)}
 
 
 def _f(x, fmt: str) -> str:

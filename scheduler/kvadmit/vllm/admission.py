@@ -100,9 +100,9 @@ class VllmAdmission:
         caching = kvm.enable_caching
         # Agent window: prefix hits count only with prefix caching (without it the core
         # sees 0/0: no signal). kvadmit decides which sessions may run; which cached
-        # blocks are evicted stays vLLM's LRU (BlockPool's free-block queue): kvadmit
-        # cannot keep a paused session's prefix warm without patching vLLM's eviction,
-        # and does not. The requests the gate started this step (their prefix-cache
+        # blocks are evicted stays vLLM's LRU (BlockPool's free-block queue), but for
+        # sessions released by their clients' kv_hold_s under native_allocator
+        # (session_kv). The requests the gate started this step (their prefix-cache
         # hits are reported to the port); None without the window or caching.
         self.started_this_step: list | None = [] if cfg.agent_window and caching else None
         # auto with prefix caching: a prefix running requests share is counted once.
@@ -120,7 +120,8 @@ class VllmAdmission:
                                if cfg.pause_on_shortfall or self.count_shared_prefix else None)
         self.pause_plan_blocks = self._req_to_blocks if cfg.pause_on_shortfall else None
         # Clients' kv_hold_s: done sessions' cached blocks evicted first (native queue only)
-        self.session_kv = (SessionKV(self._pool, kvm.coordinator.single_type_managers[0].req_to_blocks)
+        self.session_kv = (SessionKV(self._pool, kvm.coordinator.single_type_managers[0].req_to_blocks,
+                                     sched.block_size)
                            if vllm_settings.native_allocator and caching and single_full_attention_group
                            else None)
         self.step_rules = compat.step_rules(sched=sched)   # "what vLLM would schedule", this release's
@@ -471,6 +472,9 @@ class VllmAdmission:
                         queries += req.num_tokens
         if started:
             started.clear()
+        if self.session_kv is not None:
+            for new in out.scheduled_new_reqs:      # their prefix hits: tokens computed before
+                self.session_kv.started(new.req_id, new.num_computed_tokens)
         self.port.step_done(tokens, context, self._step_now, hits, queries)
 
     def _shared_tokens(self, request) -> int:
