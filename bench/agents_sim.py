@@ -156,6 +156,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=ENGINE.num_blocks - 1,
                     help="usable KV blocks (vLLM gets one more)")
     ap.add_argument("--seed", type=int, default=wl.seed)
+    ap.add_argument("--max-model-len", type=int, default=ENGINE.max_model_len)
     ap.add_argument("--window", type=int, nargs="*", default=[16, 128],
                     help="cache_aware_admission_window values, one vLLM 0.34 row each")
     ap.add_argument("--threshold", type=float, default=None,
@@ -177,7 +178,7 @@ def main() -> None:
     w, ideal = agent_workload(args.sessions, args.turns, args.prefix, args.task, args.gen,
                               args.tool, args.tool_wait, args.seed)
     shape = EngineShape(num_blocks=args.blocks, block_size=BLOCK,
-                        max_model_len=ENGINE.max_model_len, max_num_seqs=ENGINE.max_num_seqs,
+                        max_model_len=args.max_model_len, max_num_seqs=ENGINE.max_num_seqs,
                         max_num_batched_tokens=ENGINE.max_num_batched_tokens, prefix_caching=True)
     import dataclasses
 

@@ -92,6 +92,7 @@ def valid_value(rng: random.Random, name: str):
         "flow": lambda: rng.choice(["gold", "7", "tenant-\u4e2d", 7, 12345]),
         "sheddable": lambda: rng.choice([True, False, "true", "0", 1]),
         "max_queue_delay_s": lambda: rng.choice([0, 0.5, 10]),
+        "kv_hold_s": lambda: rng.choice([0, 5, 60]),
     }[name]()
 
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from kvadmit.bench.agents import ideal_prefill, parse_agent_config
+from kvadmit.bench.agents_report import gap_closed, goal_figures
 
 SESSIONS, TURNS, OUTPUT = 6, 3, 32
 # W starts at 2 and never grows: sessions wait outside it, at most 1 s each
@@ -22,6 +23,22 @@ def test_ideal_prefill_counts_whole_blocks_and_the_last_prompt_token():
     assert ideal_prefill(400, 351, 32) == 400 - 320     # 10 whole blocks of 351 tokens
     assert ideal_prefill(320, 320, 32) == 32            # at most prompt - 1: 9 blocks, not 10
     assert ideal_prefill(20, 0, 32) == 20
+
+
+def test_the_gap_to_the_bound_each_config_closes():
+    """vllm-bound (vLLM on a pool that never evicts, recorded in
+    bench/results/agents_serve_hold.json) against vLLM's default: the share of the gap
+    a config closes, none where the gap is under 1%."""
+    vllm = {"makespan_s": 20.0, "hit_rate_middle": 0.48}
+    bound = {"makespan_s": 14.0, "hit_rate_middle": 0.88}
+    closed = gap_closed({"makespan_s": 17.0, "hit_rate_middle": 0.58}, vllm, bound)
+    assert closed == pytest.approx({"makespan_s": 0.5, "hit_rate_middle": 0.25})
+    assert gap_closed(vllm, vllm, {"makespan_s": 19.9, "hit_rate_middle": 0.485}) == {
+        "makespan_s": None, "hit_rate_middle": None}
+    goals = goal_figures([{**vllm, "config": "vllm-default"}, {**bound, "config": "vllm-bound"},
+                          {"config": "k", "makespan_s": 14.0, "hit_rate_middle": 0.88,
+                           "turns_lost": 0, "longest_wait_s": 1.0}])
+    assert goals["k"]["gap_closed"] == {"makespan_s": 1.0, "hit_rate_middle": 1.0}
 
 
 def test_configs():
@@ -40,7 +57,7 @@ def result(model_dir, tmp_path_factory):
     out, png = tmp / "agents.json", tmp / "agents.png"
     cmd = [sys.executable, "-m", "kvadmit.cli", "bench", "agents", "--sessions", str(SESSIONS),
            "--turns", str(TURNS), "--tool-wait", "0.2", "--sample-s", "0.2",
-           "--configs", "vllm-default", WINDOW, "vllm-bound", "--model-dir", model_dir,
+           "--configs", "vllm-default", WINDOW, "--model-dir", model_dir,
            "--engine-cpus", str(FIRST_CPU), "--json", str(out), "--plot", str(png)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -49,7 +66,7 @@ def result(model_dir, tmp_path_factory):
 
 def test_every_turn_is_done_and_the_counts_add_up(result):
     out, stdout, png = result
-    assert [c["config"] for c in out["configs"]] == ["vllm-default", "kvadmit-window", "vllm-bound"]
+    assert [c["config"] for c in out["configs"]] == ["vllm-default", "kvadmit-window"]
     assert out["workload"]["sessions"] == SESSIONS and png.stat().st_size > 0
     for c in out["configs"]:
         s = c["summary"]
@@ -69,12 +86,7 @@ def test_every_turn_is_done_and_the_counts_add_up(result):
         assert c["series"][-1]["turns_done"] == SESSIONS * TURNS
         assert f"| {c['config']} |" in stdout
     assert "speedup_vs_vllm_default" in out["goals"]["kvadmit-window"]
-    # the bound: a pool that never evicts (every context stays cached) and the share of
-    # vLLM's gap to it that each kvadmit config closes
-    by = {c["config"]: c["summary"] for c in out["configs"]}
-    assert by["vllm-bound"]["hit_rate"] >= by["vllm-default"]["hit_rate"]
-    assert by["vllm-bound"]["recomputed_tokens"] == 0
-    assert set(out["goals"]["kvadmit-window"]["gap_closed"]) == {"makespan_s", "hit_rate_middle"}
+    assert "gap_closed" not in out["goals"]["kvadmit-window"]     # no vllm-bound run
     window = out["configs"][1]["summary"]
     # W stayed 2 with 6 sessions (finished ones keep their place for agent_idle_s):
     # held sessions were let in over it after their 1 s, finished ones leaving for
