@@ -16,18 +16,16 @@ is the 95th percentile over time of the live sessions' contexts (each started se
 until its last turn ends in the bound run, at its latest turn's prompt and output)
 over the preset's pool: where it passes ~1, histories no longer fit.
 
-    .venv/bin/python bench/agents_sim_gap.py            # prints, saves the JSON
+    .venv/bin/python bench/agents_sim_gap.py     # prints, saves bench/results/agents_sim_gap.json
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import time
 
+from _common import save
 from kvadmit.bench.agents_report import gap_share
 from kvadmit.config import AdmissionConfig
 from kvadmit.simulate.engine import EngineShape
@@ -143,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", nargs="+", default=list(RATES))
     ap.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
-    ap.add_argument("--json", default="bench/results/agents_sim_gap.json")
+    ap.add_argument("--no-save", action="store_true", help="do not write bench/results/agents_sim_gap.json")
     args = ap.parse_args(argv)
     cells = []
     print(f"{'preset':11} {'rate':>5} {'seed':>4} {'wset':>5}  {'config':13} {'goodput':>7} "
@@ -161,14 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{r['longest_ttft_s']:8.1f}  " + (" ".join(_pct(g.get(k)) for k in GAP_FLOOR)
                                                             if g else ""))
     print_summary(cells)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": "python bench/agents_sim_gap.py " + " ".join(argv or []),
-                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                       "machine": f"{platform.machine()} {platform.system()} {platform.release()}, "
-                                  f"{os.cpu_count()} CPUs, Python {platform.python_version()}",
-                       "wall_s": round(time.perf_counter() - t0, 1), "cells": cells}, f, indent=1)
-        print(f"saved {args.json}")
+    if not args.no_save:
+        print(f"saved {save('agents_sim_gap', {'wall_s': round(time.perf_counter() - t0, 1), 'cells': cells})}")
     return 0
 
 

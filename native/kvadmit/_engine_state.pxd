@@ -75,7 +75,7 @@ cdef class EngineState:
     cdef void _release_blocks(self, int32_t r) noexcept nogil
     cdef int64_t _freed_blocks(self, int32_t r) noexcept nogil
     cdef bint _grow(self, int32_t r, int64_t upto_tokens) noexcept nogil
-    cdef void _demote_sessions(self) noexcept nogil
+    cdef void _demote_sessions(self, bint window=*) noexcept nogil
     cdef void _demote_session(self, int64_t session) noexcept nogil
     cdef size_t _running_erase(self, int32_t r) noexcept nogil
     cdef void _finish(self, int32_t r, double t) noexcept nogil

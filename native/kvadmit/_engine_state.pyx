@@ -142,13 +142,15 @@ cdef class EngineState:
         self.allocator.c_allocate(need, self._blocks[r].data() + old)
         return True
 
-    cdef void _demote_sessions(self) noexcept nogil:
-        """The prefixes of sessions the agent window paused or expired (CONCUR), and of
-        sessions not back by their client's hold (kv_hold_s), go to the front of the
-        free queue: still reusable, evicted before those of sessions coming back."""
+    cdef void _demote_sessions(self, bint window=True) noexcept nogil:
+        """The prefixes of sessions the agent window paused or expired (CONCUR; not
+        taken when `window` is False), and of sessions not back by their client's hold
+        (kv_hold_s), go to the front of the free queue: still reusable, evicted before
+        those of sessions coming back."""
         cdef size_t i
         self._demoting.clear()
-        self.core.agent_window.c_take_paused(self._demoting)
+        if window:
+            self.core.agent_window.c_take_paused(self._demoting)
         self.session_hold.c_take_due(self._clock, self._demoting)
         for i in range(self._demoting.size()):
             self._demote_session(self._demoting[i])

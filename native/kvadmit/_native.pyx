@@ -27,7 +27,6 @@
 Engine adapters, the simulator and the benchmarks import everything from here."""
 
 from kvadmit._agent_window import next_agent_window
-from kvadmit._session_hold import SessionHold
 from kvadmit._allocator import BlockAllocator, bench_native_cycles
 from kvadmit._arrival import FIELDS as ARRIVAL_FIELDS
 from kvadmit._arrival_gate import REJECT_REASONS, ArrivalResult, Rejection
@@ -39,6 +38,7 @@ from kvadmit._length_model import OutputLengthModel, next_quantile
 from kvadmit._native_engine import NativeEngine
 from kvadmit._policies import POLICIES
 from kvadmit._requests import Requests
+from kvadmit._session_hold import SessionHold
 from kvadmit._step_plan import StepPlanner, prompt_blocks
 from kvadmit._step_time import StepTimeFit
 from kvadmit._victims import VICTIMS

@@ -30,9 +30,9 @@ from libcpp.vector cimport vector
 
 from kvadmit._allocator cimport BlockAllocator
 from kvadmit._core cimport AdmissionCore
-from kvadmit._session_hold cimport SessionHold
 from kvadmit._engine_state cimport EngineState, RQ_RUNNING, RQ_WAITING
 from kvadmit._ledger cimport ST_WAITING
+from kvadmit._session_hold cimport SessionHold
 from kvadmit._step_plan cimport StepPlanner, prompt_need, watermark_beside
 
 
@@ -186,12 +186,7 @@ cdef class NativeEngine(EngineState):
         """One engine step: STEP_RAN, STEP_PREEMPTED_ONLY (every scheduled request
         was preempted: try again at the same time) or STEP_IDLE (nothing to run)."""
         cdef int64_t budget = self._budget
-        cdef size_t i
-        # holds that ran out since the last step's end (an idle engine jumps its clock)
-        self._demoting.clear()
-        self.session_hold.c_take_due(self._clock, self._demoting)
-        for i in range(self._demoting.size()):
-            self._demote_session(self._demoting[i])
+        self._demote_sessions(False)   # holds run out since the last step (an idle engine jumps its clock)
         self._scheduled.clear()
         self._order_running()
         self._plan_step(&budget)

@@ -16,4 +16,5 @@ cdef class SessionHold:
     cdef bint c_finished(self, int64_t session, double now, double hold_s) noexcept nogil
     cdef void c_returned(self, int64_t session) noexcept nogil
     cdef void c_take_due(self, double now, vector[int64_t]& release) noexcept nogil
+    cdef bint _live(self, pair[int64_t, int64_t] entry) noexcept nogil
     cdef void _compact(self) noexcept nogil

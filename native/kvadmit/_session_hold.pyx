@@ -48,28 +48,28 @@ cdef class SessionHold:
         """Appends to `release` the sessions whose hold ran out by `now` and which did
         not come back."""
         cdef pair[double, pair[int64_t, int64_t]] top
-        cdef unordered_map[int64_t, int64_t].iterator it
         while not self._due.empty() and -self._due.top().first <= now:
             top = self._due.top()
             self._due.pop()
-            it = self._pending.find(top.second.first)
-            if it != self._pending.end() and deref(it).second == top.second.second:
-                self._pending.erase(it)
+            if self._live(top.second):
+                self._pending.erase(top.second.first)
                 release.push_back(top.second.first)
                 self.expired += 1
+
+    cdef inline bint _live(self, pair[int64_t, int64_t] entry) noexcept nogil:
+        """Whether a due entry (session, number) is its session's pending hold still
+        (not voided by a return or replaced by a later turn's hold)."""
+        cdef unordered_map[int64_t, int64_t].iterator it = self._pending.find(entry.first)
+        return it != self._pending.end() and deref(it).second == entry.second
 
     cdef void _compact(self) noexcept nogil:
         """Drops the due entries voided since (sessions back, holds replaced): the heap
         stays within twice the pending holds."""
         cdef priority_queue[pair[double, pair[int64_t, int64_t]]] kept
-        cdef pair[double, pair[int64_t, int64_t]] top
-        cdef unordered_map[int64_t, int64_t].iterator it
         while not self._due.empty():
-            top = self._due.top()
+            if self._live(self._due.top().second):
+                kept.push(self._due.top())
             self._due.pop()
-            it = self._pending.find(top.second.first)
-            if it != self._pending.end() and deref(it).second == top.second.second:
-                kept.push(top)
         self._due.swap(kept)
 
     def finished(self, int64_t session, double now, double hold_s):

@@ -28,8 +28,7 @@ class SessionKV:
         self._block_size = block_size
         self.hold = SessionHold()
         self._request_holds: dict[str, tuple[int, float]] = {}   # request id -> (session, kv_hold_s)
-        self._first: dict[str, int] = {}            # a session's first request id -> session
-        self._awaiting_first: set[int] = set()      # sessions whose first request has not started
+        self._first: dict[str, int] = {}            # request id -> session, until one of its starts
         self._shared: dict[int, int] = {}           # session -> leading blocks it found cached
         self._cached: dict[int, list] = {}          # session -> [(block, hash)] of its own, first first
         self.demoted_blocks = 0
@@ -42,18 +41,16 @@ class SessionKV:
             return
         self.hold.returned(session)
         self._cached.pop(session, None)
-        if session not in self._shared and session not in self._awaiting_first:
+        if session not in self._shared:
             self._first[request_id] = session
-            self._awaiting_first.add(session)
         if record.kv_hold_s >= 0:
             self._request_holds[request_id] = (session, record.kv_hold_s)
 
     def started(self, request_id: str, computed_tokens: int) -> None:
-        """A request started with `computed_tokens` found cached: a session's first
-        request marks where the session's own blocks begin."""
+        """A request started with `computed_tokens` found cached: the first of a session
+        to start marks where the session's own blocks begin."""
         session = self._first.pop(request_id, None)
-        if session is not None:
-            self._awaiting_first.discard(session)
+        if session is not None and session not in self._shared:
             if len(self._shared) >= MAX_SESSIONS:
                 del self._shared[next(iter(self._shared))]
             self._shared[session] = computed_tokens // self._block_size
@@ -69,7 +66,7 @@ class SessionKV:
     def freed(self, request_id: str, blocks: list | None, now: float) -> None:
         """vLLM freed the request's `blocks` at `now`: its session's cached blocks are
         remembered, and released at once if its hold is 0."""
-        self._awaiting_first.discard(self._first.pop(request_id, -1))
+        self._first.pop(request_id, None)
         session, hold_s = self._request_holds.pop(request_id, (-1, -1.0))
         if session < 0:
             return
@@ -85,7 +82,7 @@ class SessionKV:
     def forget(self, request_id: str) -> None:
         """A request refused before it entered the scheduler."""
         self._request_holds.pop(request_id, None)
-        self._awaiting_first.discard(self._first.pop(request_id, -1))
+        self._first.pop(request_id, None)
 
     def _demote(self, session: int) -> None:
         # Blocks still free and still holding their content; the session's last block
